@@ -1,0 +1,221 @@
+"""The engine: one loop that every scheduling technique plugs into.
+
+    step() = schedule -> execute -> clock -> update -> record
+
+(Orca, Yu et al., OSDI'22 §4.1: an *iteration* is one forward of the model over the batch; the
+scheduler is invoked again after every iteration, so requests can join and leave at any step.)
+
+The engine only stamps events on requests (first scheduled, each token, finish) and appends a
+:class:`StepRecord` per step; ``minibatch.metrics`` and ``minibatch.viz`` read them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from minibatch.request import Request, RequestStatus
+from minibatch.scheduler.base import Scheduler, SchedulerOutput
+from minibatch.sim.clock import SimClock, WallClock
+
+
+@dataclass
+class StepEntry:
+    """One batch row of a step: which request, in which slot, doing what.
+
+    phase: "prefill" | "decode" | "padding" (a finished member of a static batch still
+    computing a pad token). num_computed_tokens is the value *before* this step.
+    """
+
+    request_id: str
+    slot: int
+    phase: str
+    num_new_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass
+class StepRecord:
+    """What happened in one step; the list of these is the schedule trace.
+
+    Times are seconds on the engine clock. num_kv_slots_used counts KV slots holding computed
+    tokens, num_kv_slots_reserved the slots set aside (Orca reserves prompt + max_new_tokens).
+    """
+
+    step: int
+    start_s: float
+    end_s: float
+    entries: list[StepEntry]
+    num_padding_tokens: int
+    num_idle_slots: int
+    num_kv_slots_used: int
+    num_kv_slots_reserved: int
+    num_waiting: int
+    num_running: int
+    finished: list[str] = field(default_factory=list)
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries if e.phase != "padding")
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries if e.phase == "prefill")
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries if e.phase == "decode")
+
+
+@dataclass
+class TokenEvent:
+    """A token streamed out of the engine (time on the engine clock)."""
+
+    request_id: str
+    token_id: int
+    time_s: float
+    is_finished: bool
+
+
+class Engine:
+    """Runs requests through ``scheduler`` and ``executor`` on ``clock``.
+
+    Args:
+        scheduler: a :class:`~minibatch.scheduler.base.Scheduler` (static, orca, ...).
+        executor: has ``execute(SchedulerOutput) -> {request_id: token_id}``, ``eos_token_ids``,
+            ``max_model_len`` and ``free(request_ids)``; a ``ModelRunner`` or a ``SimExecutor``.
+        clock: ``WallClock`` (measure) or ``SimClock`` (deterministic timeline).
+
+    A request is never scheduled before its ``arrival_time_s``: requests wait in ``pending``
+    (a heap by arrival) and reach the scheduler only once the clock has passed their arrival.
+    """
+
+    def __init__(self, scheduler: Scheduler, executor, clock: WallClock | SimClock | None = None):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.clock = clock if clock is not None else SimClock()
+        self.pending: list[tuple[float, int, Request]] = []  # heap of (arrival_time_s, order, request)
+        self.requests: dict[str, Request] = {}  # every request ever added, by request_id
+        self.trace: list[StepRecord] = []
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it reaches the scheduler at its arrival_time_s.
+
+        Raises:
+            ValueError: the request cannot ever run (too long for the model or the KV cache)
+                or is not fresh. Requests are never silently dropped.
+        """
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} already ran; pass request.copy()")
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} was already added")
+        max_len = self.executor.max_model_len
+        if request.max_num_tokens > max_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({request.num_prompt_tokens}) + "
+                f"max_new_tokens ({request.max_new_tokens}) must be <= max_model_len ({max_len})"
+            )
+        self.scheduler.check_request(request)
+        if not request.sampling.ignore_eos:
+            request.eos_token_ids = tuple(self.executor.eos_token_ids)
+        heapq.heappush(self.pending, (request.arrival_time_s, len(self.requests), request))
+        self.requests[request.request_id] = request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending) or self.scheduler.has_unfinished()
+
+    def _admit_arrivals(self) -> None:
+        while self.pending and self.pending[0][0] <= self.clock.now_s:
+            self.scheduler.add_request(heapq.heappop(self.pending)[2])
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> StepRecord | None:
+        """Run one iteration. Returns its record, or None if the engine only waited (idle)."""
+        self._admit_arrivals()
+        out = self.scheduler.schedule(self.clock.now_s)
+        if out.is_empty:
+            self._wait_for_next_event(out)
+            return None
+        start_s = self.clock.now_s
+        self.clock.start_step()
+        sampled = self.executor.execute(out)          # the forward pass (or the simulator)
+        self.clock.end_step(out)                      # measured or cost-model step time
+        entries = [
+            StepEntry(s.request_id, s.slot, s.phase, s.num_new_tokens, s.request.num_computed_tokens)
+            for s in out.scheduled
+        ] + [StepEntry(s.request_id, s.slot, "padding", 1, s.request.num_computed_tokens) for s in out.padded]
+        finished = self.scheduler.update(out, sampled)
+        self.executor.free([r.request_id for r in finished])
+        end_s = self.clock.now_s
+        for s in out.scheduled:                       # stamp events
+            r = s.request
+            if r.first_scheduled_time_s is None:
+                r.first_scheduled_time_s = start_s
+            if s.request_id in sampled:
+                r.token_times_s.append(end_s)
+        for r in finished:
+            r.finish_time_s = end_s
+        record = StepRecord(
+            step=len(self.trace),
+            start_s=start_s,
+            end_s=end_s,
+            entries=entries,
+            num_padding_tokens=out.num_padding_tokens,
+            num_idle_slots=out.num_idle_slots,
+            num_kv_slots_used=self.scheduler.num_kv_slots_used,
+            num_kv_slots_reserved=self.scheduler.num_kv_slots_reserved,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            finished=[r.request_id for r in finished],
+        )
+        self.trace.append(record)
+        return record
+
+    def _wait_for_next_event(self, out: SchedulerOutput) -> None:
+        times = [t for t in (out.wake_time_s, self.pending[0][0] if self.pending else None) if t is not None]
+        if not times:
+            waiting = [r.request_id for r in self.scheduler.waiting]
+            raise RuntimeError(f"scheduler {self.scheduler.name} cannot schedule waiting requests {waiting}")
+        self.clock.advance_to(min(times))
+
+    # ------------------------------------------------------------------ front ends
+    def stream(self, requests: list[Request] | None = None) -> Iterator[TokenEvent]:
+        """Add ``requests`` and yield every token as its step ends, until all finish."""
+        for r in requests or []:
+            self.add_request(r)
+        while self.has_unfinished():
+            record = self.step()
+            if record is None:
+                continue
+            for e in record.entries:
+                if e.phase == "padding":
+                    continue
+                r = self.requests[e.request_id]
+                if r.token_times_s and r.token_times_s[-1] == record.end_s:
+                    yield TokenEvent(e.request_id, r.output_token_ids[-1], record.end_s, r.is_finished)
+
+    def generate(self, requests: list[Request], progress: bool = False) -> list[Request]:
+        """Offline: run ``requests`` to completion; returns them (same order) with outputs filled.
+
+        progress: show a tqdm bar over finished requests.
+        """
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), desc=f"{self.scheduler.name}", unit="req", leave=False)
+        for r in requests:
+            self.add_request(r)
+        while self.has_unfinished():
+            record = self.step()
+            if bar is not None and record is not None and record.finished:
+                bar.update(len(record.finished))
+        if bar is not None:
+            bar.close()
+        return requests

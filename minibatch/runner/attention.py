@@ -1,0 +1,122 @@
+"""Selective batching's attention: split the packed batch per request, attend, merge.
+
+Orca §4.2 (selective batching): linear layers, norms and MLPs do not care which request a token
+belongs to, so all scheduled tokens of all requests run packed as one (num_tokens, hidden)
+matrix. Attention does care: each request's queries may only see that request's own keys. So
+around attention we *split* the packed tokens per request, attend against the request's KV
+cache, and *merge* the outputs back in order.
+
+We hook this into the unmodified Hugging Face model through transformers' attention interface
+(``AttentionInterface.register``): the model computes q, k, v (with RoPE) and calls our function
+for every layer, passing through the ``attn_metadata`` keyword we gave its forward.
+
+    packed row:  | req A: 5 prefill tokens | B: 1 decode | C: 3 prefill |
+    cu_seqlens_q: 0                        5             6              9
+    seq_lens:     5                        37            3          (context incl. new tokens)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "minibatch_packed"
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one packed step (built by ``runner.batch``).
+
+    kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
+    slot_mapping: (num_tokens,) int64, the cache slot each new token's K/V is written to; -1 =
+        do not write (padding).
+    cu_seqlens_q: list of num_reqs + 1 offsets of each request's queries in the packed row.
+    seq_lens: list of num_reqs context lengths (cached tokens + new tokens).
+    context_slots: num_reqs int64 tensors (seq_len,), the cache slots of each request's context
+        in position order (derived from its block_table).
+    """
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: list[int]
+    seq_lens: list[int]
+    context_slots: list[torch.Tensor]
+
+
+def store_kv(kv_cache: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor):
+    """Scatter new K/V into the cache. key/value: (num_tokens, num_kv_heads, head_dim)."""
+    _, _, num_blocks, block_size, h_kv, d = kv_cache.shape
+    keep = slot_mapping >= 0
+    k_flat = kv_cache[layer, 0].view(num_blocks * block_size, h_kv, d)  # (num_slots, num_kv_heads, head_dim)
+    v_flat = kv_cache[layer, 1].view(num_blocks * block_size, h_kv, d)
+    k_flat[slot_mapping[keep]] = key[keep].to(kv_cache.dtype)
+    v_flat[slot_mapping[keep]] = value[keep].to(kv_cache.dtype)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of one request's new queries against its whole context.
+
+    q: (q_len, num_heads, head_dim) for the *last* q_len positions of the context.
+    k, v: (seq_len, num_kv_heads, head_dim), seq_len >= q_len.
+    GQA: each group of num_heads // num_kv_heads query heads shares one KV head.
+    Returns (q_len, num_heads, head_dim).
+    """
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)  # (seq_len, num_heads, head_dim)
+    v = v.repeat_interleave(group, dim=1)
+    # query i sits at position seq_len - q_len + i and sees keys 0 .. that position
+    mask = None
+    if q_len > 1:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # (q_len, seq_len)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale
+    )  # (num_heads, q_len, head_dim)
+    return out.transpose(0, 1)
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    attn_metadata: AttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered with transformers' AttentionInterface.
+
+    query: (1, num_heads, num_tokens, head_dim); key, value: (1, num_kv_heads, num_tokens, head_dim).
+    Returns (1, num_tokens, num_heads, head_dim), as transformers' attention functions do.
+    """
+    if attn_metadata is None:
+        raise ValueError(f"attention '{ATTN_IMPLEMENTATION}' needs attn_metadata= in the model call")
+    m = attn_metadata
+    q = query[0].transpose(0, 1)  # (num_tokens, num_heads, head_dim)
+    k = key[0].transpose(0, 1)  # (num_tokens, num_kv_heads, head_dim)
+    v = value[0].transpose(0, 1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    layer = module.layer_idx
+    store_kv(m.kv_cache, layer, k, v, m.slot_mapping)
+    _, _, num_blocks, block_size, h_kv, d = m.kv_cache.shape
+    k_flat = m.kv_cache[layer, 0].view(num_blocks * block_size, h_kv, d)
+    v_flat = m.kv_cache[layer, 1].view(num_blocks * block_size, h_kv, d)
+    out = torch.empty_like(q)
+    for i, slots in enumerate(m.context_slots):  # split ...
+        start, end = m.cu_seqlens_q[i], m.cu_seqlens_q[i + 1]
+        out[start:end] = reference_attention(q[start:end], k_flat[slots], v_flat[slots], scale)  # ... and merge
+    return out.unsqueeze(0), None
+
+
+def register() -> str:
+    """Register the packed attention with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+    return ATTN_IMPLEMENTATION

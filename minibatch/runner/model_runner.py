@@ -1,0 +1,161 @@
+"""ModelRunner: executes a SchedulerOutput on a real Hugging Face causal LM.
+
+Two layouts, chosen by the scheduler:
+
+* **packed** (selective batching, Orca §4.2): every scheduled token of every request in one row,
+  input_ids (1, num_tokens); one forward per step, attention split per request against our own
+  KV cache (``runner.attention``). Several prefills share a forward (prefill micro-batching).
+* **padded** (static batching): a (B, T) batch, prompts left-padded, an attention mask, and
+  transformers' own SDPA attention and DynamicCache, so padding costs real compute.
+
+The model itself is unmodified: we only register an attention function with transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minibatch.request import Request
+from minibatch.runner import attention
+from minibatch.runner.batch import build_packed_batch
+from minibatch.runner.sampler import Sampler
+from minibatch.scheduler.base import SchedulerOutput
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (list, tuple)) else (int(x),)
+
+
+class ModelRunner:
+    """Runs steps on ``model`` (an HF causal LM on any device/dtype).
+
+    Args:
+        model: e.g. from ``minibatch.load_model``.
+        tokenizer: optional, used for pad/eos ids and by demos.
+
+    Attributes:
+        kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), made by
+            ``allocate_kv_cache`` (the packed layout only).
+        eos_token_ids: ids that finish a request (unless its sampling has ignore_eos).
+        max_model_len: the model's context limit (max_position_embeddings).
+    """
+
+    def __init__(self, model, tokenizer=None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_model_len = cfg.max_position_embeddings
+        gen = getattr(model, "generation_config", None)
+        self.eos_token_ids = _as_tuple(getattr(gen, "eos_token_id", None)) or _as_tuple(cfg.eos_token_id)
+        pad = getattr(gen, "pad_token_id", None)
+        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
+        self.kv_cache: torch.Tensor | None = None
+        self.sampler = Sampler()
+        self._static: dict | None = None  # the running padded batch (static batching)
+        attention.register()
+
+    # ------------------------------------------------------------------ KV memory
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """(Re)allocate the packed layout's KV tensors if the geometry changed."""
+        shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        if self.kv_cache is None or tuple(self.kv_cache.shape) != shape:
+            self.kv_cache = None  # free the old one first
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _use_attention(self, name: str) -> None:
+        if self.model.config._attn_implementation != name:
+            self.model.set_attn_implementation(name)
+
+    # ------------------------------------------------------------------ steps
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns request_id -> sampled token for requests that get a token."""
+        logits, request_ids = self._forward_padded(out) if out.is_padded_batch else self._forward_packed(out)
+        by_id = {s.request_id: s.request for s in out.scheduled}
+        return {rid: self.sampler.sample(rid, logits[i], by_id[rid].sampling) for i, rid in enumerate(request_ids)}
+
+    def _forward_packed(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        if self.kv_cache is None:
+            raise RuntimeError("call allocate_kv_cache(num_blocks, block_size) before packed steps")
+        self._use_attention(attention.ATTN_IMPLEMENTATION)
+        batch = build_packed_batch(out, self.kv_cache)
+        logits = self.model(
+            input_ids=batch.input_ids[None],  # (1, num_tokens)
+            position_ids=batch.positions[None],  # (1, num_tokens)
+            attn_metadata=batch.attn_metadata,
+            logits_to_keep=batch.logits_indices,  # only rows we sample from hit the LM head
+            use_cache=False,
+        ).logits[0]  # (num_sampled, vocab_size)
+        return logits, batch.sample_request_ids
+
+    def _forward_padded(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        """Static batching: a padded (B, T) forward with HF's SDPA attention and DynamicCache."""
+        from transformers import DynamicCache
+
+        self._use_attention("sdpa")
+        rows = sorted(out.scheduled + out.padded, key=lambda s: s.slot)
+        reqs: list[Request] = [s.request for s in rows]
+        if out.new_batch:
+            max_len = max(r.num_prompt_tokens for r in reqs)
+            ids = torch.full((len(reqs), max_len), self.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(reqs), max_len), dtype=torch.long)
+            for i, r in enumerate(reqs):  # left padding: every row's last token is real
+                ids[i, max_len - r.num_prompt_tokens :] = torch.tensor(r.prompt_token_ids)
+                mask[i, max_len - r.num_prompt_tokens :] = 1
+            cache = DynamicCache(config=self.model.config)
+        else:
+            ids = torch.tensor([[r.all_token_ids[-1]] for r in reqs])  # (B, 1); finished rows: a pad step
+            mask = torch.cat([self._static["mask"], torch.ones((len(reqs), 1), dtype=torch.long)], dim=1)
+            cache = self._static["cache"]
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # (B, T) real positions
+        logits = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]  # (B, vocab_size)
+        self._static = {"mask": mask, "cache": cache}
+        keep = [i for i, s in enumerate(rows) if not s.request.is_finished]
+        return logits[keep], [rows[i].request_id for i in keep]
+
+    def free(self, request_ids: list[str]) -> None:
+        """Forget per-request state (sampling generators) of finished requests."""
+        self.sampler.free(request_ids)
+
+
+class SimExecutor:
+    """No model: every scheduled request that reaches its last token gets a made-up token.
+
+    For large simulated runs and scheduler tests (use ignore_eos requests: there is no EOS).
+    """
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, max_model_len: int = 1 << 20, vocab_size: int = 32000):
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        sampled = {}
+        for s in out.scheduled:
+            r = s.request
+            if r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
+                sampled[r.request_id] = (7919 * r.num_tokens + len(r.request_id)) % self.vocab_size
+        return sampled
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        pass
+
+    def free(self, request_ids: list[str]) -> None:
+        pass

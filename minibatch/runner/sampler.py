@@ -1,0 +1,49 @@
+"""Next-token choice from logits: greedy, or temperature -> top-k -> top-p, then a seeded draw.
+
+The order follows Hugging Face's logits warpers (temperature, top-k, top-p). Each request draws
+from its own ``torch.Generator`` seeded with ``SamplingParams.seed``, so its samples do not
+depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minibatch.request import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k and top-p to (vocab_size,) logits; filtered entries get -inf."""
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Keeps one generator per request (by request_id) until ``free`` is called."""
+
+    def __init__(self):
+        self.generators: dict[str, torch.Generator] = {}
+
+    def sample(self, request_id: str, logits: torch.Tensor, params: SamplingParams) -> int:
+        """logits: (vocab_size,). Returns a token id."""
+        if params.is_greedy:
+            return int(torch.argmax(logits))
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=logits.device)
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+            self.generators[request_id] = gen
+        probs = filter_logits(logits.float(), params).softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+    def free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.generators.pop(rid, None)

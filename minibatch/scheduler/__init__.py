@@ -1,0 +1,7 @@
+"""Schedulers (pure Python): decide which requests run each step and how many new tokens each."""
+
+from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
+from minibatch.scheduler.orca import OrcaScheduler
+from minibatch.scheduler.static import StaticScheduler
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "OrcaScheduler", "StaticScheduler"]

@@ -1,0 +1,112 @@
+"""What every scheduler hands the executor, and the interface schedulers share.
+
+Schedulers are pure Python: they decide *which* requests run this step and *how many new tokens*
+each computes; they never touch tensors (nano-vllm's split between Scheduler and ModelRunner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minibatch.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    num_new_tokens: tokens computed this step (prompt length for a whole prefill, 1 for a decode).
+    phase: "prefill" or "decode".
+    slot: batch slot index (the row of the Gantt chart).
+    """
+
+    request: Request
+    num_new_tokens: int
+    phase: str
+    slot: int
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's plan.
+
+    scheduled: requests that compute tokens this step, in batch order.
+    padded: static batching only: members that already finished but still occupy a row of the
+        padded (B, T) batch, so they cost a padding token each.
+    is_padded_batch: run as a padded (B, T) batch (static batching) rather than packed
+        (num_tokens,) (selective batching).
+    new_batch: static batching: this step starts a new batch (the executor resets its cache).
+    num_padding_tokens: tokens computed that belong to no request (prompt left-padding plus
+        finished rows), counted by the scheduler.
+    num_idle_slots: batch slots holding no request this step.
+    wake_time_s: when nothing is scheduled, the earliest time the scheduler may decide
+        differently (static batching's max wait), or None.
+    block_tables: request_id -> the request's KV block ids (packed batches; the runner turns
+        them into slot_mapping).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    padded: list[ScheduledRequest] = field(default_factory=list)
+    is_padded_batch: bool = False
+    new_batch: bool = False
+    num_padding_tokens: int = 0
+    num_idle_slots: int = 0
+    wake_time_s: float | None = None
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    """Base class. A subclass implements ``schedule(now_s)`` and ``update(output, sampled)``.
+
+    ``waiting`` holds arrived requests not yet admitted (FCFS by arrival), ``running`` the
+    admitted ones. The engine calls ``add_request`` when a request's arrival_time_s has passed.
+    """
+
+    name = "base"
+
+    def __init__(self):
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError if ``request`` could never be admitted (e.g. larger than the KV cache)."""
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        raise NotImplementedError
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance state after the forward: num_computed_tokens, new tokens, finishing.
+
+        sampled: request_id -> token id, for each scheduled request whose step produced a token.
+        Returns the requests that finished this step.
+        """
+        raise NotImplementedError
+
+    # --- accounting shown in every StepRecord ---
+    @property
+    def num_kv_slots_used(self) -> int:
+        """KV slots holding computed tokens."""
+        return sum(r.num_computed_tokens for r in self.running)
+
+    @property
+    def num_kv_slots_reserved(self) -> int:
+        """KV slots set aside (Orca reserves prompt + max_new_tokens at admission)."""
+        return self.num_kv_slots_used

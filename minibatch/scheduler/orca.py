@@ -1,0 +1,120 @@
+"""Orca: iteration-level scheduling (Yu et al., "Orca: A Distributed Serving System for
+Transformer-Based Generative Models", OSDI'22, §4.2 and Algorithm 1).
+
+Algorithm 1, for one engine (no pipeline, so every admitted request runs every iteration):
+
+    Select(pool, n_rsrv):
+        batch = {}
+        for req in sortByArrivalTime(pool):           # FCFS
+            if batch.size == max_bs: break
+            if req.state == INITIATION:               # not admitted yet
+                new_n_rsrv = n_rsrv + req.max_tokens  # prompt + max_new_tokens
+                if new_n_rsrv > n_slots: break        # no skipping ahead: FCFS
+                n_rsrv = new_n_rsrv
+            batch = batch ∪ {req}
+        return batch, n_rsrv
+
+Reserving max_tokens slots at admission means a running request never runs out of KV memory
+mid-generation (Orca §4.2); the price is reserved-but-unused slots, which paged KV removes.
+A request's slots are released when it finishes, and new requests join at any iteration.
+"""
+
+from __future__ import annotations
+
+from minibatch.kv.allocator import BlockAllocator
+from minibatch.request import Request, RequestStatus
+from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
+
+
+class OrcaScheduler(Scheduler):
+    """Iteration-level scheduler with Orca's max-length KV reservation.
+
+    Args:
+        max_bs: the most requests in one batch (vLLM's max_num_seqs), >= 1.
+        n_slots: KV cache capacity in token slots, >= 1.
+        block_size: slots per KV block (1 = Orca's per-token reservation, exactly Alg. 1).
+            With block_size > 1 a reservation is rounded up to whole blocks and n_rsrv counts
+            the rounded slots.
+
+    Raises:
+        ValueError: a bad argument; ``check_request`` for a request larger than n_slots.
+    """
+
+    name = "orca"
+
+    def __init__(self, max_bs: int = 8, n_slots: int = 16384, block_size: int = 1):
+        super().__init__()
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        if n_slots < block_size:
+            raise ValueError(f"n_slots must be >= block_size ({block_size}), got {n_slots}")
+        self.max_bs = max_bs
+        self.allocator = BlockAllocator(n_slots // block_size, block_size)
+        self.n_slots = self.allocator.num_slots
+        self.n_rsrv = 0
+        self.block_tables: dict[str, list[int]] = {}
+        self.slots: dict[str, int] = {}  # request_id -> batch slot (Gantt row)
+
+    def _reservation(self, request: Request) -> int:
+        return self.allocator.num_blocks_for(request.max_num_tokens) * self.allocator.block_size
+
+    def check_request(self, request: Request) -> None:
+        if self._reservation(request) > self.n_slots:
+            raise ValueError(
+                f"request {request.request_id!r} needs {request.max_num_tokens} KV slots "
+                f"(prompt + max_new_tokens); n_slots is {self.n_slots}"
+            )
+
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        # Running requests arrived before every waiting one (admission never skips ahead),
+        # so "sort the pool by arrival" = running first, then waiting in arrival order.
+        batch = list(self.running)
+        while self.waiting and len(batch) < self.max_bs:
+            req = self.waiting[0]
+            new_n_rsrv = self.n_rsrv + self._reservation(req)
+            if new_n_rsrv > self.n_slots:
+                break
+            self.n_rsrv = new_n_rsrv
+            self.waiting.pop(0)
+            self.block_tables[req.request_id] = self.allocator.allocate(
+                self.allocator.num_blocks_for(req.max_num_tokens)
+            )
+            self.slots[req.request_id] = min(set(range(self.max_bs)) - set(self.slots.values()))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.append(req)
+        scheduled = [
+            ScheduledRequest(
+                request=r,
+                num_new_tokens=r.num_tokens - r.num_computed_tokens,  # whole prompt, or 1 decode
+                phase="prefill" if r.is_prefill else "decode",
+                slot=self.slots[r.request_id],
+            )
+            for r in batch
+        ]
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_idle_slots=self.max_bs - len(batch),
+            block_tables={r.request_id: self.block_tables[r.request_id] for r in batch},
+        )
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        finished = []
+        for s in output.scheduled:
+            r = s.request
+            r.num_computed_tokens += s.num_new_tokens
+            r.append_token(sampled[r.request_id])
+            if r.is_finished:
+                finished.append(r)
+                self._release(r)
+        return finished
+
+    def _release(self, r: Request) -> None:
+        self.running.remove(r)
+        self.allocator.free(self.block_tables.pop(r.request_id))
+        self.n_rsrv -= self._reservation(r)
+        del self.slots[r.request_id]
+
+    @property
+    def num_kv_slots_reserved(self) -> int:
+        return self.n_rsrv

@@ -1,0 +1,98 @@
+"""Static (request-level) batching: the baseline Orca argues against (Orca §2.2, Fig. 1-3).
+
+A batch of up to ``batch_size`` waiting requests is formed once ``batch_size`` have arrived or
+the oldest has waited ``max_wait_s``. The prompts are left-padded to the longest one and the
+batch runs as a padded (B, T) tensor until *every* member finishes:
+
+* a request that finishes early keeps its row and computes a padding token every step
+  (early-finished waste);
+* a request that arrives while a batch runs waits for the whole batch (late-joining waste);
+* short prompts pay for the longest prompt's length (padding waste).
+
+Utilization of a batch's decode rows is avg(output_len) / max(output_len) (the seed's formula).
+"""
+
+from __future__ import annotations
+
+from minibatch.request import Request, RequestStatus
+from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
+
+
+class StaticScheduler(Scheduler):
+    """Request-level batching with padding.
+
+    Args:
+        batch_size: the most requests in one batch, >= 1.
+        max_wait_s: form a partial batch once the oldest waiting request waited this long, >= 0.
+
+    Raises:
+        ValueError: batch_size < 1 or max_wait_s < 0.
+    """
+
+    name = "static"
+
+    def __init__(self, batch_size: int = 8, max_wait_s: float = 1.0):
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
+        self.batch_size = batch_size
+        self.max_wait_s = max_wait_s
+        self.batch: list[Request] = []  # members in row order; == running plus finished members
+        self.padded_len = 0  # current padded length T of the (B, T) batch
+
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        if not self.batch:
+            if not self.waiting:
+                return SchedulerOutput()
+            wake_s = self.waiting[0].arrival_time_s + self.max_wait_s
+            if len(self.waiting) < self.batch_size and now_s < wake_s:
+                return SchedulerOutput(wake_time_s=wake_s)  # wait for a fuller batch
+            return self._start_batch()
+        rows = [ScheduledRequest(r, 1, "decode", i) for i, r in enumerate(self.batch)]
+        padded = [s for s in rows if s.request.is_finished]
+        return SchedulerOutput(
+            scheduled=[s for s in rows if not s.request.is_finished],
+            padded=padded,
+            is_padded_batch=True,
+            num_padding_tokens=len(padded),
+            num_idle_slots=self.batch_size - len(self.batch),
+        )
+
+    def _start_batch(self) -> SchedulerOutput:
+        self.batch, self.waiting = self.waiting[: self.batch_size], self.waiting[self.batch_size :]
+        self.running = list(self.batch)
+        for r in self.batch:
+            r.status = RequestStatus.RUNNING
+        self.padded_len = max(r.num_prompt_tokens for r in self.batch)
+        return SchedulerOutput(
+            scheduled=[ScheduledRequest(r, r.num_prompt_tokens, "prefill", i) for i, r in enumerate(self.batch)],
+            is_padded_batch=True,
+            new_batch=True,
+            num_padding_tokens=sum(self.padded_len - r.num_prompt_tokens for r in self.batch),
+            num_idle_slots=self.batch_size - len(self.batch),
+        )
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        finished = []
+        for s in output.scheduled:
+            r = s.request
+            r.num_computed_tokens += s.num_new_tokens
+            r.append_token(sampled[r.request_id])
+            if r.is_finished:
+                finished.append(r)
+                self.running.remove(r)
+        self.padded_len += 1 if not output.new_batch else 0
+        if not self.running:  # the whole batch is done: only now can the next one start
+            self.batch = []
+        return finished
+
+    @property
+    def num_kv_slots_used(self) -> int:
+        """The padded (B, T) KV cache: every row holds T slots, padding included."""
+        return len(self.batch) * self.padded_len
+
+    @property
+    def num_kv_slots_reserved(self) -> int:
+        return self.num_kv_slots_used
