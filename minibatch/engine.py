@@ -161,6 +161,7 @@ class Engine:
                 r.token_times_s.append(end_s)
         for r in finished:
             r.finish_time_s = end_s
+        self._admit_arrivals()  # requests that arrived during the step count as waiting in its record
         record = StepRecord(
             step=len(self.trace),
             start_s=start_s,

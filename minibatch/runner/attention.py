@@ -36,6 +36,11 @@ class AttentionMetadata:
     seq_lens: list of num_reqs context lengths (cached tokens + new tokens).
     context_slots: num_reqs int64 tensors (seq_len,), the cache slots of each request's context
         in position order (derived from its block_table).
+    decode_ids: indices (into the request list) of requests with exactly one new token. Their
+        attention runs as one padded call instead of one call each (same math: padded keys are
+        masked out); prefills keep one call per request.
+    decode_slots: (num_decodes, max_seq_len) int64, each decode's context slots, right-padded
+        with slot 0; decode_mask: (num_decodes, max_seq_len) bool, True on real context.
     """
 
     kv_cache: torch.Tensor
@@ -43,6 +48,9 @@ class AttentionMetadata:
     cu_seqlens_q: list[int]
     seq_lens: list[int]
     context_slots: list[torch.Tensor]
+    decode_ids: list[int]
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
 
 
 def store_kv(kv_cache: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor):
@@ -108,10 +116,36 @@ def packed_attention_forward(
     k_flat = m.kv_cache[layer, 0].view(num_blocks * block_size, h_kv, d)
     v_flat = m.kv_cache[layer, 1].view(num_blocks * block_size, h_kv, d)
     out = torch.empty_like(q)
+    decode_ids = set(m.decode_ids)
     for i, slots in enumerate(m.context_slots):  # split ...
+        if i in decode_ids:
+            continue
         start, end = m.cu_seqlens_q[i], m.cu_seqlens_q[i + 1]
         out[start:end] = reference_attention(q[start:end], k_flat[slots], v_flat[slots], scale)  # ... and merge
+    if m.decode_ids:
+        rows = torch.tensor([m.cu_seqlens_q[i] for i in m.decode_ids], device=q.device)
+        out[rows] = batched_decode_attention(q[rows], k_flat, v_flat, m.decode_slots, m.decode_mask, scale)
     return out.unsqueeze(0), None
+
+
+def batched_decode_attention(
+    q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """All one-token (decode) queries in one call, contexts right-padded and masked.
+
+    q: (num_decodes, num_heads, head_dim); k_flat, v_flat: (num_slots, num_kv_heads, head_dim);
+    slots, mask: (num_decodes, max_seq_len). Returns (num_decodes, num_heads, head_dim).
+    GQA without copying K/V: the `group` query heads sharing a KV head become `group` query rows
+    against that head's keys.
+    """
+    b, num_heads, d = q.shape
+    num_kv_heads = k_flat.shape[1]
+    group = num_heads // num_kv_heads
+    k = k_flat[slots].transpose(1, 2).to(q.dtype)  # (num_decodes, num_kv_heads, max_seq_len, head_dim)
+    v = v_flat[slots].transpose(1, 2).to(q.dtype)
+    qg = q.view(b, num_kv_heads, group, d)  # (num_decodes, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(b, num_heads, d)
 
 
 def register() -> str:

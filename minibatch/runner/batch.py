@@ -61,13 +61,22 @@ def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor) -> PackedBa
         if end == r.num_tokens:  # the step reaches the request's last known token: sample the next one
             logits_indices.append(cu_seqlens_q[-1] - 1)
             sample_ids.append(r.request_id)
+    decode_ids = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
     meta = AttentionMetadata(
         kv_cache=kv_cache,
         slot_mapping=torch.cat(slot_mapping),
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
         context_slots=context_slots,
+        decode_ids=decode_ids,
     )
+    if decode_ids:  # right-pad the decodes' contexts into one (num_decodes, max_seq_len) table
+        max_len = max(seq_lens[i] for i in decode_ids)
+        meta.decode_slots = torch.zeros((len(decode_ids), max_len), dtype=torch.long, device=device)
+        meta.decode_mask = torch.zeros((len(decode_ids), max_len), dtype=torch.bool, device=device)
+        for row, i in enumerate(decode_ids):
+            meta.decode_slots[row, : seq_lens[i]] = context_slots[i]
+            meta.decode_mask[row, : seq_lens[i]] = True
     return PackedBatch(
         input_ids=torch.cat(ids).to(device),
         positions=torch.cat(positions),

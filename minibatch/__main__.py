@@ -1,0 +1,61 @@
+"""Command line: ``python -m minibatch compare [options]`` (see ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minibatch.compare import ALL_POLICIES, CompareConfig, run_compare
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minibatch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare", help="run one trace through static, orca and the Hugging Face baselines")
+    d = CompareConfig()
+    c.add_argument("--model", default=d.model,
+                   help="smollm2-135m (offline default), tiny-random-llama, tiny-random-gpt2, a local dir or a hub id")
+    c.add_argument("--num-requests", type=int, default=d.num_requests, help="requests in the generated trace")
+    c.add_argument("--rate", type=float, default=d.rate, help="arrival rate, requests/s")
+    c.add_argument("--arrival", default=d.arrival, choices=["poisson", "zero", "gamma"], help="arrival process")
+    c.add_argument("--trace", default=None, help="a trace JSON (minibatch.workload.save_trace) instead of a generated one")
+    c.add_argument("--policies", default=",".join(d.policies), help=f"comma-separated subset of {','.join(ALL_POLICIES)}")
+    c.add_argument("--clock", default=d.clock, choices=["wall", "sim"],
+                   help="wall: measured; sim: cost-model step times (HF baselines are always wall)")
+    c.add_argument("--seed", type=int, default=d.seed)
+    c.add_argument("--max-bs", type=int, default=d.max_bs, help="batch size for static/hf_generate, max_bs for orca")
+    c.add_argument("--max-wait-s", type=float, default=d.max_wait_s, help="static batching: longest wait for a full batch")
+    c.add_argument("--max-prompt-len", type=int, default=d.max_prompt_len, help="clip ShareGPT prompt lengths (tokens)")
+    c.add_argument("--max-output-len", type=int, default=d.max_output_len, help="clip ShareGPT output lengths (tokens)")
+    c.add_argument("--output-scale", type=float, default=d.output_scale,
+                   help="multiply ShareGPT output lengths by this before clipping (keeps their spread)")
+    c.add_argument("--n-slots", type=int, default=None, help="Orca KV slots (default: max_bs x longest request)")
+    c.add_argument("--no-reference", action="store_true", help="skip the per-request HF generate check")
+    c.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
+    c.add_argument("--figures-dir", default=d.figures_dir, help="where PNG figures go ('' = none)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "compare":
+        try:
+            cfg = CompareConfig(
+                model=args.model, num_requests=args.num_requests, rate=args.rate, arrival=args.arrival,
+                trace=args.trace, policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+                clock=args.clock, seed=args.seed, max_bs=args.max_bs, max_wait_s=args.max_wait_s,
+                max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
+                output_scale=args.output_scale, n_slots=args.n_slots,
+                check_reference=not args.no_reference, json_path=args.json_path,
+                figures_dir=args.figures_dir or None, progress=not args.no_progress,
+            )
+        except ValueError as e:
+            parser.error(str(e))
+        run_compare(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The main job: one trace through every policy, measured the same way.
+
+    python -m minibatch compare [--model smollm2-135m] [--num-requests 32] [--rate 4] ...
+
+Policies: ``static`` and ``orca`` run through our engine; ``hf_generate`` (HF ``generate`` on
+padded static batches, the outside baseline) and ``hf_generate_batch`` (transformers' own
+continuous batching, the peer) run through transformers. Every policy gets fresh copies of the
+same requests, and every greedy policy's outputs are checked token for token against HF
+``generate`` run on each request alone (``matches_reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from minibatch.engine import Engine
+from minibatch.policies import ENGINE_POLICIES, make_engine
+from minibatch.request import Request, SamplingParams
+
+BASELINE_POLICIES = ("hf_generate", "hf_generate_batch")
+ALL_POLICIES = ENGINE_POLICIES + BASELINE_POLICIES
+
+
+@dataclass
+class CompareConfig:
+    """Options of ``python -m minibatch compare`` (see ``--help``); validated on creation."""
+
+    model: str = "smollm2-135m"
+    num_requests: int = 32
+    rate: float = 4.0  # requests/s (Poisson unless arrival says otherwise)
+    arrival: str = "poisson"
+    trace: str | None = None  # a saved trace JSON replaces the generated one
+    policies: tuple[str, ...] = ALL_POLICIES
+    clock: str = "wall"
+    seed: int = 0
+    max_bs: int = 8
+    max_wait_s: float = 0.5
+    max_prompt_len: int = 256
+    max_output_len: int = 256
+    output_scale: float = 0.25  # ShareGPT output lengths x this: CPU-sized, same spread
+    n_slots: int | None = None  # Orca KV slots; default max_bs * the longest request
+    check_reference: bool = True
+    json_path: str | None = None
+    figures_dir: str | None = "figures"
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.policies = tuple(self.policies)
+        unknown = [p for p in self.policies if p not in ALL_POLICIES]
+        if unknown or not self.policies:
+            raise ValueError(f"--policies must be a comma-separated subset of {','.join(ALL_POLICIES)}, got {unknown}")
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"--policies lists a policy twice: {','.join(self.policies)}")
+        if self.num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
+        if not self.rate > 0:
+            raise ValueError(f"--rate must be > 0 requests/s, got {self.rate}")
+        if self.clock not in ("wall", "sim"):
+            raise ValueError(f"--clock must be 'wall' or 'sim', got {self.clock!r}")
+        if self.max_bs < 1:
+            raise ValueError(f"--max-bs must be >= 1, got {self.max_bs}")
+        for name in ("max_prompt_len", "max_output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.output_scale > 0:
+            raise ValueError(f"--output-scale must be > 0, got {self.output_scale}")
+        if self.trace is not None and not Path(self.trace).is_file():
+            raise ValueError(f"--trace: no such file {self.trace!r}")
+
+
+def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]:
+    from minibatch.workload import load_trace, make_trace
+
+    if cfg.trace is not None:
+        return load_trace(cfg.trace)
+    return make_trace(
+        cfg.num_requests, arrival=cfg.arrival, rate_per_s=cfg.rate, lengths="sharegpt",
+        max_prompt_len=cfg.max_prompt_len, max_output_len=cfg.max_output_len, output_scale=cfg.output_scale,
+        vocab_size=vocab_size,
+        seed=cfg.seed, sampling=SamplingParams(ignore_eos=True), tokenizer=tokenizer,
+    )
+
+
+@torch.inference_mode()
+def reference_outputs(model, requests: list[Request], progress: bool = False) -> dict[str, list[int]]:
+    """HF ``generate`` on each greedy request alone: the ground truth for matches_reference."""
+    from tqdm.auto import tqdm
+
+    if model.config._attn_implementation != "sdpa":
+        model.set_attn_implementation("sdpa")
+    pad = model.generation_config.pad_token_id
+    refs = {}
+    for r in tqdm([r for r in requests if r.sampling.is_greedy], desc="reference", disable=not progress, leave=False):
+        ids = torch.tensor([r.prompt_token_ids], device=model.device)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_new_tokens, do_sample=False,
+            eos_token_id=None if r.sampling.ignore_eos else model.generation_config.eos_token_id,
+            pad_token_id=pad if pad is not None else 0,
+        )
+        refs[r.request_id] = out[0, ids.shape[1]:].tolist()
+    return refs
+
+
+def matches_reference(requests: list[Request], refs: dict[str, list[int]]) -> bool | None:
+    """True if every greedy request's output equals its reference; None if none is greedy."""
+    greedy = [r for r in requests if r.request_id in refs]
+    if not greedy:
+        return None
+    return all(r.output_token_ids == refs[r.request_id] for r in greedy)
+
+
+def _warm_up(runner, model) -> None:
+    """One tiny run through both layouts so first-call costs don't land on the first policy."""
+    from minibatch.sim.clock import SimClock
+
+    for policy in ENGINE_POLICIES:
+        r = Request("warmup", [1, 2, 3, 4], 2, SamplingParams(ignore_eos=True))
+        make_engine(policy, runner, SimClock(), n_slots=64).generate([r])
+
+
+def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Request]) -> tuple[list[Request], Engine | None]:
+    """Run fresh copies of ``requests`` under ``policy``; returns them (and the engine, if ours)."""
+    from minibatch.baselines import run_hf_generate, run_hf_generate_batch
+    from minibatch.sim.clock import make_clock
+
+    reqs = [r.copy() for r in requests]
+    if policy in ENGINE_POLICIES:
+        n_slots = cfg.n_slots or cfg.max_bs * max(r.max_num_tokens for r in reqs)
+        engine = make_engine(policy, runner, make_clock(cfg.clock, runner.device), max_bs=cfg.max_bs,
+                             n_slots=n_slots, max_wait_s=cfg.max_wait_s)
+        return engine.generate(reqs, progress=cfg.progress), engine
+    if policy == "hf_generate":
+        return run_hf_generate(model, reqs, batch_size=cfg.max_bs, max_wait_s=cfg.max_wait_s, progress=cfg.progress), None
+    return run_hf_generate_batch(model, reqs, progress=cfg.progress), None
+
+
+def run_compare(cfg: CompareConfig) -> dict:
+    """Run the comparison; print a table, save figures and (optionally) JSON. Returns the result dict."""
+    from minibatch.metrics import summarize
+    from minibatch.models import load_model
+    from minibatch.runner import ModelRunner
+
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(cfg.model)
+    print(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+          f"loaded in {time.perf_counter() - t0:.1f} s")
+    requests = build_trace(cfg, tokenizer, model.config.vocab_size)
+    num_prompt = sum(r.num_prompt_tokens for r in requests)
+    num_output = sum(r.max_new_tokens for r in requests)
+    print(f"trace: {len(requests)} requests, {num_prompt} prompt + {num_output} output tokens, "
+          f"arrivals over {requests[-1].arrival_time_s:.1f} s")
+    runner = ModelRunner(model, tokenizer)
+    _warm_up(runner, model)
+    refs = reference_outputs(model, requests, cfg.progress) if cfg.check_reference else {}
+
+    result = {"model": cfg.model, "num_requests": len(requests), "clock": cfg.clock, "max_bs": cfg.max_bs,
+              "seed": cfg.seed, "policies": {}}
+    runs = {}
+    for policy in cfg.policies:
+        t = time.perf_counter()
+        reqs, engine = run_policy(policy, cfg, runner, model, requests)
+        summary = summarize(reqs, engine.trace if engine else None)
+        runs[policy] = (reqs, engine, summary)
+        entry = {k: v for k, v in summary.to_dict().items()}
+        entry["matches_reference"] = matches_reference(reqs, refs) if cfg.check_reference else None
+        entry["clock"] = cfg.clock if engine else "wall"
+        entry["run_time_s"] = round(time.perf_counter() - t, 3)
+        result["policies"][policy] = entry
+
+    print_table(result)
+    if cfg.figures_dir:
+        result["figures"] = save_figures(runs, cfg.figures_dir)
+    if cfg.json_path:
+        Path(cfg.json_path).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {cfg.json_path}")
+    return result
+
+
+def print_table(result: dict) -> None:
+    cols = [("output_throughput_tok_s", "out tok/s", "{:.1f}"), ("total_throughput_tok_s", "total tok/s", "{:.1f}"),
+            ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
+            ("tpot_p50_s", "TPOT p50 s", "{:.4f}"), ("e2e_p50_s", "E2E p50 s", "{:.3f}"),
+            ("matches_reference", "matches ref", "{}")]
+    header = f"{'policy':<18}" + "".join(f"{c[1]:>13}" for c in cols)
+    print(header)
+    print("-" * len(header))
+    for name, entry in result["policies"].items():
+        cells = [fmt.format(entry.get(key)) if entry.get(key) is not None else "-" for key, _, fmt in cols]
+        print(f"{name:<18}" + "".join(f"{c:>13}" for c in cells))
+    p = result["policies"]
+    if "orca" in p and "static" in p:
+        print(f"orca / static output throughput: {p['orca']['output_throughput_tok_s'] / p['static']['output_throughput_tok_s']:.2f}x")
+
+
+def save_figures(runs: dict, figures_dir: str) -> list[str]:
+    """Gantt charts of our engines' schedules, latency CDFs and throughput/latency bars."""
+    import matplotlib.pyplot as plt
+
+    from minibatch.viz import gantt, latency_cdf, save, throughput_latency_bars
+
+    paths = []
+    engines = {name: eng for name, (_, eng, _) in runs.items() if eng is not None}
+    if engines:
+        fig, axes = plt.subplots(len(engines), 1, figsize=(12, 2.2 + 0.45 * 8 * len(engines)), squeeze=False)
+        for ax, (name, eng) in zip(axes[:, 0], engines.items()):
+            gantt(eng.trace, ax=ax, rows="slot", x="time", title=f"{name}: batch slots over time")
+        paths.append(save(fig, "compare_gantt", figures_dir))
+        plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    latency_cdf({n: r for n, (r, _, _) in runs.items()}, metric="ttft", ax=axes[0])
+    latency_cdf({n: r for n, (r, _, _) in runs.items()}, metric="e2e", ax=axes[1])
+    paths.append(save(fig, "compare_latency_cdf", figures_dir))
+    plt.close(fig)
+    fig = throughput_latency_bars({n: s for n, (_, _, s) in runs.items()})
+    fig = fig.figure if hasattr(fig, "figure") and not hasattr(fig, "savefig") else fig
+    paths.append(save(fig, "compare_throughput_latency", figures_dir))
+    plt.close(fig)
+    return [str(p) for p in paths]

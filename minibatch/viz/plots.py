@@ -1,0 +1,302 @@
+"""Plots of a schedule trace and of benchmark results (matplotlib; no backend is chosen here).
+
+* :func:`gantt`: the schedule picture of the Orca paper (Yu et al., OSDI'22): one row per batch
+  slot (or per request), one column per step (or the step's time span), each cell colored by
+  what that row did in that step. :func:`compare_gantt` stacks policies on one x axis.
+* :func:`latency_cdf`, :func:`throughput_latency_bars`: compare policies.
+* :func:`save`: ``figures/NAME.png``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.collections import PolyCollection
+from matplotlib.patches import Patch
+
+from minibatch.engine import StepRecord
+from minibatch.metrics import BenchmarkSummary, request_metrics
+from minibatch.request import Request
+
+# Okabe-Ito colors (colorblind-safe), fixed once so every notebook's figures agree.
+PALETTE = {
+    "prefill": "#E69F00",  # orange
+    "decode": "#56B4E9",  # sky blue
+    "padding": "#D55E00",  # vermillion, hatched: a finished request still holding a static row
+    "idle": "#EBEBEB",  # light grey: an empty batch slot
+    "waiting": "#F0E442",  # yellow: arrived, not scheduled
+    "finished": "#F5F5F5",  # near white: done and gone (request rows only)
+}
+HATCH = {"padding": "////"}
+MERGE_ABOVE_STEPS = 150  # wider traces draw runs of cells as one rectangle (cells < ~5 px)
+CELL_KINDS = tuple(PALETTE)
+# Policies keep one color in every figure; other names take the next free color in order.
+POLICY_COLORS = {"static": "#D55E00", "orca": "#0072B2", "paged": "#009E73", "chunked": "#CC79A7"}
+_EXTRA_COLORS = ("#E69F00", "#56B4E9", "#000000", "#F0E442")
+_UNITS = {"ttft": ("TTFT", "s", 1.0), "e2e": ("E2E latency", "s", 1.0),
+          "tpot": ("TPOT", "ms", 1e3), "itl": ("ITL", "ms", 1e3)}
+
+
+class Cell(NamedTuple):
+    """One colored cell of a Gantt chart: row index, x span, kind (a PALETTE key), request."""
+
+    row: int
+    x0: float
+    width: float
+    kind: str
+    request_id: str | None = None
+
+
+def short_id(request_id: str) -> str:
+    """The cell label of a request: "req-007" -> "7"; an id with no trailing number -> its
+    first 4 characters."""
+    m = re.fullmatch(r"\D*?0*(\d+)", request_id)
+    return m.group(1) if m else request_id[:4]
+
+
+def row_names(trace: list[StepRecord], rows: str = "slot", requests: list[Request] | None = None) -> list[str]:
+    """Gantt row names, top first: "slot 0".. (the largest slot seen, or entries plus
+    num_idle_slots in any step) or request ids (``requests`` order, then first appearance).
+    Raises ValueError unless rows is "slot" or "request"."""
+    if rows not in ("slot", "request"):
+        raise ValueError(f"rows must be 'slot' or 'request', got {rows!r}")
+    if rows == "slot":
+        num_slots = max([e.slot + 1 for r in trace for e in r.entries]
+                        + [len(r.entries) + r.num_idle_slots for r in trace] + [1])
+        return [f"slot {i}" for i in range(num_slots)]
+    ids = {r.request_id: None for r in requests or []}  # an ordered set
+    ids.update((e.request_id, None) for record in trace for e in record.entries)
+    return list(ids)
+
+
+def gantt_cells(trace: list[StepRecord], rows: str = "slot", x: str = "step",
+                requests: list[Request] | None = None) -> tuple[list[Cell], list[str]]:
+    """The cells :func:`gantt` draws, and the row names (see :func:`row_names`).
+
+    rows="slot": one row per batch slot; a slot with no request in a step is "idle".
+    rows="request": one row per request; with ``requests``, one "waiting" cell spans the steps
+    from its arrival to its first step (x="time": from arrival_time_s) and one "finished" cell
+    the steps after its last one. x="step" (unit-wide columns) or "time" (start_s..end_s).
+
+    Raises:
+        ValueError: rows or x not one of the allowed names.
+    """
+    if x not in ("step", "time"):
+        raise ValueError(f"x must be 'step' or 'time', got {x!r}")
+    names = row_names(trace, rows, requests)
+    row_of = {name: i for i, name in enumerate(names)}
+    spans = [(r.step, 1.0) if x == "step" else (r.start_s, r.duration_s) for r in trace]
+    cells: list[Cell] = []
+    last_step: dict[str, int] = {}  # request_id -> index of its last step
+    for i, (record, (x0, width)) in enumerate(zip(trace, spans)):
+        for e in record.entries:
+            row = e.slot if rows == "slot" else row_of[e.request_id]
+            cells.append(Cell(row, x0, width, e.phase, e.request_id))
+            last_step[e.request_id] = i
+        if rows == "slot":
+            busy = {e.slot for e in record.entries}
+            cells += [Cell(s, x0, width, "idle") for s in range(len(names)) if s not in busy]
+    if rows == "slot" or not trace:
+        return cells, names
+    starts = [r.start_s for r in trace]
+    end_s = trace[-1].end_s
+    for r in requests or []:
+        row = row_of[r.request_id]
+        done = last_step[r.request_id] + 1 if r.request_id in last_step else len(trace)
+        first_s = r.first_scheduled_time_s if r.first_scheduled_time_s is not None else end_s
+        if x == "step":  # the steps that start at/after arrival and before the first scheduled one
+            waiting = (bisect.bisect_left(starts, r.arrival_time_s), bisect.bisect_left(starts, first_s))
+            spans = [("waiting", *waiting), ("finished", done, len(trace))]
+            cells += [Cell(row, trace[a].step, trace[b - 1].step + 1 - trace[a].step, kind, r.request_id)
+                      for kind, a, b in spans if a < b]
+        else:  # from the arrival itself: the engine may idle meanwhile (static batching's max wait)
+            spans = [("waiting", r.arrival_time_s, first_s),
+                     ("finished", trace[done - 1].end_s if done < len(trace) else end_s, end_s)]
+            cells += [Cell(row, x0, x1 - x0, kind, r.request_id) for kind, x0, x1 in spans if x0 < x1]
+    return cells, names
+
+
+def gantt(trace: list[StepRecord], ax=None, rows: str = "slot", x: str = "step",
+          title: str | None = None, requests: list[Request] | None = None, legend: bool = True,
+          merge: bool | None = None):
+    """Draw the schedule: rows = batch slots or requests, columns = steps (or time).
+
+    Cells: prefill, decode, padding (hatched; a finished request still occupying a static
+    batch row), idle (rows="slot": an empty slot), waiting and finished (rows="request" with
+    ``requests`` given). In slot rows each run of one request is labelled with its short id
+    when it fits. One PolyCollection per kind, its gid the kind name, one path per cell;
+    ``merge`` (default: when there are more than MERGE_ABOVE_STEPS steps, too narrow to see
+    one cell) draws each run of equal adjacent cells as one rectangle instead. Returns the Axes.
+    """
+    cells, names = gantt_cells(trace, rows, x, requests)
+    if merge is None:
+        merge = len(trace) > MERGE_ABOVE_STEPS
+    if merge:
+        cells = [Cell(r[0].row, r[0].x0, r[-1].x0 + r[-1].width - r[0].x0, r[0].kind, r[0].request_id)
+                 for r in _runs(cells, lambda c: (c.kind, c.request_id))]
+    x_end = (trace[-1].step + 1 if x == "step" else trace[-1].end_s) if trace else 1.0
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(14, 5 + 0.12 * len(trace)), min(10, 1.2 + 0.3 * len(names))),
+                             layout="constrained")
+    pad = 0.06  # gap between rows, in row heights
+    for kind in CELL_KINDS:
+        verts = [[(c.x0, c.row + pad), (c.x0 + c.width, c.row + pad),
+                  (c.x0 + c.width, c.row + 1 - pad), (c.x0, c.row + 1 - pad)]
+                 for c in cells if c.kind == kind]
+        if verts:
+            ax.add_collection(PolyCollection(verts, facecolors=PALETTE[kind], edgecolors="white",
+                                             linewidths=0.4, hatch=HATCH.get(kind), gid=kind))
+    ax.set_xlim(0 if x == "step" else min((r.start_s for r in trace), default=0.0), x_end)
+    ax.set_ylim(len(names), 0)  # first row on top
+    step_ticks = max(1, len(names) // 30 + (len(names) % 30 > 0))
+    ax.set_yticks([i + 0.5 for i in range(0, len(names), step_ticks)],
+                  names[::step_ticks], fontsize=8)
+    ax.tick_params(axis="y", length=0)
+    ax.set_xlabel("step" if x == "step" else "time (s)")
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    if rows == "slot":
+        _label_runs(ax, cells, x_end - ax.get_xlim()[0], len(names))
+    if title:
+        ax.set_title(title, loc="left", fontsize=10)
+    if legend:
+        kinds = [k for k in CELL_KINDS if any(c.kind == k for c in cells)]
+        ax.legend(handles=legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  fontsize=8, frameon=False)
+    return ax
+
+
+def legend_handles(kinds=CELL_KINDS) -> list[Patch]:
+    """Legend patches for Gantt cell kinds (for a figure-level legend)."""
+    return [Patch(facecolor=PALETTE[k], edgecolor="#999999", hatch=HATCH.get(k), label=k) for k in kinds]
+
+
+def _runs(cells: list[Cell], key) -> list[list[Cell]]:
+    """Group cells into runs: same row, same key(cell), each starting where the last one ends."""
+    runs: list[list[Cell]] = []
+    for c in sorted(cells, key=lambda c: (c.row, c.x0)):
+        last = runs[-1][-1] if runs else None
+        if last and last.row == c.row and key(last) == key(c) and math.isclose(last.x0 + last.width, c.x0):
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs
+
+
+def _label_runs(ax, cells: list[Cell], x_span: float, num_rows: int) -> None:
+    """Write the short request id on each run of one request's prefill/decode cells in a row."""
+    fig = ax.figure
+    bbox = ax.get_position()  # axes box in figure fractions
+    px_per_x = bbox.width * fig.get_figwidth() * fig.dpi / max(x_span, 1e-12)
+    row_px = bbox.height * fig.get_figheight() * fig.dpi / max(num_rows, 1)
+    fontsize = min(9.0, row_px * 0.55 * 72 / fig.dpi)
+    if fontsize < 4:
+        return
+    for run in _runs([c for c in cells if c.kind in ("prefill", "decode")], lambda c: c.request_id):
+        label = short_id(run[0].request_id)
+        x0, x1 = run[0].x0, run[-1].x0 + run[-1].width
+        if (x1 - x0) * px_per_x >= (len(label) * 0.62 + 0.6) * fontsize * fig.dpi / 72:
+            ax.text((x0 + x1) / 2, run[0].row + 0.5, label, ha="center", va="center",
+                    fontsize=fontsize, color="black", clip_on=True)
+
+
+def compare_gantt(traces: dict[str, list[StepRecord]], rows: str = "slot", x: str = "step",
+                  requests: dict[str, list[Request]] | None = None, width: float = 12.0):
+    """One :func:`gantt` per policy, stacked on a shared x axis (e.g. static over orca).
+
+    Returns the Figure; its axes are ``fig.axes`` (legend once, on the first).
+    """
+    num_rows = [len(row_names(t, rows, (requests or {}).get(n))) for n, t in traces.items()]
+    fig, axes = plt.subplots(len(traces), 1, sharex=True, layout="constrained", squeeze=False,
+                             figsize=(width, sum(min(6.0, 1.0 + 0.3 * n) for n in num_rows)),
+                             gridspec_kw={"height_ratios": [max(n, 1) + 2 for n in num_rows]})
+    for i, (ax, (name, trace)) in enumerate(zip(axes[:, 0], traces.items())):
+        gantt(trace, ax=ax, rows=rows, x=x, title=name, requests=(requests or {}).get(name), legend=i == 0)
+        if i < len(traces) - 1:
+            ax.set_xlabel("")
+    ends = [t[-1].step + 1 if x == "step" else t[-1].end_s for t in traces.values() if t]
+    axes[0, 0].set_xlim(0, max(ends, default=1.0))
+    return fig
+
+
+def _policy_colors(names) -> dict[str, str]:
+    free = [c for c in POLICY_COLORS.values() if c not in {POLICY_COLORS.get(n) for n in names}]
+    free = free + list(_EXTRA_COLORS)
+    unknown = [n for n in names if n not in POLICY_COLORS]
+    return {n: POLICY_COLORS.get(n) or free[unknown.index(n) % len(free)] for n in names}
+
+
+def latency_cdf(results: dict[str, list[Request]], metric: str = "ttft", ax=None):
+    """Empirical CDF of a latency per policy (``results``: policy name -> finished requests).
+
+    metric: "ttft" or "e2e" (seconds), "tpot" or "itl" (milliseconds); 1-token outputs have no
+    TPOT and are left out. Returns the Axes. Raises ValueError for an unknown metric.
+    """
+    if metric not in _UNITS:
+        raise ValueError(f"metric must be one of {tuple(_UNITS)}, got {metric!r}")
+    label, unit, scale = _UNITS[metric]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4), layout="constrained")
+    colors = _policy_colors(results)
+    for name, requests in results.items():
+        ms = request_metrics(requests)
+        if metric == "itl":
+            values = [g for m in ms for g in m.itl_s]
+        else:
+            values = [getattr(m, f"{metric}_s") for m in ms if getattr(m, f"{metric}_s") is not None]
+        values = np.sort(np.asarray(values, dtype=float) * scale)
+        if len(values):
+            ax.step(np.concatenate([[values[0]], values]), np.arange(len(values) + 1) / len(values),
+                    where="post", color=colors[name], label=name, linewidth=1.8)
+    ax.set_xlabel(f"{label} ({unit})")
+    ax.set_ylabel("fraction of requests" if metric != "itl" else "fraction of token gaps")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False)
+    return ax
+
+
+def throughput_latency_bars(summaries: dict[str, BenchmarkSummary], ax=None):
+    """Output throughput (left) and TTFT p50 / p99 (right) per policy.
+
+    ax: None (a new 1x2 figure) or a pair of Axes. Returns the two Axes.
+    """
+    if ax is None:
+        _, ax = plt.subplots(1, 2, figsize=(9, 3.6), layout="constrained")
+    ax_tput, ax_ttft = ax
+    names = list(summaries)
+    colors = [_policy_colors(names)[n] for n in names]
+    pos = np.arange(len(names))
+    tput = [summaries[n].output_throughput_tok_s for n in names]
+    bars = ax_tput.bar(pos, tput, color=colors)
+    ax_tput.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax_tput.set_ylabel("output throughput (tok/s)")
+    w = 0.38
+    for offset, stat, hatch in ((-w / 2, "p50", None), (w / 2, "p99", "///")):
+        vals = [getattr(summaries[n], f"ttft_{stat}_s") or 0.0 for n in names]
+        b = ax_ttft.bar(pos + offset, vals, w, color=colors, hatch=hatch, edgecolor="white")
+        ax_ttft.bar_label(b, fmt="%.2f", fontsize=8)
+    ax_ttft.legend(handles=[Patch(facecolor="#888888", label="TTFT p50"),
+                            Patch(facecolor="#888888", hatch="///", edgecolor="white", label="TTFT p99")],
+                   frameon=False, fontsize=8)
+    ax_ttft.set_ylabel("TTFT (s)")
+    for a in (ax_tput, ax_ttft):
+        a.set_xticks(pos, names)
+        a.margins(y=0.15)
+        for side in ("top", "right"):
+            a.spines[side].set_visible(False)
+    return ax_tput, ax_ttft
+
+
+def save(fig, name: str, figures_dir: str | Path = "figures") -> Path:
+    """Write ``figures_dir/NAME.png`` (dpi 120, tight box), creating the folder; returns the path."""
+    path = Path(figures_dir) / (name if name.endswith(".png") else f"{name}.png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    return path
