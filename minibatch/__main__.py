@@ -23,13 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--clock", default=d.clock, choices=["wall", "sim"],
                    help="wall: measured; sim: cost-model step times (HF baselines are always wall)")
     c.add_argument("--seed", type=int, default=d.seed)
-    c.add_argument("--max-bs", type=int, default=d.max_bs, help="batch size for static/hf_generate, max_bs for orca")
+    c.add_argument("--batch-size", type=int, default=d.batch_size, help="requests per batch for static and hf_generate")
+    c.add_argument("--max-bs", type=int, default=d.max_bs, help="orca: most requests per iteration (KV memory limits it too)")
     c.add_argument("--max-wait-s", type=float, default=d.max_wait_s, help="static batching: longest wait for a full batch")
     c.add_argument("--max-prompt-len", type=int, default=d.max_prompt_len, help="clip ShareGPT prompt lengths (tokens)")
     c.add_argument("--max-output-len", type=int, default=d.max_output_len, help="clip ShareGPT output lengths (tokens)")
     c.add_argument("--output-scale", type=float, default=d.output_scale,
                    help="multiply ShareGPT output lengths by this before clipping (keeps their spread)")
-    c.add_argument("--n-slots", type=int, default=None, help="Orca KV slots (default: max_bs x longest request)")
+    c.add_argument("--n-slots", type=int, default=None, help="KV token slots (default: batch-size x longest request, the memory a padded static batch needs)")
     c.add_argument("--no-reference", action="store_true", help="skip the per-request HF generate check")
     c.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
     c.add_argument("--figures-dir", default=d.figures_dir, help="where PNG figures go ('' = none)")
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = CompareConfig(
                 model=args.model, num_requests=args.num_requests, rate=args.rate, arrival=args.arrival,
                 trace=args.trace, policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-                clock=args.clock, seed=args.seed, max_bs=args.max_bs, max_wait_s=args.max_wait_s,
+                clock=args.clock, seed=args.seed, batch_size=args.batch_size, max_bs=args.max_bs, max_wait_s=args.max_wait_s,
                 max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
                 output_scale=args.output_scale, n_slots=args.n_slots,
                 check_reference=not args.no_reference, json_path=args.json_path,

@@ -38,12 +38,13 @@ class CompareConfig:
     policies: tuple[str, ...] = ALL_POLICIES
     clock: str = "wall"
     seed: int = 0
-    max_bs: int = 8
+    batch_size: int = 8  # static batching and hf_generate: requests per padded batch
+    max_bs: int = 32  # orca: most requests per iteration (Orca's max_bs); KV memory limits it too
     max_wait_s: float = 0.5
     max_prompt_len: int = 256
     max_output_len: int = 256
     output_scale: float = 0.25  # ShareGPT output lengths x this: CPU-sized, same spread
-    n_slots: int | None = None  # Orca KV slots; default max_bs * the longest request
+    n_slots: int | None = None  # KV token slots; default batch_size * the longest request (see kv_slots)
     check_reference: bool = True
     json_path: str | None = None
     figures_dir: str | None = "figures"
@@ -65,6 +66,10 @@ class CompareConfig:
             raise ValueError(f"--clock must be 'wall' or 'sim', got {self.clock!r}")
         if self.max_bs < 1:
             raise ValueError(f"--max-bs must be >= 1, got {self.max_bs}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.n_slots is not None and self.n_slots < 1:
+            raise ValueError(f"--n-slots must be >= 1, got {self.n_slots}")
         for name in ("max_prompt_len", "max_output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -124,6 +129,14 @@ def _warm_up(runner, model) -> None:
         make_engine(policy, runner, SimClock(), n_slots=64).generate([r])
 
 
+def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:
+    """KV memory (token slots) every policy gets: by default what static batching needs for a
+    padded batch of batch_size requests as long as the longest one, batch_size * (prompt +
+    max_new_tokens). Same memory, as in Orca's evaluation: Orca turns it into a larger batch
+    because it reserves each request's own length, not the batch's longest."""
+    return cfg.n_slots or cfg.batch_size * max(r.max_num_tokens for r in requests)
+
+
 def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Request]) -> tuple[list[Request], Engine | None]:
     """Run fresh copies of ``requests`` under ``policy``; returns them (and the engine, if ours)."""
     from minibatch.baselines import run_hf_generate, run_hf_generate_batch
@@ -131,12 +144,14 @@ def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Re
 
     reqs = [r.copy() for r in requests]
     if policy in ENGINE_POLICIES:
-        n_slots = cfg.n_slots or cfg.max_bs * max(r.max_num_tokens for r in reqs)
-        engine = make_engine(policy, runner, make_clock(cfg.clock, runner.device), max_bs=cfg.max_bs,
-                             n_slots=n_slots, max_wait_s=cfg.max_wait_s)
+        engine = make_engine(
+            policy, runner, make_clock(cfg.clock, runner.device),
+            max_bs=cfg.batch_size if policy == "static" else cfg.max_bs,
+            n_slots=kv_slots(cfg, reqs), max_wait_s=cfg.max_wait_s,
+        )
         return engine.generate(reqs, progress=cfg.progress), engine
     if policy == "hf_generate":
-        return run_hf_generate(model, reqs, batch_size=cfg.max_bs, max_wait_s=cfg.max_wait_s, progress=cfg.progress), None
+        return run_hf_generate(model, reqs, batch_size=cfg.batch_size, max_wait_s=cfg.max_wait_s, progress=cfg.progress), None
     return run_hf_generate_batch(model, reqs, progress=cfg.progress), None
 
 
@@ -159,7 +174,8 @@ def run_compare(cfg: CompareConfig) -> dict:
     _warm_up(runner, model)
     refs = reference_outputs(model, requests, cfg.progress) if cfg.check_reference else {}
 
-    result = {"model": cfg.model, "num_requests": len(requests), "clock": cfg.clock, "max_bs": cfg.max_bs,
+    result = {"model": cfg.model, "num_requests": len(requests), "clock": cfg.clock,
+              "batch_size": cfg.batch_size, "max_bs": cfg.max_bs, "n_slots": kv_slots(cfg, requests),
               "seed": cfg.seed, "policies": {}}
     runs = {}
     for policy in cfg.policies:
@@ -202,23 +218,20 @@ def save_figures(runs: dict, figures_dir: str) -> list[str]:
     """Gantt charts of our engines' schedules, latency CDFs and throughput/latency bars."""
     import matplotlib.pyplot as plt
 
-    from minibatch.viz import gantt, latency_cdf, save, throughput_latency_bars
+    from minibatch.viz import compare_gantt, latency_cdf, save, throughput_latency_bars
 
     paths = []
-    engines = {name: eng for name, (_, eng, _) in runs.items() if eng is not None}
+    engines = {name: eng.trace for name, (_, eng, _) in runs.items() if eng is not None}
     if engines:
-        fig, axes = plt.subplots(len(engines), 1, figsize=(12, 2.2 + 0.45 * 8 * len(engines)), squeeze=False)
-        for ax, (name, eng) in zip(axes[:, 0], engines.items()):
-            gantt(eng.trace, ax=ax, rows="slot", x="time", title=f"{name}: batch slots over time")
+        fig = compare_gantt(engines, rows="slot", x="time")
         paths.append(save(fig, "compare_gantt", figures_dir))
         plt.close(fig)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     latency_cdf({n: r for n, (r, _, _) in runs.items()}, metric="ttft", ax=axes[0])
     latency_cdf({n: r for n, (r, _, _) in runs.items()}, metric="e2e", ax=axes[1])
     paths.append(save(fig, "compare_latency_cdf", figures_dir))
     plt.close(fig)
-    fig = throughput_latency_bars({n: s for n, (_, _, s) in runs.items()})
-    fig = fig.figure if hasattr(fig, "figure") and not hasattr(fig, "savefig") else fig
-    paths.append(save(fig, "compare_throughput_latency", figures_dir))
-    plt.close(fig)
+    ax_tput, _ = throughput_latency_bars({n: s for n, (_, _, s) in runs.items()})
+    paths.append(save(ax_tput.figure, "compare_throughput_latency", figures_dir))
+    plt.close(ax_tput.figure)
     return [str(p) for p in paths]

@@ -84,7 +84,7 @@ class ModelRunner:
         """Run one step; returns request_id -> sampled token for requests that get a token."""
         logits, request_ids = self._forward_padded(out) if out.is_padded_batch else self._forward_packed(out)
         by_id = {s.request_id: s.request for s in out.scheduled}
-        return {rid: self.sampler.sample(rid, logits[i], by_id[rid].sampling) for i, rid in enumerate(request_ids)}
+        return self.sampler.sample_batch(request_ids, logits, [by_id[rid].sampling for rid in request_ids])
 
     def _forward_packed(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         if self.kv_cache is None:

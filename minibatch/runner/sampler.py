@@ -44,6 +44,14 @@ class Sampler:
         probs = filter_logits(logits.float(), params).softmax(-1)
         return int(torch.multinomial(probs, 1, generator=gen))
 
+    def sample_batch(self, request_ids: list[str], logits: torch.Tensor, params: list[SamplingParams]) -> dict[str, int]:
+        """logits: (num_requests, vocab_size). Greedy rows share one argmax call."""
+        greedy = logits.argmax(-1).tolist()
+        return {
+            rid: greedy[i] if p.is_greedy else self.sample(rid, logits[i], p)
+            for i, (rid, p) in enumerate(zip(request_ids, params))
+        }
+
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.generators.pop(rid, None)

@@ -1,0 +1,73 @@
+"""The main job's command line: options, errors and the JSON it writes."""
+
+import json
+
+import pytest
+
+from minibatch.__main__ import main
+from minibatch.compare import CompareConfig
+
+KEYS = {"output_throughput_tok_s", "total_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+        "tpot_p99_s", "e2e_p50_s", "matches_reference"}
+
+
+def test_compare_tiny_writes_json_and_figures(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["compare", "--model", "tiny-random-llama", "--num-requests", "6", "--rate", "50",
+               "--max-output-len", "12", "--max-prompt-len", "24", "--no-progress",
+               "--policies", "static,orca,hf_generate", "--json", str(out), "--figures-dir", str(tmp_path / "fig")])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny-random-llama" and result["num_requests"] == 6
+    assert set(result["policies"]) == {"static", "orca", "hf_generate"}
+    for entry in result["policies"].values():
+        assert KEYS <= set(entry)
+        assert entry["matches_reference"] is True
+        assert entry["output_throughput_tok_s"] > 0
+    assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == [
+        "compare_gantt.png", "compare_latency_cdf.png", "compare_throughput_latency.png"]
+    assert "orca / static output throughput" in capsys.readouterr().out
+
+
+def test_sim_clock_run_is_deterministic(tmp_path):
+    args = ["compare", "--model", "tiny-random-gpt2", "--num-requests", "5", "--max-output-len", "8",
+            "--max-prompt-len", "16", "--no-progress", "--policies", "static,orca", "--clock", "sim",
+            "--figures-dir", ""]
+    results = []
+    for i in range(2):
+        main(args + ["--json", str(tmp_path / f"{i}.json")])
+        results.append(json.loads((tmp_path / f"{i}.json").read_text()))
+    for r in results:
+        for entry in r["policies"].values():
+            entry.pop("run_time_s")
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policies", "static,fancy"], "--policies"),
+    (["--num-requests", "0"], "--num-requests"),
+    (["--rate", "-1"], "--rate"),
+    (["--clock", "sundial"], "--clock"),
+    (["--max-bs", "0"], "--max-bs"),
+    (["--trace", "/no/such/file.json"], "--trace"),
+])
+def test_bad_options_get_a_clear_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "--model", "tiny-random-llama"] + argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_validates_policy_duplicates():
+    with pytest.raises(ValueError, match="twice"):
+        CompareConfig(policies=("orca", "orca"))
+
+
+def test_ci_runs_the_readme_test_command():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    quick = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert len(quick) == 2 and "python -m minibatch compare" in quick[0] and "pytest --nbval" in quick[1]
+    assert "grep -m1 -- '-m pytest' README.md" in (root / ".ci" / "run").read_text()
