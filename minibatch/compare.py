@@ -131,10 +131,12 @@ def _warm_up(runner, model) -> None:
 
 def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:
     """KV memory (token slots) every policy gets: by default what static batching needs for a
-    padded batch of batch_size requests as long as the longest one, batch_size * (prompt +
-    max_new_tokens). Same memory, as in Orca's evaluation: Orca turns it into a larger batch
-    because it reserves each request's own length, not the batch's longest."""
-    return cfg.n_slots or cfg.batch_size * max(r.max_num_tokens for r in requests)
+    padded batch in the worst case, batch_size * (longest prompt + longest max_new_tokens): every
+    row of the (B, T) cache is as long as the batch's longest prompt plus its longest output.
+    Same memory for both, as in Orca's evaluation: Orca turns it into a larger batch because it
+    reserves each request's own prompt + max_new_tokens, not the batch's longest."""
+    longest = max(r.num_prompt_tokens for r in requests) + max(r.max_new_tokens for r in requests)
+    return cfg.n_slots or cfg.batch_size * longest
 
 
 def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Request]) -> tuple[list[Request], Engine | None]:

@@ -2,8 +2,9 @@
 
     step() = schedule -> execute -> clock -> update -> record
 
-(Orca, Yu et al., OSDI'22 §4.1: an *iteration* is one forward of the model over the batch; the
-scheduler is invoked again after every iteration, so requests can join and leave at any step.)
+Orca (Yu et al., OSDI'22) §3.1, iteration-level scheduling: an *iteration* is one forward of
+the model over the batch; the scheduler runs again after every iteration, so requests can join
+and leave at any step.
 
 The engine only stamps events on requests (first scheduled, each token, finish) and appends a
 :class:`StepRecord` per step; ``minibatch.metrics`` and ``minibatch.viz`` read them.

@@ -1,6 +1,6 @@
 """Selective batching's attention: split the packed batch per request, attend, merge.
 
-Orca §4.2 (selective batching): linear layers, norms and MLPs do not care which request a token
+Orca §3.2 (selective batching): linear layers, norms and MLPs do not care which request a token
 belongs to, so all scheduled tokens of all requests run packed as one (num_tokens, hidden)
 matrix. Attention does care: each request's queries may only see that request's own keys. So
 around attention we *split* the packed tokens per request, attend against the request's KV

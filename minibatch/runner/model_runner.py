@@ -2,7 +2,7 @@
 
 Two layouts, chosen by the scheduler:
 
-* **packed** (selective batching, Orca §4.2): every scheduled token of every request in one row,
+* **packed** (selective batching, Orca §3.2): every scheduled token of every request in one row,
   input_ids (1, num_tokens); one forward per step, attention split per request against our own
   KV cache (``runner.attention``). Several prefills share a forward (prefill micro-batching).
 * **padded** (static batching): a (B, T) batch, prompts left-padded, an attention mask, and

@@ -1,4 +1,4 @@
-"""Static (request-level) batching: the baseline Orca argues against (Orca §2.2, Fig. 1-3).
+"""Static (request-level) batching: the baseline Orca argues against (Orca §3.1, "request-level scheduling").
 
 A batch of up to ``batch_size`` waiting requests is formed once ``batch_size`` have arrived or
 the oldest has waited ``max_wait_s``. The prompts are left-padded to the longest one and the
@@ -43,6 +43,8 @@ class StaticScheduler(Scheduler):
         self.padded_len = 0  # current padded length T of the (B, T) batch
 
     def schedule(self, now_s: float) -> SchedulerOutput:
+        if self.batch and not self.running:  # the whole batch is done: only now can the next one start
+            self.batch = []
         if not self.batch:
             if not self.waiting:
                 return SchedulerOutput()
@@ -84,13 +86,12 @@ class StaticScheduler(Scheduler):
                 finished.append(r)
                 self.running.remove(r)
         self.padded_len += 1 if not output.new_batch else 0
-        if not self.running:  # the whole batch is done: only now can the next one start
-            self.batch = []
         return finished
 
     @property
     def num_kv_slots_used(self) -> int:
-        """The padded (B, T) KV cache: every row holds T slots, padding included."""
+        """The padded (B, T) KV cache: every row holds T slots, padding included; held until the
+        next batch replaces it."""
         return len(self.batch) * self.padded_len
 
     @property

@@ -61,14 +61,13 @@ def short_id(request_id: str) -> str:
 
 
 def row_names(trace: list[StepRecord], rows: str = "slot", requests: list[Request] | None = None) -> list[str]:
-    """Gantt row names, top first: "slot 0".. (the largest slot seen, or entries plus
-    num_idle_slots in any step) or request ids (``requests`` order, then first appearance).
+    """Gantt row names, top first: "slot 0".. (up to the largest slot used) or request ids (``requests`` order, then first appearance).
     Raises ValueError unless rows is "slot" or "request"."""
     if rows not in ("slot", "request"):
         raise ValueError(f"rows must be 'slot' or 'request', got {rows!r}")
     if rows == "slot":
-        num_slots = max([e.slot + 1 for r in trace for e in r.entries]
-                        + [len(r.entries) + r.num_idle_slots for r in trace] + [1])
+        # slots ever used: a large max_bs that KV memory never lets fill would be rows of idle noise
+        num_slots = max([e.slot + 1 for r in trace for e in r.entries] + [1])
         return [f"slot {i}" for i in range(num_slots)]
     ids = {r.request_id: None for r in requests or []}  # an ordered set
     ids.update((e.request_id, None) for record in trace for e in record.entries)
