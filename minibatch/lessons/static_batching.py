@@ -114,12 +114,17 @@ def count_padding_decode_rows(trace: list[StepRecord]) -> int:
 
 
 @torch.inference_mode()
-def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3) -> dict[str, float]:
+def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
+                 num_threads: int | None = 1) -> dict[str, float]:
     """Best-of-``repeats`` wall time (s) of one prefill of ``prompts`` three ways:
 
     * "padded (B, T)": a static engine's first step (prompts left-padded to the longest);
     * "separate": one unpadded forward per prompt, one after the other;
     * "packed (1, num_tokens)": an Orca engine's first step (selective batching, no padding).
+
+    num_threads: torch CPU threads while timing (restored afterwards; None = leave as is).
+    The default, 1, keeps the comparison steady on a shared CPU: when other processes hold
+    the cores, multi-threaded kernels stall on each other and times swing by 10x or more.
     """
     def engine_step(policy: str) -> float:
         reqs = [Request(f"p{i}", ids, 1, SamplingParams(ignore_eos=True)) for i, ids in enumerate(prompts)]
@@ -139,4 +144,10 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3) -> d
 
     timers = {"padded (B, T)": lambda: engine_step("static"), "separate": separate,
               "packed (1, num_tokens)": lambda: engine_step("orca")}
-    return {name: min(fn() for _ in range(repeats)) for name, fn in timers.items()}
+    old_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        return {name: min(fn() for _ in range(repeats)) for name, fn in timers.items()}
+    finally:
+        torch.set_num_threads(old_threads)

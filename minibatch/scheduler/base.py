@@ -100,6 +100,20 @@ class Scheduler:
         """
         raise NotImplementedError
 
+    @staticmethod
+    def advance(output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """The common part of ``update``: each scheduled request's num_computed_tokens grows by its
+        num_new_tokens and it gets its sampled token (if any). Returns the requests that finished."""
+        finished = []
+        for s in output.scheduled:
+            r = s.request
+            r.num_computed_tokens += s.num_new_tokens
+            if r.request_id in sampled:
+                r.append_token(sampled[r.request_id])
+            if r.is_finished:
+                finished.append(r)
+        return finished
+
     # --- accounting shown in every StepRecord ---
     @property
     def num_kv_slots_used(self) -> int:

@@ -99,14 +99,9 @@ class OrcaScheduler(Scheduler):
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        finished = []
-        for s in output.scheduled:
-            r = s.request
-            r.num_computed_tokens += s.num_new_tokens
-            r.append_token(sampled[r.request_id])
-            if r.is_finished:
-                finished.append(r)
-                self._release(r)
+        finished = self.advance(output, sampled)
+        for r in finished:
+            self._release(r)
         return finished
 
     def _release(self, r: Request) -> None:

@@ -77,14 +77,9 @@ class StaticScheduler(Scheduler):
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        finished = []
-        for s in output.scheduled:
-            r = s.request
-            r.num_computed_tokens += s.num_new_tokens
-            r.append_token(sampled[r.request_id])
-            if r.is_finished:
-                finished.append(r)
-                self.running.remove(r)
+        finished = self.advance(output, sampled)
+        for r in finished:
+            self.running.remove(r)
         self.padded_len += 1 if not output.new_batch else 0
         return finished
 
