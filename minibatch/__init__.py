@@ -4,6 +4,8 @@ One engine (``Engine.step() = schedule -> execute -> clock -> update -> record``
 switchable schedulers: static batching, Orca iteration-level batching, ...
 """
 
+__version__ = "0.1.0"
+
 from minibatch.engine import Engine, StepEntry, StepRecord, TokenEvent
 from minibatch.policies import ENGINE_POLICIES, make_engine
 from minibatch.request import Request, RequestStatus, SamplingParams

@@ -14,7 +14,7 @@ def make_engine(
     clock=None,
     *,
     max_bs: int = 8,
-    n_slots: int = 16384,
+    n_slots: int = 4096,
     block_size: int = 1,
     max_wait_s: float = 1.0,
 ) -> Engine:

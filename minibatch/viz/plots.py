@@ -267,7 +267,7 @@ def throughput_latency_bars(summaries: dict[str, BenchmarkSummary], ax=None):
     ax: None (a new 1x2 figure) or a pair of Axes. Returns the two Axes.
     """
     if ax is None:
-        _, ax = plt.subplots(1, 2, figsize=(9, 3.6), layout="constrained")
+        _, ax = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
     ax_tput, ax_ttft = ax
     names = list(summaries)
     colors = [_policy_colors(names)[n] for n in names]
@@ -286,7 +286,7 @@ def throughput_latency_bars(summaries: dict[str, BenchmarkSummary], ax=None):
                    frameon=False, fontsize=8)
     ax_ttft.set_ylabel("TTFT (s)")
     for a in (ax_tput, ax_ttft):
-        a.set_xticks(pos, names)
+        a.set_xticks(pos, names, rotation=20, ha="right")
         a.margins(y=0.15)
         for side in ("top", "right"):
             a.spines[side].set_visible(False)
