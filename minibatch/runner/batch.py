@@ -4,11 +4,18 @@ This is the only place that builds model inputs for selective batching (nano-vll
 ``prepare_prefill`` / ``prepare_decode``, merged: a prefill is many new tokens, a decode is one,
 so one code path serves both and any mix of them).
 
-For a request with num_computed_tokens = c and num_new_tokens = n:
+For request i with num_computed_tokens = c and num_new_tokens = n (seq_len = c + n):
 
     positions      c, c+1, ..., c+n-1                      (its new tokens)
-    slot_mapping   block_table[p // block_size] * block_size + p % block_size   for those p
-    context_slots  the same formula for p = 0 .. c+n-1     (what its queries attend to)
+    context slots  block_table[p // block_size] * block_size + p % block_size,  p = 0 .. seq_len-1
+    slot_mapping   the context slots of its new tokens (where their K/V are written)
+
+All requests' context slots come from one (num_reqs, max_seq_len) table, built with a few
+tensor ops whatever the batch size:
+
+    block_tables (padded)      positions p            context_slots[i, p]
+    req0: [7, 2, 9, 0]         0 1 2 3 4 5 ...        7*bs+0 7*bs+1 ... 2*bs+0 ...
+    req1: [4, 0, 0, 0]         0 1 2 ...              4*bs+0 4*bs+1 ...  (cut at seq_len)
 """
 
 from __future__ import annotations
@@ -33,53 +40,64 @@ class PackedBatch:
     attn_metadata: AttentionMetadata
 
 
-def slots_for_positions(block_table: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slot of each position: block_table[p // block_size] * block_size + p % block_size."""
-    table = torch.tensor(block_table, dtype=torch.long, device=positions.device)
-    return table[positions // block_size] * block_size + positions % block_size
+def context_slot_table(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
+    """(num_reqs, max_seq_len) int64: the cache slot of every context position of every request;
+    positions at or past a request's seq_len hold slot 0 (masked out by the caller)."""
+    max_len = max(seq_lens)
+    max_blocks = -(-max_len // block_size)
+    table = torch.zeros((len(block_tables), max_blocks), dtype=torch.long)
+    for i, bt in enumerate(block_tables):
+        n = min(len(bt), max_blocks)
+        table[i, :n] = torch.tensor(bt[:n], dtype=torch.long)
+    pos = torch.arange(max_len)
+    slots = table[:, pos // block_size] * block_size + pos % block_size  # (num_reqs, max_seq_len)
+    return slots.masked_fill(pos[None, :] >= torch.tensor(seq_lens)[:, None], 0)
 
 
 def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor) -> PackedBatch:
-    """Pack all scheduled tokens of ``out`` into one row. kv_cache: (L, 2, num_blocks, block_size, H_kv, D)."""
+    """Pack all scheduled tokens of ``out`` into one row. kv_cache: (L, 2, num_blocks, block_size, H_kv, D).
+
+    Raises:
+        ValueError: a request is scheduled for more tokens than it has.
+    """
     device = kv_cache.device
-    block_size = kv_cache.shape[3]
-    ids, positions, slot_mapping, context_slots = [], [], [], []
-    cu_seqlens_q, seq_lens, logits_indices, sample_ids = [0], [], [], []
+    ids, starts, seq_lens, cu_seqlens_q, logits_indices, sample_ids = [], [], [], [0], [], []
     for s in out.scheduled:
         r = s.request
         start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
         if end > r.num_tokens:
             raise ValueError(f"request {r.request_id!r}: {end} tokens scheduled, only {r.num_tokens} known")
-        pos = torch.arange(0, end, device=device)  # (seq_len,)
-        ctx = slots_for_positions(out.block_tables[r.request_id], pos, block_size)
-        ids.append(torch.tensor(r.all_token_ids[start:end], dtype=torch.long))
-        positions.append(pos[start:])
-        slot_mapping.append(ctx[start:])
-        context_slots.append(ctx)
-        cu_seqlens_q.append(cu_seqlens_q[-1] + s.num_new_tokens)
+        ids += r.all_token_ids[start:end] if s.num_new_tokens > 1 else [r.all_token_ids[start]]
+        starts.append(start)
         seq_lens.append(end)
+        cu_seqlens_q.append(cu_seqlens_q[-1] + s.num_new_tokens)
         if end == r.num_tokens:  # the step reaches the request's last known token: sample the next one
             logits_indices.append(cu_seqlens_q[-1] - 1)
             sample_ids.append(r.request_id)
+    ctx = context_slot_table([out.block_tables[s.request_id] for s in out.scheduled], seq_lens, kv_cache.shape[3])
+    # every new token: (request row, position) -> its slot
+    num_new = torch.tensor([e - b for b, e in zip(starts, seq_lens)])
+    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), num_new)  # (num_tokens,)
+    positions = torch.arange(cu_seqlens_q[-1]) - torch.tensor(cu_seqlens_q[:-1]).repeat_interleave(num_new)
+    positions += torch.tensor(starts).repeat_interleave(num_new)  # (num_tokens,)
     decode_ids = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
+    ctx = ctx.to(device)
     meta = AttentionMetadata(
         kv_cache=kv_cache,
-        slot_mapping=torch.cat(slot_mapping),
+        slot_mapping=ctx[rows.to(device), positions.to(device)],
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
-        context_slots=context_slots,
+        context_slots=[ctx[i, :n] for i, n in enumerate(seq_lens)],
         decode_ids=decode_ids,
     )
-    if decode_ids:  # right-pad the decodes' contexts into one (num_decodes, max_seq_len) table
+    if decode_ids:  # the decodes' rows of the table, right-padded, and which entries are real
         max_len = max(seq_lens[i] for i in decode_ids)
-        meta.decode_slots = torch.zeros((len(decode_ids), max_len), dtype=torch.long, device=device)
-        meta.decode_mask = torch.zeros((len(decode_ids), max_len), dtype=torch.bool, device=device)
-        for row, i in enumerate(decode_ids):
-            meta.decode_slots[row, : seq_lens[i]] = context_slots[i]
-            meta.decode_mask[row, : seq_lens[i]] = True
+        meta.decode_slots = ctx[decode_ids, :max_len]
+        meta.decode_mask = torch.arange(max_len, device=device)[None, :] < torch.tensor(
+            [seq_lens[i] for i in decode_ids], device=device)[:, None]
     return PackedBatch(
-        input_ids=torch.cat(ids).to(device),
-        positions=torch.cat(positions),
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=positions.to(device),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         sample_request_ids=sample_ids,
         attn_metadata=meta,
