@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 output_scale=args.output_scale, n_slots=args.n_slots,
                 check_reference=not args.no_reference, json_path=args.json_path,
                 figures_dir=args.figures_dir or None, progress=not args.no_progress,
+                command=" ".join(["python -m minibatch"] + (argv if argv is not None else sys.argv[1:])),
             )
         except ValueError as e:
             parser.error(str(e))

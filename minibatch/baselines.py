@@ -38,32 +38,13 @@ from typing import Iterator
 
 import torch
 
+from minibatch.models import eos_token_ids, pad_token_id
 from minibatch.request import Request, RequestStatus, SamplingParams
 
 __all__ = ["run_hf_generate", "run_hf_generate_batch"]
 
 
 # ----------------------------------------------------------------------------- shared helpers
-
-def _as_tuple(x) -> tuple[int, ...]:
-    if x is None:
-        return ()
-    return tuple(int(t) for t in x) if isinstance(x, (list, tuple)) else (int(x),)
-
-
-def _eos_ids(model) -> tuple[int, ...]:
-    """The model's EOS ids: generation_config first, then config (as ModelRunner does)."""
-    gen = getattr(model, "generation_config", None)
-    return _as_tuple(getattr(gen, "eos_token_id", None)) or _as_tuple(getattr(model.config, "eos_token_id", None))
-
-
-def _pad_id(model) -> int:
-    gen = getattr(model, "generation_config", None)
-    pad = getattr(gen, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(model.config, "pad_token_id", None)
-    return int(pad if pad is not None else (_eos_ids(model) or (0,))[0])
-
 
 def _max_model_len(model) -> int | None:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -303,7 +284,7 @@ def run_hf_generate(model, requests: list[Request], batch_size: int = 8, max_wai
     if not max_wait_s >= 0:
         raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
     _check_requests(model, requests)
-    eos, pad_id = _eos_ids(model), _pad_id(model)
+    eos, pad_id = eos_token_ids(model), pad_token_id(model)
     pending = sorted(requests, key=lambda r: r.arrival_time_s)  # stable: ties keep input order (FCFS)
     bar = _progress(progress, len(requests), "hf-generate")
     now, nxt = 0.0, 0  # virtual clock; pending[nxt:] have not been admitted yet
@@ -367,11 +348,11 @@ def _cb_generation_config(model, requests: list[Request]):
     sample_kwargs = (dict(do_sample=False) if sampling is None else
                      dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
                           top_p=sampling.top_p))
-    eos = _eos_ids(model)
+    eos = eos_token_ids(model)
     return GenerationConfig(
         max_new_tokens=max(r.max_new_tokens for r in requests),
         eos_token_id=list(eos) if eos else -1,  # -1: no EOS (None makes HF warn and set -1 itself)
-        pad_token_id=_pad_id(model),
+        pad_token_id=pad_token_id(model),
         **sample_kwargs,
     )
 
@@ -415,7 +396,7 @@ def run_hf_generate_batch(model, requests: list[Request], progress: bool = False
     _check_requests(model, requests)
     if max_batch_tokens is not None and max_batch_tokens < 1:
         raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
-    eos = _eos_ids(model)
+    eos = eos_token_ids(model)
     gen_config = _cb_generation_config(model, requests)
     cb_config = _cb_config(model, requests, max_batch_tokens)
     by_id = {r.request_id: r for r in requests}

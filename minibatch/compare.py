@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,7 +49,7 @@ class CompareConfig:
     json_path: str | None = None
     figures_dir: str | None = "figures"
     progress: bool = True
-    extra: dict = field(default_factory=dict)
+    command: str | None = None  # the command line, recorded in the JSON
 
     def __post_init__(self):
         self.policies = tuple(self.policies)
@@ -176,7 +176,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     _warm_up(runner, model)
     refs = reference_outputs(model, requests, cfg.progress) if cfg.check_reference else {}
 
-    result = {"model": cfg.model, "num_requests": len(requests), "clock": cfg.clock,
+    result = {"command": cfg.command, "environment": environment(), "model": cfg.model, "num_requests": len(requests), "clock": cfg.clock,
               "batch_size": cfg.batch_size, "max_bs": cfg.max_bs, "n_slots": kv_slots(cfg, requests),
               "seed": cfg.seed, "policies": {}}
     runs = {}
@@ -198,6 +198,20 @@ def run_compare(cfg: CompareConfig) -> dict:
         Path(cfg.json_path).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {cfg.json_path}")
     return result
+
+
+def environment() -> dict:
+    """Versions and machine, stored with every result so numbers can be compared honestly."""
+    import os
+    import platform
+
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "machine": platform.machine(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
 
 
 def print_table(result: dict) -> None:

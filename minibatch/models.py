@@ -233,3 +233,24 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
         model.generation_config.pad_token_id = model.generation_config.eos_token_id
     tokenizer.padding_side = "left"  # decoder-only batches pad on the left: new tokens follow the prompt
     return model, tokenizer
+
+
+def _as_tuple(x) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    return tuple(int(t) for t in x) if isinstance(x, (list, tuple)) else (int(x),)
+
+
+def eos_token_ids(model) -> tuple[int, ...]:
+    """The ids that end a request: ``generation_config.eos_token_id``, else ``config.eos_token_id``."""
+    gen = getattr(model, "generation_config", None)
+    return _as_tuple(getattr(gen, "eos_token_id", None)) or _as_tuple(getattr(model.config, "eos_token_id", None))
+
+
+def pad_token_id(model) -> int:
+    """The id used to pad batches: generation_config, then config, then the first EOS id, then 0."""
+    gen = getattr(model, "generation_config", None)
+    pad = getattr(gen, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.config, "pad_token_id", None)
+    return int(pad if pad is not None else (eos_token_ids(model) or (0,))[0])

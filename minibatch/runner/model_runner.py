@@ -15,17 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from minibatch.models import eos_token_ids, pad_token_id
 from minibatch.request import Request
 from minibatch.runner import attention
 from minibatch.runner.batch import build_packed_batch
 from minibatch.runner.sampler import Sampler
 from minibatch.scheduler.base import SchedulerOutput
-
-
-def _as_tuple(x) -> tuple[int, ...]:
-    if x is None:
-        return ()
-    return tuple(x) if isinstance(x, (list, tuple)) else (int(x),)
 
 
 class ModelRunner:
@@ -53,10 +48,8 @@ class ModelRunner:
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_model_len = cfg.max_position_embeddings
-        gen = getattr(model, "generation_config", None)
-        self.eos_token_ids = _as_tuple(getattr(gen, "eos_token_id", None)) or _as_tuple(cfg.eos_token_id)
-        pad = getattr(gen, "pad_token_id", None)
-        self.pad_token_id = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
+        self.eos_token_ids = eos_token_ids(model)
+        self.pad_token_id = pad_token_id(model)
         self.kv_cache: torch.Tensor | None = None
         self.sampler = Sampler()
         self._static: dict | None = None  # the running padded batch (static batching)
