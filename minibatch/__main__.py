@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--output-scale", type=float, default=d.output_scale,
                    help="multiply ShareGPT output lengths by this before clipping (keeps their spread)")
     c.add_argument("--n-slots", type=int, default=None, help="KV token slots (default: batch-size x longest request, the memory a padded static batch needs)")
+    c.add_argument("--slo-ttft-s", type=float, default=d.slo_ttft_s, help="goodput: TTFT objective, seconds")
+    c.add_argument("--slo-tpot-s", type=float, default=d.slo_tpot_s, help="goodput: TPOT objective, seconds")
     c.add_argument("--no-reference", action="store_true", help="skip the per-request HF generate check")
     c.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
     c.add_argument("--figures-dir", default=d.figures_dir, help="where PNG figures go ('' = none)")
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 clock=args.clock, seed=args.seed, batch_size=args.batch_size, max_bs=args.max_bs, max_wait_s=args.max_wait_s,
                 max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
                 output_scale=args.output_scale, n_slots=args.n_slots,
+                slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                 check_reference=not args.no_reference, json_path=args.json_path,
                 figures_dir=args.figures_dir or None, progress=not args.no_progress,
                 command=" ".join(["python -m minibatch"] + (argv if argv is not None else sys.argv[1:])),

@@ -46,6 +46,8 @@ class CompareConfig:
     output_scale: float = 0.25  # ShareGPT output lengths x this: CPU-sized, same spread
     n_slots: int | None = None  # KV token slots; default batch_size * the longest request (see kv_slots)
     check_reference: bool = True
+    slo_ttft_s: float | None = 2.0  # goodput counts requests meeting every SLO given
+    slo_tpot_s: float | None = 0.5
     json_path: str | None = None
     figures_dir: str | None = "figures"
     progress: bool = True
@@ -73,6 +75,9 @@ class CompareConfig:
         for name in ("max_prompt_len", "max_output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if not self.output_scale > 0:
             raise ValueError(f"--output-scale must be > 0, got {self.output_scale}")
         if self.trace is not None and not Path(self.trace).is_file():
@@ -159,7 +164,7 @@ def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Re
 
 def run_compare(cfg: CompareConfig) -> dict:
     """Run the comparison; print a table, save figures and (optionally) JSON. Returns the result dict."""
-    from minibatch.metrics import summarize
+    from minibatch.metrics import SLO, summarize
     from minibatch.models import load_model
     from minibatch.runner import ModelRunner
 
@@ -183,7 +188,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     for policy in cfg.policies:
         t = time.perf_counter()
         reqs, engine = run_policy(policy, cfg, runner, model, requests)
-        summary = summarize(reqs, engine.trace if engine else None)
+        summary = summarize(reqs, engine.trace if engine else None, SLO(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s))
         runs[policy] = (reqs, engine, summary)
         entry = {k: v for k, v in summary.to_dict().items()}
         entry["matches_reference"] = matches_reference(reqs, refs) if cfg.check_reference else None
@@ -218,6 +223,7 @@ def print_table(result: dict) -> None:
     cols = [("output_throughput_tok_s", "out tok/s", "{:.1f}"), ("total_throughput_tok_s", "total tok/s", "{:.1f}"),
             ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
             ("tpot_p50_s", "TPOT p50 s", "{:.4f}"), ("e2e_p50_s", "E2E p50 s", "{:.3f}"),
+            ("goodput_req_s", "goodput r/s", "{:.3f}"),
             ("matches_reference", "matches ref", "{}")]
     header = f"{'policy':<18}" + "".join(f"{c[1]:>13}" for c in cols)
     print(header)
