@@ -80,6 +80,9 @@ class CompareConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
         if not self.output_scale > 0:
             raise ValueError(f"--output-scale must be > 0, got {self.output_scale}")
+        from minibatch.models import check_model_name
+
+        check_model_name(self.model)
         if self.trace is not None and not Path(self.trace).is_file():
             raise ValueError(f"--trace: no such file {self.trace!r}")
 

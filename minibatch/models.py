@@ -210,6 +210,13 @@ def _load_tiny(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 # ----------------------------------------------------------------------------- public entry point
 
+def check_model_name(name: str) -> None:
+    """Raise ValueError unless ``name`` is one of MODEL_NAMES, a local directory or a hub id."""
+    if name not in MODEL_NAMES and not os.path.isdir(name) and not _HUB_ID.match(name):
+        raise ValueError(f"unknown model {name!r}: use one of {', '.join(MODEL_NAMES)}, "
+                         "a local model directory, or a hub id 'owner/name'")
+
+
 def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
                device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)``: model in ``eval()``, ``requires_grad`` off, on ``device`` in ``dtype``;
@@ -219,15 +226,13 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
     (only the last one touches the network). Raises ``ValueError`` for anything else.
     Model outputs: ``model(input_ids[B, T]).logits`` is ``[B, T, vocab]``.
     """
+    check_model_name(name)
     if name == "smollm2-135m":
         model, tokenizer = _load_smollm2()
     elif name in ("tiny-random-llama", "tiny-random-gpt2"):
         model, tokenizer = _load_tiny(name)
-    elif os.path.isdir(name) or _HUB_ID.match(name):
-        model, tokenizer = _load_pretrained(name)
     else:
-        raise ValueError(f"unknown model {name!r}: use one of {', '.join(MODEL_NAMES)}, "
-                         "a local model directory, or a hub id 'owner/name'")
+        model, tokenizer = _load_pretrained(name)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if model.generation_config.pad_token_id is None:  # else HF generate() warns on every call
         model.generation_config.pad_token_id = model.generation_config.eos_token_id

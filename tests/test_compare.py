@@ -51,6 +51,7 @@ def test_sim_clock_run_is_deterministic(tmp_path):
     (["--clock", "sundial"], "--clock"),
     (["--max-bs", "0"], "--max-bs"),
     (["--trace", "/no/such/file.json"], "--trace"),
+    (["--model", "no-such-model"], "unknown model"),
 ])
 def test_bad_options_get_a_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
