@@ -66,6 +66,8 @@ class CompareConfig:
             raise ValueError(f"--rate must be > 0 requests/s, got {self.rate}")
         if self.clock not in ("wall", "sim"):
             raise ValueError(f"--clock must be 'wall' or 'sim', got {self.clock!r}")
+        if not self.max_wait_s >= 0:
+            raise ValueError(f"--max-wait-s must be >= 0, got {self.max_wait_s}")
         if self.max_bs < 1:
             raise ValueError(f"--max-bs must be >= 1, got {self.max_bs}")
         if self.batch_size < 1:
@@ -128,7 +130,7 @@ def matches_reference(requests: list[Request], refs: dict[str, list[int]]) -> bo
     return all(r.output_token_ids == refs[r.request_id] for r in greedy)
 
 
-def _warm_up(runner, model) -> None:
+def _warm_up(runner) -> None:
     """One tiny run through both layouts so first-call costs don't land on the first policy."""
     from minibatch.sim.clock import SimClock
 
@@ -181,7 +183,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     print(f"trace: {len(requests)} requests, {num_prompt} prompt + {num_output} output tokens, "
           f"arrivals over {requests[-1].arrival_time_s:.1f} s")
     runner = ModelRunner(model, tokenizer)
-    _warm_up(runner, model)
+    _warm_up(runner)
     refs = reference_outputs(model, requests, cfg.progress) if cfg.check_reference else {}
 
     result = {"command": cfg.command, "environment": environment(), "model": cfg.model, "num_requests": len(requests), "clock": cfg.clock,
@@ -227,7 +229,7 @@ def print_table(result: dict) -> None:
             ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
             ("tpot_p50_s", "TPOT p50 s", "{:.4f}"), ("e2e_p50_s", "E2E p50 s", "{:.3f}"),
             ("goodput_req_s", "goodput r/s", "{:.3f}"),
-            ("matches_reference", "matches ref", "{}")]
+            ("matches_reference", "matches ref", "{}"), ("clock", "clock", "{}")]
     header = f"{'policy':<18}" + "".join(f"{c[1]:>13}" for c in cols)
     print(header)
     print("-" * len(header))

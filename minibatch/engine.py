@@ -25,8 +25,8 @@ from minibatch.sim.clock import SimClock, WallClock
 class StepEntry:
     """One batch row of a step: which request, in which slot, doing what.
 
-    phase: "prefill" | "decode" | "padding" (a finished member of a static batch still
-    computing a pad token). num_computed_tokens is the value *before* this step.
+    phase: "prefill" | "decode" | "padding" (a finished member of a static batch whose row still
+    computes a token: its last one, fed again). num_computed_tokens is the value *before* this step.
     """
 
     request_id: str
@@ -90,7 +90,8 @@ class Engine:
         scheduler: a :class:`~minibatch.scheduler.base.Scheduler` (static, orca, ...).
         executor: has ``execute(SchedulerOutput) -> {request_id: token_id}``, ``eos_token_ids``,
             ``max_model_len`` and ``free(request_ids)``; a ``ModelRunner`` or a ``SimExecutor``.
-        clock: ``WallClock`` (measure) or ``SimClock`` (deterministic timeline).
+        clock: ``WallClock`` (measure) or ``SimClock`` (deterministic timeline); default SimClock,
+            so pass a WallClock to time a real model.
 
     A request is never scheduled before its ``arrival_time_s``: requests wait in ``pending``
     (a heap by arrival) and reach the scheduler only once the clock has passed their arrival.
@@ -139,12 +140,12 @@ class Engine:
     def step(self) -> StepRecord | None:
         """Run one iteration. Returns its record, or None if the engine only waited (idle)."""
         self._admit_arrivals()
-        out = self.scheduler.schedule(self.clock.now_s)
+        start_s = self.clock.now_s
+        self.clock.start_step()  # the wall clock times scheduling too, not only the forward
+        out = self.scheduler.schedule(start_s)
         if out.is_empty:
             self._wait_for_next_event(out)
             return None
-        start_s = self.clock.now_s
-        self.clock.start_step()
         sampled = self.executor.execute(out)          # the forward pass (or the simulator)
         self.clock.end_step(out)                      # measured or cost-model step time
         entries = [

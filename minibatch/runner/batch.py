@@ -46,7 +46,9 @@ def context_slot_table(block_tables: list[list[int]], seq_lens: list[int], block
     max_len = max(seq_lens)
     max_blocks = -(-max_len // block_size)
     table = torch.zeros((len(block_tables), max_blocks), dtype=torch.long)
-    for i, bt in enumerate(block_tables):
+    for i, (bt, seq_len) in enumerate(zip(block_tables, seq_lens)):
+        if len(bt) * block_size < seq_len:  # a missing block would alias another request's KV
+            raise ValueError(f"block_table of request {i} holds {len(bt)} blocks, {seq_len} tokens need more")
         n = min(len(bt), max_blocks)
         table[i, :n] = torch.tensor(bt[:n], dtype=torch.long)
     pos = torch.arange(max_len)
@@ -67,7 +69,7 @@ def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor) -> PackedBa
         start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
         if end > r.num_tokens:
             raise ValueError(f"request {r.request_id!r}: {end} tokens scheduled, only {r.num_tokens} known")
-        ids += r.all_token_ids[start:end] if s.num_new_tokens > 1 else [r.all_token_ids[start]]
+        ids += (r.prompt_token_ids if end <= r.num_prompt_tokens else r.all_token_ids)[start:end]
         starts.append(start)
         seq_lens.append(end)
         cu_seqlens_q.append(cu_seqlens_q[-1] + s.num_new_tokens)
@@ -80,7 +82,7 @@ def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor) -> PackedBa
     rows = torch.repeat_interleave(torch.arange(len(seq_lens)), num_new)  # (num_tokens,)
     positions = torch.arange(cu_seqlens_q[-1]) - torch.tensor(cu_seqlens_q[:-1]).repeat_interleave(num_new)
     positions += torch.tensor(starts).repeat_interleave(num_new)  # (num_tokens,)
-    decode_ids = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
+    decode_indices = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
     ctx = ctx.to(device)
     meta = AttentionMetadata(
         kv_cache=kv_cache,
@@ -88,13 +90,15 @@ def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor) -> PackedBa
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
         context_slots=[ctx[i, :n] for i, n in enumerate(seq_lens)],
-        decode_ids=decode_ids,
+        prefill_indices=[i for i, s in enumerate(out.scheduled) if s.num_new_tokens > 1],
+        decode_indices=decode_indices,
     )
-    if decode_ids:  # the decodes' rows of the table, right-padded, and which entries are real
-        max_len = max(seq_lens[i] for i in decode_ids)
-        meta.decode_slots = ctx[decode_ids, :max_len]
+    if decode_indices:  # the decodes' rows of the table, right-padded, and which entries are real
+        max_len = max(seq_lens[i] for i in decode_indices)
+        meta.decode_rows = torch.tensor([cu_seqlens_q[i] for i in decode_indices], device=device)
+        meta.decode_slots = ctx[decode_indices, :max_len]
         meta.decode_mask = torch.arange(max_len, device=device)[None, :] < torch.tensor(
-            [seq_lens[i] for i in decode_ids], device=device)[:, None]
+            [seq_lens[i] for i in decode_indices], device=device)[:, None]
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=positions.to(device),

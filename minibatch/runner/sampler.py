@@ -7,6 +7,8 @@ depend on which other requests share the batch.
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from minibatch.request import SamplingParams
@@ -39,7 +41,8 @@ class Sampler:
         gen = self.generators.get(request_id)
         if gen is None:
             gen = torch.Generator(device=logits.device)
-            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+            # no seed: a fresh random one, without reseeding (and so disturbing) torch's global generator
+            gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
             self.generators[request_id] = gen
         probs = filter_logits(logits.float(), params).softmax(-1)
         return int(torch.multinomial(probs, 1, generator=gen))

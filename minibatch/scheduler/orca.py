@@ -34,7 +34,7 @@ class OrcaScheduler(Scheduler):
         n_slots: KV cache capacity in token slots, >= 1.
         block_size: slots per KV block (1 = Orca's per-token reservation, exactly Alg. 1).
             With block_size > 1 a reservation is rounded up to whole blocks and n_rsrv counts
-            the rounded slots.
+            the rounded slots; n_slots is rounded down to whole blocks.
 
     Raises:
         ValueError: a bad argument; ``check_request`` for a request larger than n_slots.
@@ -44,6 +44,8 @@ class OrcaScheduler(Scheduler):
 
     def __init__(self, max_bs: int = 8, n_slots: int = 16384, block_size: int = 1):
         super().__init__()
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_bs < 1:
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
         if n_slots < block_size:

@@ -85,10 +85,11 @@ class StaticScheduler(Scheduler):
 
     @property
     def num_kv_slots_used(self) -> int:
-        """The padded (B, T) KV cache: every row holds T slots, padding included; held until the
-        next batch replaces it."""
-        return len(self.batch) * self.padded_len
+        """KV slots holding real tokens of the batch's members (finished members' too: their rows
+        stay in the cache until the next batch replaces it)."""
+        return sum(r.num_computed_tokens for r in self.batch)
 
     @property
     def num_kv_slots_reserved(self) -> int:
-        return self.num_kv_slots_used
+        """The padded (B, T) KV cache: every row holds T slots, padding included."""
+        return len(self.batch) * self.padded_len

@@ -49,7 +49,12 @@ class CostModel:
 
 
 class WallClock:
-    """Real elapsed time of each step; ``now_s`` is seconds since the clock was made."""
+    """Real elapsed time of each step.
+
+    ``now_s`` is a timeline in seconds: the sum of measured step times (scheduling and the forward)
+    plus the idle gaps skipped by ``advance_to``, i.e. the time a server that sleeps while idle
+    would show.
+    """
 
     kind = "wall"
 
