@@ -183,6 +183,9 @@ def run_compare(cfg: CompareConfig) -> dict:
     print(f"trace: {len(requests)} requests, {num_prompt} prompt + {num_output} output tokens, "
           f"arrivals over {requests[-1].arrival_time_s:.1f} s")
     runner = ModelRunner(model, tokenizer)
+    too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]
+    if too_long:  # fail before minutes of reference runs, never drop the requests silently
+        raise ValueError(f"requests {too_long} need more than max_model_len = {runner.max_model_len} tokens")
     _warm_up(runner)
     refs = reference_outputs(model, requests, cfg.progress) if cfg.check_reference else {}
 
