@@ -23,7 +23,7 @@ from minibatch.sim.clock import SimClock, WallClock
 
 @dataclass
 class StepEntry:
-    """One batch row of a step: which request, in which slot, doing what.
+    """One batch row of a step: which request, in which batch slot (row, not KV slot), doing what.
 
     phase: "prefill" | "decode" | "padding" (a finished member of a static batch whose row still
     computes a token: its last one, fed again). num_computed_tokens is the value *before* this step.

@@ -17,7 +17,8 @@ class ScheduledRequest:
 
     num_new_tokens: tokens computed this step (prompt length for a whole prefill, 1 for a decode).
     phase: "prefill" or "decode".
-    slot: batch slot index (the row of the Gantt chart).
+    slot: batch slot index: which of the batch's max_bs rows the request occupies (the row of the
+        Gantt chart). Not a KV slot: KV slots (n_slots, slot_mapping) hold one token's K/V each.
     """
 
     request: Request
