@@ -1,6 +1,6 @@
 """Helpers for notebooks 00_tour and 01_static_batching (too long for a notebook cell).
 
-Static batching's three wastes (Orca, Yu et al., OSDI'22, §2.2 and Fig. 1-3):
+Static batching's three wastes (Orca, Yu et al., OSDI'22, §2.2 and §3):
 
 * early-finished: a request that finishes early keeps its row until the longest one is done;
 * late-joining: a request that arrives while a batch runs waits for the whole batch;
