@@ -38,7 +38,7 @@ from typing import Iterator
 
 import torch
 
-from minibatch.models import eos_token_ids, pad_token_id
+from minibatch.models import attention_implementation, eos_token_ids, pad_token_id
 from minibatch.request import Request, RequestStatus, SamplingParams
 
 __all__ = ["run_hf_generate", "run_hf_generate_batch"]
@@ -94,19 +94,6 @@ def _finish(r: Request, tokens: list[int], times: list[float], eos: tuple[int, .
     # KV computed: the prompt, then one token per decode step (the last sampled token is never fed back)
     r.num_computed_tokens = r.num_prompt_tokens + r.num_output_tokens - 1
     r.finish_time_s = r.token_times_s[-1]
-
-
-@contextlib.contextmanager
-def _attention(model, name: str) -> Iterator[None]:
-    """Run with ``model``'s attention set to ``name`` (only switched if different), restored on exit."""
-    previous = model.config._attn_implementation
-    if previous != name:
-        model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        if model.config._attn_implementation != previous:
-            model.set_attn_implementation(previous)
 
 
 @contextlib.contextmanager
@@ -289,7 +276,7 @@ def run_hf_generate(model, requests: list[Request], batch_size: int = 8, max_wai
     bar = _progress(progress, len(requests), "hf-generate")
     now, nxt = 0.0, 0  # virtual clock; pending[nxt:] have not been admitted yet
     waiting: list[Request] = []
-    with _attention(model, "sdpa"), torch.inference_mode():
+    with attention_implementation(model, "sdpa"), torch.inference_mode():
         while waiting or nxt < len(pending):
             while nxt < len(pending) and pending[nxt].arrival_time_s <= now:
                 waiting.append(pending[nxt])
@@ -405,7 +392,7 @@ def run_hf_generate_batch(model, requests: list[Request], progress: bool = False
     bar = _progress(progress, len(requests), "hf-generate-batch")
     # No torch.inference_mode here: HF makes its static tensors in this thread and updates them in place
     # in its generation thread, which inference tensors forbid (HF runs the model under no_grad itself).
-    with _quiet_transformers(), _attention(model, "sdpa"), _frozen_gc():
+    with _quiet_transformers(), attention_implementation(model, "sdpa"), _frozen_gc():
         with model.continuous_batching_context_manager(generation_config=gen_config, block=True, timeout=60,
                                                        continuous_batching_config=cb_config) as manager:
             t0 = time.perf_counter()

@@ -107,18 +107,19 @@ def reference_outputs(model, requests: list[Request], progress: bool = False) ->
     """HF ``generate`` on each greedy request alone: the ground truth for matches_reference."""
     from tqdm.auto import tqdm
 
-    if model.config._attn_implementation != "sdpa":
-        model.set_attn_implementation("sdpa")
-    pad = model.generation_config.pad_token_id
+    from minibatch.models import attention_implementation, eos_token_ids, pad_token_id
+
     refs = {}
-    for r in tqdm([r for r in requests if r.sampling.is_greedy], desc="reference", disable=not progress, leave=False):
-        ids = torch.tensor([r.prompt_token_ids], device=model.device)
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_new_tokens, do_sample=False,
-            eos_token_id=None if r.sampling.ignore_eos else model.generation_config.eos_token_id,
-            pad_token_id=pad if pad is not None else 0,
-        )
-        refs[r.request_id] = out[0, ids.shape[1]:].tolist()
+    with attention_implementation(model, "sdpa"):
+        for r in tqdm([r for r in requests if r.sampling.is_greedy], desc="reference", disable=not progress,
+                      leave=False):
+            ids = torch.tensor([r.prompt_token_ids], device=model.device)
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_new_tokens, do_sample=False,
+                eos_token_id=None if r.sampling.ignore_eos else list(eos_token_ids(model)),
+                pad_token_id=pad_token_id(model),
+            )
+            refs[r.request_id] = out[0, ids.shape[1]:].tolist()
     return refs
 
 

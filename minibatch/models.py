@@ -260,3 +260,21 @@ def pad_token_id(model) -> int:
     if pad is None:
         pad = getattr(model.config, "pad_token_id", None)
     return int(pad if pad is not None else (eos_token_ids(model) or (0,))[0])
+
+
+def set_attention(model, name: str) -> None:
+    """Switch ``model`` to the attention implementation ``name`` ("sdpa", our packed one, ...),
+    only if it is not already using it (the switch walks every module)."""
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
+
+
+@contextlib.contextmanager
+def attention_implementation(model, name: str):
+    """Run a block with ``model``'s attention set to ``name``; the previous one is restored after."""
+    previous = model.config._attn_implementation
+    set_attention(model, name)
+    try:
+        yield
+    finally:
+        set_attention(model, previous)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from minibatch.engine import Engine, StepRecord
+from minibatch.models import set_attention
 from minibatch.metrics import measured_decode_utilization, utilization_formula
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
@@ -135,8 +136,7 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
         return engine.step().duration_s
 
     def separate() -> float:
-        if model.config._attn_implementation != "sdpa":
-            model.set_attn_implementation("sdpa")
+        set_attention(model, "sdpa")
         t0 = time.perf_counter()
         for ids in prompts:
             model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)

@@ -63,30 +63,27 @@ def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor) -> PackedBa
         ValueError: a request is scheduled for more tokens than it has.
     """
     device = kv_cache.device
-    ids, starts, seq_lens, cu_seqlens_q, logits_indices, sample_ids = [], [], [], [0], [], []
-    for s in out.scheduled:
+    ids, positions, rows, seq_lens, cu_seqlens_q, logits_indices, sample_ids = [], [], [], [], [0], [], []
+    for i, s in enumerate(out.scheduled):
         r = s.request
         start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
         if end > r.num_tokens:
             raise ValueError(f"request {r.request_id!r}: {end} tokens scheduled, only {r.num_tokens} known")
         ids += (r.prompt_token_ids if end <= r.num_prompt_tokens else r.all_token_ids)[start:end]
-        starts.append(start)
+        positions += range(start, end)
+        rows += [i] * s.num_new_tokens
         seq_lens.append(end)
         cu_seqlens_q.append(cu_seqlens_q[-1] + s.num_new_tokens)
         if end == r.num_tokens:  # the step reaches the request's last known token: sample the next one
             logits_indices.append(cu_seqlens_q[-1] - 1)
             sample_ids.append(r.request_id)
     ctx = context_slot_table([out.block_tables[s.request_id] for s in out.scheduled], seq_lens, kv_cache.shape[3])
-    # every new token: (request row, position) -> its slot
-    num_new = torch.tensor([e - b for b, e in zip(starts, seq_lens)])
-    rows = torch.repeat_interleave(torch.arange(len(seq_lens)), num_new)  # (num_tokens,)
-    positions = torch.arange(cu_seqlens_q[-1]) - torch.tensor(cu_seqlens_q[:-1]).repeat_interleave(num_new)
-    positions += torch.tensor(starts).repeat_interleave(num_new)  # (num_tokens,)
+    positions = torch.tensor(positions, dtype=torch.long, device=device)  # (num_tokens,)
     decode_indices = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
     ctx = ctx.to(device)
     meta = AttentionMetadata(
         kv_cache=kv_cache,
-        slot_mapping=ctx[rows.to(device), positions.to(device)],
+        slot_mapping=ctx[torch.tensor(rows, device=device), positions],  # each new token's (request, position)
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
         context_slots=[ctx[i, :n] for i, n in enumerate(seq_lens)],
@@ -101,7 +98,7 @@ def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor) -> PackedBa
             [seq_lens[i] for i in decode_indices], device=device)[:, None]
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=positions.to(device),
+        positions=positions,
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         sample_request_ids=sample_ids,
         attn_metadata=meta,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.models import eos_token_ids, pad_token_id
+from minibatch.models import eos_token_ids, pad_token_id, set_attention
 from minibatch.request import Request
 from minibatch.runner import attention
 from minibatch.runner.batch import build_packed_batch
@@ -67,10 +67,6 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def _use_attention(self, name: str) -> None:
-        if self.model.config._attn_implementation != name:
-            self.model.set_attn_implementation(name)
-
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -82,7 +78,7 @@ class ModelRunner:
     def _forward_packed(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         if self.kv_cache is None:
             raise RuntimeError("call allocate_kv_cache(num_blocks, block_size) before packed steps")
-        self._use_attention(attention.ATTN_IMPLEMENTATION)
+        set_attention(self.model, attention.ATTN_IMPLEMENTATION)
         batch = build_packed_batch(out, self.kv_cache)
         logits = self.model(
             input_ids=batch.input_ids[None],  # (1, num_tokens)
@@ -97,7 +93,7 @@ class ModelRunner:
         """Static batching: a padded (B, T) forward with HF's SDPA attention and DynamicCache."""
         from transformers import DynamicCache
 
-        self._use_attention("sdpa")
+        set_attention(self.model, "sdpa")
         rows = sorted(out.scheduled + out.padded, key=lambda s: s.slot)
         reqs: list[Request] = [s.request for s in rows]
         if out.new_batch:
