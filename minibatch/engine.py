@@ -55,6 +55,8 @@ class StepRecord:
     num_waiting: int
     num_running: int
     finished: list[str] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # request_id -> KV block ids this step
+    preempted: list[str] = field(default_factory=list)  # request_ids preempted this step
 
     @property
     def duration_s(self) -> float:
@@ -176,6 +178,8 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             finished=[r.request_id for r in finished],
+            block_tables={rid: list(bt) for rid, bt in out.block_tables.items()},
+            preempted=list(out.preempted),
         )
         self.trace.append(record)
         return record

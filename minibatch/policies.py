@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from minibatch.engine import Engine
-from minibatch.scheduler import OrcaScheduler, StaticScheduler
+from minibatch.scheduler import OrcaScheduler, PagedScheduler, StaticScheduler
 
-ENGINE_POLICIES = ("static", "orca")
+ENGINE_POLICIES = ("static", "orca", "paged", "paged_prefix")
 
 
 def make_engine(
@@ -15,19 +15,35 @@ def make_engine(
     *,
     max_bs: int = 8,
     n_slots: int = 4096,
-    block_size: int = 1,
+    block_size: int | None = None,
     max_wait_s: float = 1.0,
+    preemption_mode: str = "recompute",
+    watermark: float = 0.01,
 ) -> Engine:
     """An Engine running ``policy`` on ``executor`` (a ModelRunner or SimExecutor).
 
-    policy: "static" (batch_size = max_bs, padded) or "orca" (iteration-level, max_bs requests,
-    n_slots KV token slots). Raises ValueError for an unknown policy.
+    policy: "static" (batch_size = max_bs, padded), "orca" (iteration-level, max_bs requests,
+    n_slots KV token slots reserved per request at admission), "paged" (vLLM-style on-demand
+    blocks over the same n_slots, preempting by ``preemption_mode`` "recompute" or "swap") or
+    "paged_prefix" (paged with prefix caching).
+    block_size: slots per KV block; default 1 for orca (Orca's per-token slots) and 16 for paged.
+
+    Raises:
+        ValueError: an unknown policy or a bad argument.
     """
     if policy == "static":
-        scheduler = StaticScheduler(batch_size=max_bs, max_wait_s=max_wait_s)
-    elif policy == "orca":
-        scheduler = OrcaScheduler(max_bs=max_bs, n_slots=n_slots, block_size=block_size)
-        executor.allocate_kv_cache(scheduler.allocator.num_blocks, scheduler.allocator.block_size)
+        return Engine(StaticScheduler(batch_size=max_bs, max_wait_s=max_wait_s), executor, clock)
+    if policy == "orca":
+        scheduler = OrcaScheduler(max_bs=max_bs, n_slots=n_slots, block_size=block_size or 1)
+    elif policy in ("paged", "paged_prefix"):
+        block_size = block_size or 16
+        if n_slots < block_size:
+            raise ValueError(f"n_slots must be >= block_size ({block_size}), got {n_slots}")
+        scheduler = PagedScheduler(max_bs=max_bs, num_blocks=n_slots // block_size, block_size=block_size,
+                                   enable_prefix_caching=policy == "paged_prefix",
+                                   preemption_mode=preemption_mode, watermark=watermark)
     else:
         raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {policy!r}")
+    bm = scheduler.block_manager
+    executor.allocate_kv_cache(bm.num_blocks, bm.block_size, bm.num_cpu_blocks)
     return Engine(scheduler, executor, clock)

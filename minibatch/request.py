@@ -9,6 +9,7 @@ ITL and E2E.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -16,7 +17,8 @@ from dataclasses import dataclass, field
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # arrived (or not yet), no KV in the cache
     RUNNING = "running"  # admitted: holds KV slots, scheduled every step
-    PREEMPTED = "preempted"  # lost its KV (later issue: paged preemption)
+    PREEMPTED = "preempted"  # lost its KV (recompute preemption): waits to be computed again
+    SWAPPED = "swapped"  # its KV was copied to CPU memory (swap preemption): waits to come back
     FINISHED = "finished"
 
 
@@ -65,6 +67,9 @@ class Request:
         arrival_time_s: when the request reaches the server, seconds from the trace start (>= 0).
             The engine never schedules a request before this time.
         prompt_text: optional text of the prompt, for demos.
+        parent_request_id: parallel sampling (vLLM's ``n > 1``): this request samples another
+            continuation of the parent's (identical) prompt. The paged scheduler then forks the
+            parent's KV blocks (copy-on-write) instead of computing the prompt again.
 
     Raises:
         ValueError: empty prompt, max_new_tokens < 1 or arrival_time_s < 0.
@@ -76,6 +81,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time_s: float = 0.0
     prompt_text: str | None = None
+    parent_request_id: str | None = None
 
     # --- state (vLLM names) ---
     status: RequestStatus = RequestStatus.WAITING
@@ -83,6 +89,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (EOS) | "length" (max_new_tokens)
     eos_token_ids: tuple[int, ...] = ()  # filled by the engine from the model unless ignore_eos
+    num_preemptions: int = 0
 
     # --- event stamps, seconds on the engine clock ---
     first_scheduled_time_s: float | None = None
@@ -157,6 +164,7 @@ class Request:
         self.first_scheduled_time_s = None
         self.token_times_s = []
         self.finish_time_s = None
+        self.num_preemptions = 0
 
     def copy(self) -> "Request":
         """A fresh request with the same inputs and no state."""
@@ -167,4 +175,30 @@ class Request:
             sampling=self.sampling,
             arrival_time_s=self.arrival_time_s,
             prompt_text=self.prompt_text,
+            parent_request_id=self.parent_request_id,
         )
+
+
+def fork_requests(request: Request, n: int, seeds: list[int] | None = None) -> list[Request]:
+    """Parallel sampling: ``request`` plus ``n - 1`` children sampling the same prompt
+    (ids ``{id}.1`` .. ``{id}.{n-1}``, each with its own seed, default request seed + i).
+
+    Raises:
+        ValueError: n < 1, or len(seeds) != n.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if seeds is None:
+        base = request.sampling.seed or 0
+        seeds = [base + i for i in range(n)]
+    if len(seeds) != n:
+        raise ValueError(f"seeds must hold n = {n} seeds, got {len(seeds)}")
+    out = [request]
+    request.sampling = dataclasses.replace(request.sampling, seed=seeds[0])
+    for i in range(1, n):
+        child = request.copy()
+        child.request_id = f"{request.request_id}.{i}"
+        child.sampling = dataclasses.replace(request.sampling, seed=seeds[i])
+        child.parent_request_id = request.request_id
+        out.append(child)
+    return out

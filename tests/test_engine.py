@@ -164,7 +164,7 @@ def test_orca_invariants():
                 admitted_order.append(e.request_id)
     assert admitted_order == sorted(admitted_order, key=lambda i: (by_id[i].arrival_time_s, i))  # FCFS
     assert all(r.num_output_tokens == r.max_new_tokens for r in reqs)
-    assert sched.n_rsrv == 0 and sched.allocator.num_free_blocks == 120
+    assert sched.n_rsrv == 0 and sched.block_manager.num_free_blocks == 120
 
 
 def test_static_batches_are_closed():

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "minibatch_packed"
+BACKENDS = ("torch", "triton")
 
 
 @dataclass
@@ -34,6 +35,9 @@ class AttentionMetadata:
         do not write (padding).
     cu_seqlens_q: list of num_reqs + 1 offsets of each request's queries in the packed row.
     seq_lens: list of num_reqs context lengths (cached tokens + new tokens).
+    backend: "torch" (the fields below gather K/V by slot) or "triton" (the kernels read the
+        block tables: block_tables (num_reqs, max_blocks), seq_lens_tensor (num_reqs,) and
+        cu_seqlens_q_tensor (num_reqs + 1,), all int32).
     context_slots: num_reqs int64 tensors (seq_len,), the cache slots of each request's context
         in position order (derived from its block_table).
     prefill_indices: indices (into the request list) of requests with several new tokens: one
@@ -49,9 +53,13 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     cu_seqlens_q: list[int]
     seq_lens: list[int]
-    context_slots: list[torch.Tensor]
     prefill_indices: list[int]
     decode_indices: list[int]
+    backend: str = "torch"
+    block_tables: torch.Tensor | None = None
+    seq_lens_tensor: torch.Tensor | None = None
+    cu_seqlens_q_tensor: torch.Tensor | None = None
+    context_slots: list[torch.Tensor] | None = None
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
@@ -118,6 +126,8 @@ def packed_attention_forward(
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     layer = module.layer_idx
+    if m.backend == "triton":
+        return _triton_attention(m, layer, q, k, v, scale).unsqueeze(0), None
     store_kv(m.kv_cache, layer, k, v, m.slot_mapping)
     _, _, num_blocks, block_size, h_kv, d = m.kv_cache.shape
     k_flat = m.kv_cache[layer, 0].view(num_blocks * block_size, h_kv, d)
@@ -130,6 +140,20 @@ def packed_attention_forward(
         rows = m.decode_rows
         out[rows] = batched_decode_attention(q[rows], k_flat, v_flat, m.decode_slots, m.decode_mask, scale)
     return out.unsqueeze(0), None
+
+
+def _triton_attention(m: AttentionMetadata, layer: int, q, k, v, scale: float) -> torch.Tensor:
+    """The same step with the Triton kernels: scatter K/V by slot_mapping, then paged attention
+    reading the cache through the block tables. An all-decode step uses the decode kernel;
+    a step with any prefill runs every request through the prefill kernel (q_len 1 included)."""
+    from minibatch import kernels
+
+    kernels.store_kv(m.kv_cache, layer, k, v, m.slot_mapping)
+    if not m.prefill_indices:
+        return kernels.paged_decode_attention(q, m.kv_cache, layer, m.block_tables, m.seq_lens_tensor, scale)
+    max_q_len = max(b - a for a, b in zip(m.cu_seqlens_q, m.cu_seqlens_q[1:]))
+    return kernels.paged_prefill_attention(q, m.kv_cache, layer, m.block_tables, m.seq_lens_tensor,
+                                           m.cu_seqlens_q_tensor, scale, max_q_len)
 
 
 def batched_decode_attention(

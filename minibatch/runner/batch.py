@@ -40,24 +40,38 @@ class PackedBatch:
     attn_metadata: AttentionMetadata
 
 
-def context_slot_table(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
-    """(num_reqs, max_seq_len) int64: the cache slot of every context position of every request;
-    positions at or past a request's seq_len hold slot 0 (masked out by the caller)."""
-    max_len = max(seq_lens)
-    max_blocks = -(-max_len // block_size)
+def block_table_tensor(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
+    """(num_reqs, max_blocks) int64: each request's block_table, cut to the blocks its seq_len
+    uses and right-padded with block 0.
+
+    Raises:
+        ValueError: a block_table too short for its seq_len (it would alias another request's KV).
+    """
+    max_blocks = -(-max(seq_lens) // block_size)
     table = torch.zeros((len(block_tables), max_blocks), dtype=torch.long)
     for i, (bt, seq_len) in enumerate(zip(block_tables, seq_lens)):
-        if len(bt) * block_size < seq_len:  # a missing block would alias another request's KV
+        if len(bt) * block_size < seq_len:
             raise ValueError(f"block_table of request {i} holds {len(bt)} blocks, {seq_len} tokens need more")
         n = min(len(bt), max_blocks)
         table[i, :n] = torch.tensor(bt[:n], dtype=torch.long)
-    pos = torch.arange(max_len)
+    return table
+
+
+def context_slot_table(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
+    """(num_reqs, max_seq_len) int64: the cache slot of every context position of every request;
+    positions at or past a request's seq_len hold slot 0 (masked out by the caller)."""
+    table = block_table_tensor(block_tables, seq_lens, block_size)
+    pos = torch.arange(max(seq_lens))
     slots = table[:, pos // block_size] * block_size + pos % block_size  # (num_reqs, max_seq_len)
     return slots.masked_fill(pos[None, :] >= torch.tensor(seq_lens)[:, None], 0)
 
 
-def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor) -> PackedBatch:
+def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor, backend: str = "torch") -> PackedBatch:
     """Pack all scheduled tokens of ``out`` into one row. kv_cache: (L, 2, num_blocks, block_size, H_kv, D).
+
+    backend "torch" gets each request's context slots (its K/V are gathered by slot); "triton"
+    gets the block tables, seq_lens and cu_seqlens_q as int32 tensors (the kernels walk the
+    block table themselves).
 
     Raises:
         ValueError: a request is scheduled for more tokens than it has.
@@ -77,25 +91,34 @@ def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor) -> PackedBa
         if end == r.num_tokens:  # the step reaches the request's last known token: sample the next one
             logits_indices.append(cu_seqlens_q[-1] - 1)
             sample_ids.append(r.request_id)
-    ctx = context_slot_table([out.block_tables[s.request_id] for s in out.scheduled], seq_lens, kv_cache.shape[3])
+    block_size = kv_cache.shape[3]
+    tables = [out.block_tables[s.request_id] for s in out.scheduled]
     positions = torch.tensor(positions, dtype=torch.long, device=device)  # (num_tokens,)
+    bt = block_table_tensor(tables, seq_lens, block_size).to(device)  # (num_reqs, max_blocks)
+    rows = torch.tensor(rows, dtype=torch.long, device=device)  # each new token's request
     decode_indices = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
-    ctx = ctx.to(device)
     meta = AttentionMetadata(
         kv_cache=kv_cache,
-        slot_mapping=ctx[torch.tensor(rows, device=device), positions],  # each new token's (request, position)
+        slot_mapping=bt[rows, positions // block_size] * block_size + positions % block_size,
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
-        context_slots=[ctx[i, :n] for i, n in enumerate(seq_lens)],
         prefill_indices=[i for i, s in enumerate(out.scheduled) if s.num_new_tokens > 1],
         decode_indices=decode_indices,
+        backend=backend,
     )
-    if decode_indices:  # the decodes' rows of the table, right-padded, and which entries are real
-        max_len = max(seq_lens[i] for i in decode_indices)
-        meta.decode_rows = torch.tensor([cu_seqlens_q[i] for i in decode_indices], device=device)
-        meta.decode_slots = ctx[decode_indices, :max_len]
-        meta.decode_mask = torch.arange(max_len, device=device)[None, :] < torch.tensor(
-            [seq_lens[i] for i in decode_indices], device=device)[:, None]
+    if backend == "triton":
+        meta.block_tables = bt.to(torch.int32)
+        meta.seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        meta.cu_seqlens_q_tensor = torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device)
+    else:
+        ctx = context_slot_table(tables, seq_lens, block_size).to(device)  # (num_reqs, max_seq_len)
+        meta.context_slots = [ctx[i, :n] for i, n in enumerate(seq_lens)]
+        if decode_indices:  # the decodes' rows of the table, right-padded, and which entries are real
+            max_len = max(seq_lens[i] for i in decode_indices)
+            meta.decode_rows = torch.tensor([cu_seqlens_q[i] for i in decode_indices], device=device)
+            meta.decode_slots = ctx[decode_indices, :max_len]
+            meta.decode_mask = torch.arange(max_len, device=device)[None, :] < torch.tensor(
+                [seq_lens[i] for i in decode_indices], device=device)[:, None]
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=positions,

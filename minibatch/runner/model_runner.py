@@ -29,6 +29,12 @@ class ModelRunner:
     Args:
         model: e.g. from ``minibatch.load_model``.
         tokenizer: optional, used for pad/eos ids and by demos.
+        attention_backend: "torch" (gather K/V by block table, SDPA; the reference) or "triton"
+            (``minibatch.kernels``: store_kv and paged attention kernels; on CPU they run under
+            the Triton interpreter, slowly).
+
+    Raises:
+        ValueError: an unknown attention_backend.
 
     Attributes:
         kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), made by
@@ -37,7 +43,7 @@ class ModelRunner:
         max_model_len: the model's context limit (max_position_embeddings).
     """
 
-    def __init__(self, model, tokenizer=None):
+    def __init__(self, model, tokenizer=None, attention_backend: str = "torch"):
         self.model = model.eval()
         self.tokenizer = tokenizer
         cfg = model.config
@@ -51,17 +57,35 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids(model)
         self.pad_token_id = pad_token_id(model)
         self.kv_cache: torch.Tensor | None = None
+        self.cpu_kv_cache: torch.Tensor | None = None
+        self.attention_backend = attention_backend
         self.sampler = Sampler()
         self._static: dict | None = None  # the running padded batch (static batching)
+        if attention_backend not in attention.BACKENDS:
+            raise ValueError(f"attention_backend must be one of {attention.BACKENDS}, got {attention_backend!r}")
         attention.register()
 
     # ------------------------------------------------------------------ KV memory
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        """(Re)allocate the packed layout's KV tensors if the geometry changed."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        """(Re)allocate the packed layout's KV tensors if the geometry changed, plus
+        ``num_cpu_blocks`` blocks of CPU memory for swapping (pinned when the model is on CUDA)."""
         shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         if self.kv_cache is None or tuple(self.kv_cache.shape) != shape:
             self.kv_cache = None  # free the old one first
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        cpu_shape = (self.num_layers, 2, num_cpu_blocks, block_size, self.num_kv_heads, self.head_dim)
+        if self.cpu_kv_cache is None or tuple(self.cpu_kv_cache.shape) != cpu_shape:
+            self.cpu_kv_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """The step's block copies, before its forward: swap-outs (GPU -> CPU), swap-ins
+        (CPU -> GPU), then copy-on-write copies (GPU -> GPU). Blocks are moved whole, all layers."""
+        for pairs, src, dst in ((out.blocks_to_swap_out, self.kv_cache, self.cpu_kv_cache),
+                                (out.blocks_to_swap_in, self.cpu_kv_cache, self.kv_cache),
+                                (out.blocks_to_copy, self.kv_cache, self.kv_cache)):
+            if pairs:
+                s, d = zip(*pairs)
+                dst[:, :, list(d)] = src[:, :, list(s)].to(dst.device, non_blocking=True)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -71,6 +95,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns request_id -> sampled token for requests that get a token."""
+        self.move_blocks(out)
         logits, request_ids = self._forward_padded(out) if out.is_padded_batch else self._forward_packed(out)
         by_id = {s.request_id: s.request for s in out.scheduled}
         return self.sampler.sample_batch(request_ids, logits, [by_id[rid].sampling for rid in request_ids])
@@ -79,7 +104,7 @@ class ModelRunner:
         if self.kv_cache is None:
             raise RuntimeError("call allocate_kv_cache(num_blocks, block_size) before packed steps")
         set_attention(self.model, attention.ATTN_IMPLEMENTATION)
-        batch = build_packed_batch(out, self.kv_cache)
+        batch = build_packed_batch(out, self.kv_cache, self.attention_backend)
         logits = self.model(
             input_ids=batch.input_ids[None],  # (1, num_tokens)
             position_ids=batch.positions[None],  # (1, num_tokens)
@@ -143,7 +168,7 @@ class SimExecutor:
                 sampled[r.request_id] = (7919 * r.num_tokens + len(r.request_id)) % self.vocab_size
         return sampled
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         pass
 
     def free(self, request_ids: list[str]) -> None:

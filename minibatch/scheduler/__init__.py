@@ -2,6 +2,7 @@
 
 from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
 from minibatch.scheduler.orca import OrcaScheduler
+from minibatch.scheduler.paged import PagedScheduler
 from minibatch.scheduler.static import StaticScheduler
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "OrcaScheduler", "StaticScheduler"]
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "OrcaScheduler", "PagedScheduler", "StaticScheduler"]

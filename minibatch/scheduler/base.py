@@ -48,6 +48,11 @@ class SchedulerOutput:
         differently (static batching's max wait), or None.
     block_tables: request_id -> the request's KV block ids (packed batches; the runner turns
         them into slot_mapping).
+    blocks_to_copy: copy-on-write (src_block, dst_block) pairs the runner copies before the forward.
+    blocks_to_swap_out: (gpu_block, cpu_block) pairs of requests preempted by swap this step;
+        blocks_to_swap_in: (cpu_block, gpu_block) pairs of requests coming back. The runner does
+        swap-outs first, then swap-ins, then copies, then the forward.
+    preempted: request_ids preempted this step (by recompute or swap).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -58,6 +63,10 @@ class SchedulerOutput:
     num_idle_slots: int = 0
     wake_time_s: float | None = None
     block_tables: dict[str, list[int]] = field(default_factory=dict)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -80,6 +89,13 @@ class Scheduler:
     def __init__(self):
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.slots: dict[str, int] = {}  # request_id -> batch slot (Gantt row) of running requests
+
+    def take_slot(self, request_id: str) -> int:
+        """Give a newly running request the lowest free batch slot (its Gantt row)."""
+        used = set(self.slots.values())
+        self.slots[request_id] = next(i for i in range(len(used) + 1) if i not in used)
+        return self.slots[request_id]
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)

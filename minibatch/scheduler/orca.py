@@ -21,7 +21,7 @@ A request's slots are released when it finishes, and new requests join at any it
 
 from __future__ import annotations
 
-from minibatch.kv.allocator import BlockAllocator
+from minibatch.kv.block_manager import BlockManager
 from minibatch.request import Request, RequestStatus
 from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
 
@@ -51,14 +51,12 @@ class OrcaScheduler(Scheduler):
         if n_slots < block_size:
             raise ValueError(f"n_slots must be >= block_size ({block_size}), got {n_slots}")
         self.max_bs = max_bs
-        self.allocator = BlockAllocator(n_slots // block_size, block_size)
-        self.n_slots = self.allocator.num_slots
+        self.block_manager = BlockManager(n_slots // block_size, block_size)
+        self.n_slots = self.block_manager.num_slots
         self.n_rsrv = 0
-        self.block_tables: dict[str, list[int]] = {}
-        self.slots: dict[str, int] = {}  # request_id -> batch slot (Gantt row)
 
     def _reservation(self, request: Request) -> int:
-        return self.allocator.num_blocks_for(request.max_num_tokens) * self.allocator.block_size
+        return self.block_manager.num_blocks_for(request.max_num_tokens) * self.block_manager.block_size
 
     def check_request(self, request: Request) -> None:
         if self._reservation(request) > self.n_slots:
@@ -78,10 +76,8 @@ class OrcaScheduler(Scheduler):
                 break
             self.n_rsrv = new_n_rsrv
             self.waiting.pop(0)
-            self.block_tables[req.request_id] = self.allocator.allocate(
-                self.allocator.num_blocks_for(req.max_num_tokens)
-            )
-            self.slots[req.request_id] = min(set(range(self.max_bs)) - set(self.slots.values()))
+            self.block_manager.allocate_slots(req, req.max_num_tokens)  # all blocks it can ever need
+            self.take_slot(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.append(req)
@@ -97,7 +93,7 @@ class OrcaScheduler(Scheduler):
         return SchedulerOutput(
             scheduled=scheduled,
             num_idle_slots=self.max_bs - len(batch),
-            block_tables={r.request_id: self.block_tables[r.request_id] for r in batch},
+            block_tables={r.request_id: self.block_manager.block_tables[r.request_id] for r in batch},
         )
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -108,7 +104,7 @@ class OrcaScheduler(Scheduler):
 
     def _release(self, r: Request) -> None:
         self.running.remove(r)
-        self.allocator.free(self.block_tables.pop(r.request_id))
+        self.block_manager.free(r.request_id)
         self.n_rsrv -= self._reservation(r)
         del self.slots[r.request_id]
 
