@@ -1,20 +1,29 @@
 """minibatch: LLM serving techniques on real Hugging Face models, small enough to read.
 
 One engine (``Engine.step() = schedule -> execute -> clock -> update -> record``) and
-switchable schedulers: static batching, Orca iteration-level batching, ...
+switchable schedulers: static batching, Orca iteration-level batching, paged KV (vLLM), ...
 """
 
 __version__ = "0.1.0"
+
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    # Our Triton kernels run on CPU under Triton's interpreter, which must be switched on before
+    # anything (transformers included) first imports triton: see minibatch/kernels/__init__.py.
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from minibatch.engine import Engine, StepEntry, StepRecord, TokenEvent
 from minibatch.policies import ENGINE_POLICIES, make_engine
 from minibatch.request import Request, RequestStatus, SamplingParams
 from minibatch.runner import ModelRunner, SimExecutor
-from minibatch.scheduler import OrcaScheduler, StaticScheduler
+from minibatch.scheduler import OrcaScheduler, PagedScheduler, StaticScheduler
 from minibatch.sim.clock import CostModel, SimClock, WallClock, make_clock
 
 __all__ = [
     "Engine", "StepEntry", "StepRecord", "TokenEvent", "ENGINE_POLICIES", "make_engine",
     "Request", "RequestStatus", "SamplingParams", "ModelRunner", "SimExecutor",
-    "OrcaScheduler", "StaticScheduler", "CostModel", "SimClock", "WallClock", "make_clock",
+    "OrcaScheduler", "PagedScheduler", "StaticScheduler", "CostModel", "SimClock", "WallClock", "make_clock",
 ]
