@@ -11,7 +11,7 @@ from minibatch.compare import ALL_POLICIES, CompareConfig, run_compare
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minibatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compare", help="run one trace through static, orca and the Hugging Face baselines")
+    c = sub.add_parser("compare", help="run one trace through static, orca, paged and the Hugging Face baselines")
     d = CompareConfig()
     c.add_argument("--model", default=d.model,
                    help="smollm2-135m (offline default), tiny-random-llama, tiny-random-gpt2, a local dir or a hub id")
@@ -31,6 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--output-scale", type=float, default=d.output_scale,
                    help="multiply ShareGPT output lengths by this before clipping (keeps their spread)")
     c.add_argument("--n-slots", type=int, default=None, help="KV token slots (default: batch-size x longest request, the memory a padded static batch needs)")
+    c.add_argument("--block-size", type=int, default=d.block_size, help="paged policies: KV block size in tokens")
+    c.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"],
+                   help="paged policies: what happens to a request preempted when KV blocks run out")
+    c.add_argument("--orca-reservation", default=d.orca_reservation, choices=["oracle", "max"],
+                   help="orca: reserve prompt + the trace's output length (oracle, its best case) or "
+                        "prompt + --max-output-len (max: a server that cannot know when EOS comes)")
+    c.add_argument("--attention-backend", default=d.attention_backend, choices=["torch", "triton"],
+                   help="our packed attention: torch reference or Triton kernels (interpreted, slow, on CPU)")
     c.add_argument("--slo-ttft-s", type=float, default=d.slo_ttft_s, help="goodput: TTFT objective, seconds")
     c.add_argument("--slo-tpot-s", type=float, default=d.slo_tpot_s, help="goodput: TPOT objective, seconds")
     c.add_argument("--no-reference", action="store_true", help="skip the per-request HF generate check")
@@ -50,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                 trace=args.trace, policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
                 clock=args.clock, seed=args.seed, batch_size=args.batch_size, max_bs=args.max_bs, max_wait_s=args.max_wait_s,
                 max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
-                output_scale=args.output_scale, n_slots=args.n_slots,
+                output_scale=args.output_scale, n_slots=args.n_slots, block_size=args.block_size,
+                preemption_mode=args.preemption_mode, attention_backend=args.attention_backend,
+                orca_reservation=args.orca_reservation,
                 slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                 check_reference=not args.no_reference, json_path=args.json_path,
                 figures_dir=args.figures_dir or None, progress=not args.no_progress,

@@ -45,6 +45,10 @@ class CompareConfig:
     max_output_len: int = 256
     output_scale: float = 0.25  # ShareGPT output lengths x this: CPU-sized, same spread
     n_slots: int | None = None  # KV token slots; default batch_size * the longest request (see kv_slots)
+    block_size: int = 16  # paged policies' KV block size (orca keeps Orca's per-token slots)
+    preemption_mode: str = "recompute"  # paged policies: "recompute" or "swap"
+    attention_backend: str = "torch"  # "torch" or "triton" (our packed attention)
+    orca_reservation: str = "oracle"  # "oracle": prompt + the trace's output length; "max": prompt + max_output_len
     check_reference: bool = True
     slo_ttft_s: float | None = 2.0  # goodput counts requests meeting every SLO given
     slo_tpot_s: float | None = 0.5
@@ -74,6 +78,14 @@ class CompareConfig:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.n_slots is not None and self.n_slots < 1:
             raise ValueError(f"--n-slots must be >= 1, got {self.n_slots}")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"--preemption-mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.orca_reservation not in ("oracle", "max"):
+            raise ValueError(f"--orca-reservation must be 'oracle' or 'max', got {self.orca_reservation!r}")
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(f"--attention-backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         for name in ("max_prompt_len", "max_output_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -161,6 +173,9 @@ def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Re
             policy, runner, make_clock(cfg.clock, runner.device),
             max_bs=cfg.batch_size if policy == "static" else cfg.max_bs,
             n_slots=kv_slots(cfg, reqs), max_wait_s=cfg.max_wait_s,
+            block_size=cfg.block_size if policy.startswith("paged") else None,
+            preemption_mode=cfg.preemption_mode,
+            reserve_new_tokens=cfg.max_output_len if cfg.orca_reservation == "max" else None,
         )
         return engine.generate(reqs, progress=cfg.progress), engine
     if policy == "hf_generate":
@@ -183,7 +198,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     num_output = sum(r.max_new_tokens for r in requests)
     print(f"trace: {len(requests)} requests, {num_prompt} prompt + {num_output} output tokens, "
           f"arrivals over {requests[-1].arrival_time_s:.1f} s")
-    runner = ModelRunner(model, tokenizer)
+    runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend)
     too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]
     if too_long:  # fail before minutes of reference runs, never drop the requests silently
         raise ValueError(f"requests {too_long} need more than max_model_len = {runner.max_model_len} tokens")
@@ -192,6 +207,9 @@ def run_compare(cfg: CompareConfig) -> dict:
 
     result = {"command": cfg.command, "environment": environment(), "model": cfg.model, "num_requests": len(requests), "clock": cfg.clock,
               "batch_size": cfg.batch_size, "max_bs": cfg.max_bs, "n_slots": kv_slots(cfg, requests),
+              "block_size": cfg.block_size, "preemption_mode": cfg.preemption_mode,
+              "orca_reservation": cfg.orca_reservation,
+              "attention_backend": cfg.attention_backend,
               "seed": cfg.seed, "policies": {}}
     runs = {}
     for policy in cfg.policies:
@@ -203,6 +221,9 @@ def run_compare(cfg: CompareConfig) -> dict:
         entry["matches_reference"] = matches_reference(reqs, refs) if cfg.check_reference else None
         entry["clock"] = cfg.clock if engine else "wall"
         entry["run_time_s"] = round(time.perf_counter() - t, 3)
+        bm = getattr(engine.scheduler, "block_manager", None) if engine else None
+        if bm is not None and bm.enable_prefix_caching:
+            entry["prefix_cache_hit_rate"] = bm.prefix_cache_hit_rate
         result["policies"][policy] = entry
 
     print_table(result)
@@ -232,7 +253,8 @@ def print_table(result: dict) -> None:
     cols = [("output_throughput_tok_s", "out tok/s", "{:.1f}"), ("total_throughput_tok_s", "total tok/s", "{:.1f}"),
             ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
             ("tpot_p50_s", "TPOT p50 s", "{:.4f}"), ("e2e_p50_s", "E2E p50 s", "{:.3f}"),
-            ("goodput_req_s", "goodput r/s", "{:.3f}"),
+            ("goodput_req_s", "goodput r/s", "{:.3f}"), ("kv_waste_fraction", "KV waste", "{:.1%}"),
+            ("max_num_running", "max running", "{}"), ("num_preemptions", "preempted", "{}"),
             ("matches_reference", "matches ref", "{}"), ("clock", "clock", "{}")]
     header = f"{'policy':<18}" + "".join(f"{c[1]:>13}" for c in cols)
     print(header)
@@ -241,21 +263,30 @@ def print_table(result: dict) -> None:
         cells = [fmt.format(entry.get(key)) if entry.get(key) is not None else "-" for key, _, fmt in cols]
         print(f"{name:<18}" + "".join(f"{c:>13}" for c in cells))
     p = result["policies"]
-    if "orca" in p and "static" in p:
-        print(f"orca / static output throughput: {p['orca']['output_throughput_tok_s'] / p['static']['output_throughput_tok_s']:.2f}x")
+    for a, b in (("orca", "static"), ("paged", "orca"), ("paged_prefix", "paged")):
+        if a in p and b in p:
+            ratio = p[a]["output_throughput_tok_s"] / p[b]["output_throughput_tok_s"]
+            print(f"{a} / {b} output throughput: {ratio:.2f}x")
 
 
 def save_figures(runs: dict, figures_dir: str) -> list[str]:
     """Gantt charts of our engines' schedules, latency CDFs and throughput/latency bars."""
     import matplotlib.pyplot as plt
 
-    from minibatch.viz import compare_gantt, latency_cdf, save, throughput_latency_bars
+    from minibatch.viz import compare_gantt, kv_block_map, latency_cdf, save, throughput_latency_bars
 
     paths = []
     engines = {name: eng.trace for name, (_, eng, _) in runs.items() if eng is not None}
     if engines:
         fig = compare_gantt(engines, rows="slot", x="time")
         paths.append(save(fig, "compare_gantt", figures_dir))
+        plt.close(fig)
+    paged = {name: eng for name, (_, eng, _) in runs.items() if eng is not None and name.startswith("paged")}
+    if paged:
+        fig, axes = plt.subplots(1, len(paged), figsize=(6 * len(paged), 4), layout="constrained", squeeze=False)
+        for ax, (name, eng) in zip(axes[0], paged.items()):
+            kv_block_map(eng.trace, eng.scheduler.block_manager.num_blocks, ax=ax, title=f"{name}: KV blocks per step")
+        paths.append(save(fig, "compare_kv_block_map", figures_dir))
         plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     latency_cdf({n: r for n, (r, _, _) in runs.items()}, metric="ttft", ax=axes[0])

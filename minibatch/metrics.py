@@ -147,6 +147,8 @@ class BenchmarkSummary:
     slot_utilization: float | None = None
     mean_batch_size: float | None = None
     kv_waste_fraction: float | None = None
+    max_num_running: int | None = None  # the most requests running at once (concurrency)
+    num_preemptions: int | None = None
 
     def to_dict(self) -> dict:
         """A JSON-ready dict (plain floats; the SLO as a dict or None)."""
@@ -212,6 +214,8 @@ def summarize(requests: list[Request], trace: list[StepRecord] | None = None,
         summary.slot_utilization = slot_utilization(trace)
         summary.mean_batch_size = mean_batch_size(trace)
         summary.kv_waste_fraction = kv_waste_fraction(trace)
+        summary.max_num_running = max((r.num_running for r in trace), default=0)
+        summary.num_preemptions = sum(len(r.preempted) for r in trace)
     return summary
 
 

@@ -19,6 +19,7 @@ def make_engine(
     max_wait_s: float = 1.0,
     preemption_mode: str = "recompute",
     watermark: float = 0.01,
+    reserve_new_tokens: int | None = None,
 ) -> Engine:
     """An Engine running ``policy`` on ``executor`` (a ModelRunner or SimExecutor).
 
@@ -27,6 +28,7 @@ def make_engine(
     blocks over the same n_slots, preempting by ``preemption_mode`` "recompute" or "swap") or
     "paged_prefix" (paged with prefix caching).
     block_size: slots per KV block; default 1 for orca (Orca's per-token slots) and 16 for paged.
+    reserve_new_tokens: orca only: reserve prompt + max(max_new_tokens, this) ("Orca (Max)").
 
     Raises:
         ValueError: an unknown policy or a bad argument.
@@ -34,7 +36,8 @@ def make_engine(
     if policy == "static":
         return Engine(StaticScheduler(batch_size=max_bs, max_wait_s=max_wait_s), executor, clock)
     if policy == "orca":
-        scheduler = OrcaScheduler(max_bs=max_bs, n_slots=n_slots, block_size=block_size or 1)
+        scheduler = OrcaScheduler(max_bs=max_bs, n_slots=n_slots, block_size=block_size or 1,
+                                  reserve_new_tokens=reserve_new_tokens)
     elif policy in ("paged", "paged_prefix"):
         block_size = block_size or 16
         if n_slots < block_size:

@@ -44,12 +44,32 @@ def test_sim_clock_run_is_deterministic(tmp_path):
     assert results[0] == results[1]
 
 
+def test_compare_paged_policies(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    main(["compare", "--model", "tiny-random-llama", "--num-requests", "8", "--rate", "50",
+          "--max-output-len", "12", "--max-prompt-len", "24", "--no-progress", "--n-slots", "96", "--block-size", "4",
+          "--policies", "orca,paged,paged_prefix", "--orca-reservation", "max", "--preemption-mode", "swap",
+          "--json", str(out), "--figures-dir", str(tmp_path / "fig")])
+    result = json.loads(out.read_text())
+    assert result["orca_reservation"] == "max" and result["preemption_mode"] == "swap"
+    p = result["policies"]
+    assert all(entry["matches_reference"] is True for entry in p.values())
+    assert p["paged"]["kv_waste_fraction"] < p["orca"]["kv_waste_fraction"]
+    assert p["paged"]["max_num_running"] > p["orca"]["max_num_running"]
+    assert 0 <= p["paged_prefix"]["prefix_cache_hit_rate"] <= 1
+    assert (tmp_path / "fig" / "compare_kv_block_map.png").is_file()
+    assert "paged / orca output throughput" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policies", "static,fancy"], "--policies"),
     (["--num-requests", "0"], "--num-requests"),
     (["--rate", "-1"], "--rate"),
     (["--clock", "sundial"], "--clock"),
     (["--max-bs", "0"], "--max-bs"),
+    (["--block-size", "0"], "--block-size"),
+    (["--preemption-mode", "drop"], "--preemption-mode"),
+    (["--orca-reservation", "psychic"], "--orca-reservation"),
     (["--trace", "/no/such/file.json"], "--trace"),
     (["--model", "no-such-model"], "unknown model"),
 ])

@@ -206,3 +206,19 @@ def test_bad_input_is_rejected_with_a_clear_error():
     with pytest.raises(ValueError, match="already added"):
         engine.add_request(Request("a", [1], 1))
         engine.add_request(Request("a", [1], 1))
+
+
+def test_orca_max_reservation_reserves_the_cap():
+    """reserve_new_tokens: vLLM's "Orca (Max)": prompt + the cap, whatever the request's own length."""
+    sched = OrcaScheduler(max_bs=8, n_slots=100, reserve_new_tokens=40)
+    engine = Engine(sched, SimExecutor(), SimClock())
+    reqs = [Request(f"r{i}", [1] * 10, 5, GREEDY) for i in range(3)]
+    for r in reqs:
+        engine.add_request(r)
+    record = engine.step()
+    assert sched.n_rsrv == 2 * 50 and record.num_running == 2  # a third 50-slot reservation does not fit
+    engine.generate([])
+    assert all(r.num_output_tokens == 5 for r in reqs)
+    with pytest.raises(ValueError, match="reserve_new_tokens"):
+        OrcaScheduler(reserve_new_tokens=0)
+

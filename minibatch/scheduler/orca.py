@@ -14,6 +14,11 @@ Algorithm 1, for one engine (no pipeline, so every admitted request runs every i
             batch = batch ∪ {req}
         return batch, n_rsrv
 
+Which max_tokens? On our traces a request's max_new_tokens is exactly its output length
+(ignore_eos), so by default Orca reserves what it will really use: vLLM's "Orca (Oracle)"
+baseline (Kwon et al. SOSP'23 §6.1). A real server cannot know when EOS comes; it reserves up to
+its cap on max_tokens: pass ``reserve_new_tokens`` = that cap for vLLM's "Orca (Max)".
+
 Reserving max_tokens slots at admission means a running request never runs out of KV memory
 mid-generation (Orca §4.2); the price is reserved-but-unused slots, which paged KV removes.
 A request's slots are released when it finishes, and new requests join at any iteration.
@@ -35,6 +40,8 @@ class OrcaScheduler(Scheduler):
         block_size: slots per KV block (1 = Orca's per-token reservation, exactly Alg. 1).
             With block_size > 1 a reservation is rounded up to whole blocks and n_rsrv counts
             the rounded slots; n_slots is rounded down to whole blocks.
+        reserve_new_tokens: reserve prompt + max(max_new_tokens, this) per request ("Orca (Max)"
+            with this cap); None reserves prompt + max_new_tokens ("Orca (Oracle)" on our traces).
 
     Raises:
         ValueError: a bad argument; ``check_request`` for a request larger than n_slots.
@@ -42,7 +49,8 @@ class OrcaScheduler(Scheduler):
 
     name = "orca"
 
-    def __init__(self, max_bs: int = 8, n_slots: int = 16384, block_size: int = 1):
+    def __init__(self, max_bs: int = 8, n_slots: int = 16384, block_size: int = 1,
+                 reserve_new_tokens: int | None = None):
         super().__init__()
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -50,19 +58,25 @@ class OrcaScheduler(Scheduler):
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
         if n_slots < block_size:
             raise ValueError(f"n_slots must be >= block_size ({block_size}), got {n_slots}")
+        if reserve_new_tokens is not None and reserve_new_tokens < 1:
+            raise ValueError(f"reserve_new_tokens must be >= 1 or None, got {reserve_new_tokens}")
         self.max_bs = max_bs
+        self.reserve_new_tokens = reserve_new_tokens
         self.block_manager = BlockManager(n_slots // block_size, block_size)
         self.n_slots = self.block_manager.num_slots
         self.n_rsrv = 0
 
+    def _reservation_tokens(self, request: Request) -> int:
+        return request.num_prompt_tokens + max(request.max_new_tokens, self.reserve_new_tokens or 0)
+
     def _reservation(self, request: Request) -> int:
-        return self.block_manager.num_blocks_for(request.max_num_tokens) * self.block_manager.block_size
+        return self.block_manager.num_blocks_for(self._reservation_tokens(request)) * self.block_manager.block_size
 
     def check_request(self, request: Request) -> None:
         if self._reservation(request) > self.n_slots:
             raise ValueError(
-                f"request {request.request_id!r} needs {request.max_num_tokens} KV slots "
-                f"(prompt + max_new_tokens); n_slots is {self.n_slots}"
+                f"request {request.request_id!r} reserves {self._reservation_tokens(request)} KV slots "
+                f"(prompt + max_new_tokens, or the reserve_new_tokens cap); n_slots is {self.n_slots}"
             )
 
     def schedule(self, now_s: float) -> SchedulerOutput:
@@ -76,7 +90,7 @@ class OrcaScheduler(Scheduler):
                 break
             self.n_rsrv = new_n_rsrv
             self.waiting.pop(0)
-            self.block_manager.allocate_slots(req, req.max_num_tokens)  # all blocks it can ever need
+            self.block_manager.allocate_slots(req, self._reservation_tokens(req))  # all it can ever need
             self.take_slot(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -13,7 +13,7 @@ next token. Then the scheduler *preempts* (§4.5) the most recently admitted req
 One step:
 
     1. running requests, oldest first: make room for each one's next token, preempting from
-       the newest end while there is none;
+       the newest end (latest arrival) while there is none;
     2. if nothing was preempted: swapped-out requests come back (oldest first);
     3. if nothing was preempted and nobody is swapped out: admit waiting requests FCFS while
        their prompt fits above the watermark (prefix-cache hits need no new blocks; a parallel
@@ -67,6 +67,7 @@ class PagedScheduler(Scheduler):
                                           watermark=watermark, num_cpu_blocks=num_cpu_blocks)
         self.swapped: list[Request] = []
         self.num_preemptions = 0
+        self._arrival_order: dict[str, int] = {}  # request_id -> order of arrival (FCFS priority)
         if enable_prefix_caching:
             self.name = "paged_prefix"
 
@@ -84,18 +85,25 @@ class PagedScheduler(Scheduler):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def add_request(self, request: Request) -> None:
+        self._arrival_order[request.request_id] = len(self._arrival_order)
+        super().add_request(request)
+
     # ------------------------------------------------------------------ one step
     def schedule(self, now_s: float) -> SchedulerOutput:
         bm = self.block_manager
         out = SchedulerOutput()
         batch: list[Request] = []
 
-        # 1. running requests: room for each one's new tokens, preempting the newest if needed
+        # 1. running requests: room for each one's new tokens, preempting the newest if needed.
+        # "Newest" is by arrival (vLLM v0's FCFS priority): a request preempted and admitted again
+        # keeps its place, or it would be the next victim every time and starve.
+        self.running.sort(key=lambda r: self._arrival_order[r.request_id])
         queue = list(self.running)
         while queue:
             req = queue.pop(0)
             while (copies := bm.allocate_slots(req, req.num_tokens - req.num_computed_tokens)) is None:
-                victim = queue.pop() if queue else req  # the most recently admitted request
+                victim = queue.pop() if queue else req  # the latest arrival still running
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -182,12 +190,17 @@ class PagedScheduler(Scheduler):
         if self.preemption_mode == "swap" and bm.can_swap_out(req.request_id):
             out.blocks_to_swap_out += bm.swap_out(req.request_id)
             req.status = RequestStatus.SWAPPED
-            self.swapped.insert(0, req)  # victims go newest first, so the oldest ends up in front
+            self._insert_by_arrival(self.swapped, req)
         else:
             bm.free(req.request_id)
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
-            self.waiting.insert(0, req)
+            self._insert_by_arrival(self.waiting, req)  # ahead of every later arrival
+
+    def _insert_by_arrival(self, queue: list[Request], req: Request) -> None:
+        order = self._arrival_order
+        i = next((i for i, r in enumerate(queue) if order[r.request_id] > order[req.request_id]), len(queue))
+        queue.insert(i, req)
 
     # ------------------------------------------------------------------ after the forward
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
