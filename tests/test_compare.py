@@ -46,7 +46,7 @@ def test_sim_clock_run_is_deterministic(tmp_path):
 
 def test_compare_paged_policies(tmp_path, capsys):
     out = tmp_path / "r.json"
-    main(["compare", "--model", "tiny-random-llama", "--num-requests", "8", "--rate", "50",
+    main(["compare", "--model", "tiny-random-llama", "--num-requests", "8", "--arrival", "zero", "--clock", "sim",
           "--max-output-len", "12", "--max-prompt-len", "24", "--no-progress", "--n-slots", "96", "--block-size", "4",
           "--policies", "orca,paged,paged_prefix", "--orca-reservation", "max", "--preemption-mode", "swap",
           "--json", str(out), "--figures-dir", str(tmp_path / "fig")])

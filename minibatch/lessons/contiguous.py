@@ -1,6 +1,6 @@
-"""Why a paged KV cache: the contiguous allocator it replaces (notebook 03, the contrast lesson).
+"""Why a paged KV cache: the contiguous allocator it replaces (notebook 04, the contrast lesson).
 
-vLLM (Kwon et al., SOSP'23, §2.3 "Memory Challenges", §3) names three wastes of a server that
+vLLM (Kwon et al., SOSP'23, §3 "Memory Challenges in LLM Serving", §3.1) names three wastes of a server that
 stores each request's KV cache in one contiguous chunk of memory:
 
 * reservation: the chunk is sized for prompt + max_new_tokens up front, so slots for tokens not
@@ -36,7 +36,7 @@ _LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 
 class FragmentationError(RuntimeError):
     """Enough slots are free in total, but no single free extent is long enough: external
-    fragmentation (vLLM §2.3). compact() would make room; a paged cache would not need it."""
+    fragmentation (vLLM §3.1). compact() would make room; a paged cache would not need it."""
 
 
 class OutOfSlotsError(RuntimeError):
