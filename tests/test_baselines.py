@@ -16,13 +16,7 @@ PROMPT_LENS = [5, 17, 9, 30, 3]
 MAX_NEW = [8, 3, 12, 6, 10]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread, and a busy machine's thread contention can't slow them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def hf_reference(model, prompt, max_new_tokens):

@@ -30,13 +30,7 @@ from minibatch.workload import make_trace  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards on a shared CPU: more threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
