@@ -22,6 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# The torch path's two building blocks are the kernels' own references (one implementation each):
+# store_kv(kv_cache, layer, key, value, slot_mapping) scatters K/V to their slots (-1 skipped);
+# reference_attention(q, k, v, scale) is causal GQA attention of the last q_len positions.
+from minibatch.kernels.paged_attention import attention_ref as reference_attention
+from minibatch.kernels.store_kv import store_kv_ref as store_kv
+
 ATTN_IMPLEMENTATION = "minibatch_packed"
 BACKENDS = ("torch", "triton")
 
@@ -63,40 +69,6 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
-
-
-def store_kv(kv_cache: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor):
-    """Scatter new K/V into the cache. key/value: (num_tokens, num_kv_heads, head_dim)."""
-    _, _, num_blocks, block_size, h_kv, d = kv_cache.shape
-    keep = slot_mapping >= 0
-    k_flat = kv_cache[layer, 0].view(num_blocks * block_size, h_kv, d)  # (num_slots, num_kv_heads, head_dim)
-    v_flat = kv_cache[layer, 1].view(num_blocks * block_size, h_kv, d)
-    k_flat[slot_mapping[keep]] = key[keep].to(kv_cache.dtype)
-    v_flat[slot_mapping[keep]] = value[keep].to(kv_cache.dtype)
-
-
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one request's new queries against its whole context.
-
-    q: (q_len, num_heads, head_dim) for the *last* q_len positions of the context.
-    k, v: (seq_len, num_kv_heads, head_dim), seq_len >= q_len.
-    GQA: each group of num_heads // num_kv_heads query heads shares one KV head.
-    Returns (q_len, num_heads, head_dim).
-    """
-    q_len, num_heads, _ = q.shape
-    seq_len, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=1)  # (seq_len, num_heads, head_dim)
-    v = v.repeat_interleave(group, dim=1)
-    # query i sits at position seq_len - q_len + i and sees keys 0 .. that position
-    mask = None
-    if q_len > 1:
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos  # (q_len, seq_len)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype), attn_mask=mask, scale=scale
-    )  # (num_heads, q_len, head_dim)
-    return out.transpose(0, 1)
 
 
 def packed_attention_forward(
