@@ -244,7 +244,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_in(self):
         rid = next(iter(self.swapped))
         r = self.swapped[rid]
-        if self.bm.num_blocks_for(r.num_tokens) > self.bm.num_free_blocks:  # as the scheduler checks
+        if not self.bm.can_swap_in(r, use_watermark=False):
             return
         self._copy(self.bm.swap_in(rid), self.cpu, self.gpu)
         event("swap in")

@@ -292,14 +292,16 @@ class BlockManager:
         self.cpu_block_tables[request_id] = cpu
         return list(zip(gpu, cpu))
 
-    def can_swap_in(self, request_id: str, use_watermark: bool = True) -> bool:
+    def can_swap_in(self, request, use_watermark: bool = True) -> bool:
+        """Whether a swapped-out request fits back with room for all its tokens, the one sampled
+        but not yet computed included (it needs a block more when its last one is full)."""
         free = self.num_free_blocks - (self.watermark_blocks if use_watermark else 0)
-        return len(self.cpu_block_tables[request_id]) <= free
+        return self.num_blocks_for(request.num_tokens) <= free
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]]:
         """Bring a swapped-out request back into fresh GPU blocks; returns (cpu_block, gpu_block)
         copies. Its blocks are re-hashed for the prefix cache as it computes further."""
-        if not self.can_swap_in(request_id, use_watermark=False):
+        if len(self.cpu_block_tables[request_id]) > self.num_free_blocks:
             raise RuntimeError(f"swap_in {request_id!r}: {self.num_free_blocks} free GPU blocks")
         cpu = self.cpu_block_tables.pop(request_id)
         gpu = [self._take_free_block() for _ in cpu]

@@ -114,7 +114,7 @@ class PagedScheduler(Scheduler):
         # 2. swapped-out requests come back first (they arrived before anyone waiting)
         while not out.preempted and self.swapped and len(self.running) < self.max_bs:
             req = self.swapped[0]
-            if bm.num_blocks_for(req.num_tokens) > bm.num_free_blocks - bm.watermark_blocks:
+            if not bm.can_swap_in(req):
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(req.request_id)
