@@ -182,6 +182,7 @@ class Engine:
             preempted=list(out.preempted),
         )
         self.trace.append(record)
+        self.scheduler.observe_step(record)
         return record
 
     def _wait_for_next_event(self, out: SchedulerOutput) -> None:

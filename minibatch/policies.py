@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from minibatch.engine import Engine
-from minibatch.scheduler import OrcaScheduler, PagedScheduler, StaticScheduler
+from minibatch.scheduler import (AdaptiveChunker, ChunkedPrefillScheduler, OrcaScheduler, PagedScheduler,
+                                 PrefillFirstScheduler, StaticScheduler, make_queue_policy)
 
-ENGINE_POLICIES = ("static", "orca", "paged", "paged_prefix")
+ENGINE_POLICIES = ("static", "orca", "paged", "paged_prefix", "prefill_first", "chunked", "chunked_prefix")
+PAGED_POLICIES = {"paged": PagedScheduler, "paged_prefix": PagedScheduler, "prefill_first": PrefillFirstScheduler,
+                  "chunked": ChunkedPrefillScheduler, "chunked_prefix": ChunkedPrefillScheduler}
+DEFAULT_CHUNKED_BUDGET = 512
 
 
 def make_engine(
@@ -20,33 +24,53 @@ def make_engine(
     preemption_mode: str = "recompute",
     watermark: float = 0.01,
     reserve_new_tokens: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    target_itl_s: float | None = None,
+    queue_policy: str = "fcfs",
+    aging_s: float | None = 1.0,
 ) -> Engine:
     """An Engine running ``policy`` on ``executor`` (a ModelRunner or SimExecutor).
 
     policy: "static" (batch_size = max_bs, padded), "orca" (iteration-level, max_bs requests,
     n_slots KV token slots reserved per request at admission), "paged" (vLLM-style on-demand
-    blocks over the same n_slots, preempting by ``preemption_mode`` "recompute" or "swap") or
-    "paged_prefix" (paged with prefix caching).
+    blocks over the same n_slots, preempting by ``preemption_mode`` "recompute" or "swap"),
+    "prefill_first" (paged; a step is all prefill or all decode, vLLM v0), "chunked" (paged;
+    Sarathi-Serve stall-free batching with chunked prefill); "*_prefix" adds prefix caching.
     block_size: slots per KV block; default 1 for orca (Orca's per-token slots) and 16 for paged.
     reserve_new_tokens: orca only: reserve prompt + max(max_new_tokens, this) ("Orca (Max)").
+    max_num_batched_tokens: the token budget per step (paged policies); default None (no limit),
+        512 for chunked.
+    target_itl_s: chunked only: choose the budget per step with an :class:`AdaptiveChunker`
+        aiming at this step time (seconds) instead of a fixed budget.
+    queue_policy, aging_s: "fcfs", "sjf" or "priority" (aging_s seconds of waiting = one
+        priority level; None = no aging) for every iteration-level policy.
 
     Raises:
-        ValueError: an unknown policy or a bad argument.
+        ValueError: an unknown policy or a bad argument (the message names it).
     """
     if policy == "static":
         return Engine(StaticScheduler(batch_size=max_bs, max_wait_s=max_wait_s), executor, clock)
+    order = make_queue_policy(queue_policy, aging_s)
     if policy == "orca":
         scheduler = OrcaScheduler(max_bs=max_bs, n_slots=n_slots, block_size=block_size or 1,
-                                  reserve_new_tokens=reserve_new_tokens)
-    elif policy in ("paged", "paged_prefix"):
+                                  reserve_new_tokens=reserve_new_tokens, queue_policy=order)
+    elif policy in PAGED_POLICIES:
         block_size = block_size or 16
         if n_slots < block_size:
             raise ValueError(f"n_slots must be >= block_size ({block_size}), got {n_slots}")
-        scheduler = PagedScheduler(max_bs=max_bs, num_blocks=n_slots // block_size, block_size=block_size,
-                                   enable_prefix_caching=policy == "paged_prefix",
-                                   preemption_mode=preemption_mode, watermark=watermark)
+        kwargs = dict(max_bs=max_bs, num_blocks=n_slots // block_size, block_size=block_size,
+                      enable_prefix_caching=policy.endswith("_prefix"), preemption_mode=preemption_mode,
+                      watermark=watermark, queue_policy=order)
+        if policy.startswith("chunked"):
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens or DEFAULT_CHUNKED_BUDGET
+            kwargs["chunker"] = AdaptiveChunker(target_itl_s) if target_itl_s is not None else None
+        else:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        scheduler = PAGED_POLICIES[policy](**kwargs)
     else:
         raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {policy!r}")
+    if target_itl_s is not None and not policy.startswith("chunked"):
+        raise ValueError(f"target_itl_s (adaptive chunk size) needs a chunked policy, got {policy!r}")
     bm = scheduler.block_manager
     executor.allocate_kv_cache(bm.num_blocks, bm.block_size, bm.num_cpu_blocks)
     return Engine(scheduler, executor, clock)

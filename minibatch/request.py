@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from dataclasses import dataclass, field
 
 
@@ -70,9 +71,11 @@ class Request:
         parent_request_id: parallel sampling (vLLM's ``n > 1``): this request samples another
             continuation of the parent's (identical) prompt. The paged scheduler then forks the
             parent's KV blocks (copy-on-write) instead of computing the prompt again.
+        priority: for the ``priority`` queue policy: lower is served first (vLLM's convention);
+            any int, default 0.
 
     Raises:
-        ValueError: empty prompt, max_new_tokens < 1 or arrival_time_s < 0.
+        ValueError: empty prompt, max_new_tokens < 1, arrival_time_s < 0 or a non-int priority.
     """
 
     request_id: str
@@ -82,6 +85,7 @@ class Request:
     arrival_time_s: float = 0.0
     prompt_text: str | None = None
     parent_request_id: str | None = None
+    priority: int = 0
 
     # --- state (vLLM names) ---
     status: RequestStatus = RequestStatus.WAITING
@@ -104,6 +108,12 @@ class Request:
             raise ValueError(
                 f"request {self.request_id!r}: max_new_tokens must be >= 1, got {self.max_new_tokens}"
             )
+        try:
+            if isinstance(self.priority, bool):
+                raise TypeError
+            self.priority = operator.index(self.priority)
+        except TypeError:
+            raise ValueError(f"request {self.request_id!r}: priority must be an int, got {self.priority!r}") from None
         if not self.arrival_time_s >= 0.0:
             raise ValueError(
                 f"request {self.request_id!r}: arrival_time_s must be >= 0, got {self.arrival_time_s}"
@@ -176,6 +186,7 @@ class Request:
             arrival_time_s=self.arrival_time_s,
             prompt_text=self.prompt_text,
             parent_request_id=self.parent_request_id,
+            priority=self.priority,
         )
 
 

@@ -312,12 +312,13 @@ def save_trace(requests: list[Request], path: str | Path) -> None:
     """Write the requests' inputs (not engine state) as JSON, format "minibatch-trace-v1".
 
     One request per line: request_id, prompt_token_ids, max_new_tokens, sampling (the
-    SamplingParams fields), arrival_time_s (s), prompt_text (or null).
+    SamplingParams fields), arrival_time_s (s), prompt_text (or null), priority (int).
     """
     rows = [json.dumps({"request_id": r.request_id, "prompt_token_ids": r.prompt_token_ids,
                         "max_new_tokens": r.max_new_tokens,
                         "sampling": dataclasses.asdict(r.sampling),
-                        "arrival_time_s": r.arrival_time_s, "prompt_text": r.prompt_text},
+                        "arrival_time_s": r.arrival_time_s, "prompt_text": r.prompt_text,
+                        "priority": r.priority},
                        separators=(",", ":")) for r in requests]
     body = ",\n".join(rows)
     text = f'{{"format": "{TRACE_FORMAT}", "requests": [\n{body}\n]}}\n'
@@ -349,7 +350,7 @@ def load_trace(path: str | Path) -> list[Request]:
                                max_new_tokens=row["max_new_tokens"],
                                sampling=SamplingParams(**row.get("sampling", {})),
                                arrival_time_s=float(row.get("arrival_time_s", 0.0)),
-                               prompt_text=row.get("prompt_text")))
+                               prompt_text=row.get("prompt_text"), priority=row.get("priority", 0)))
         except KeyError as e:
             raise ValueError(f"{path}: request {i} missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:

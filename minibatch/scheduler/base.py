@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minibatch.request import Request
+from minibatch.scheduler.queue_policy import QueuePolicy, make_queue_policy
 
 
 @dataclass
@@ -80,16 +81,26 @@ class SchedulerOutput:
 class Scheduler:
     """Base class. A subclass implements ``schedule(now_s)`` and ``update(output, sampled)``.
 
-    ``waiting`` holds arrived requests not yet admitted (FCFS by arrival), ``running`` the
-    admitted ones. The engine calls ``add_request`` when a request's arrival_time_s has passed.
+    ``waiting`` holds arrived requests not yet admitted, ``running`` the admitted ones. The
+    engine calls ``add_request`` when a request's arrival_time_s has passed.
+
+    queue_policy: "fcfs" (default), "sjf", "priority" or a
+        :class:`~minibatch.scheduler.queue_policy.QueuePolicy`; iteration-level schedulers serve
+        requests in the order of ``sort_key`` (the policy's key, ties broken by arrival).
     """
 
     name = "base"
 
-    def __init__(self):
+    def __init__(self, queue_policy: str | QueuePolicy = "fcfs"):
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.slots: dict[str, int] = {}  # request_id -> batch slot (Gantt row) of running requests
+        self.queue_policy = make_queue_policy(queue_policy)
+        self._arrival_order: dict[str, int] = {}  # request_id -> order of arrival (the tie-breaker)
+
+    def sort_key(self, request: Request) -> tuple:
+        """Smaller = served first (and preempted last): the queue policy's key, then arrival order."""
+        return (*self.queue_policy.key(request), self._arrival_order[request.request_id])
 
     def take_slot(self, request_id: str) -> int:
         """Give a newly running request the lowest free batch slot (its Gantt row)."""
@@ -98,7 +109,12 @@ class Scheduler:
         return self.slots[request_id]
 
     def add_request(self, request: Request) -> None:
+        self._arrival_order[request.request_id] = len(self._arrival_order)
         self.waiting.append(request)
+
+    def observe_step(self, record) -> None:
+        """Called by the engine after every step with its StepRecord (the measured or simulated
+        duration included); schedulers that adapt to step times (adaptive chunking) override it."""
 
     def check_request(self, request: Request) -> None:
         """Raise ValueError if ``request`` could never be admitted (e.g. larger than the KV cache)."""

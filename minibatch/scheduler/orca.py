@@ -42,6 +42,8 @@ class OrcaScheduler(Scheduler):
             the rounded slots; n_slots is rounded down to whole blocks.
         reserve_new_tokens: reserve prompt + max(max_new_tokens, this) per request ("Orca (Max)"
             with this cap); None reserves prompt + max_new_tokens ("Orca (Oracle)" on our traces).
+        queue_policy: "fcfs" (Algorithm 1's sortByArrivalTime, default), "sjf", "priority" or a
+            QueuePolicy: the order waiting requests are considered in (still no skipping ahead).
 
     Raises:
         ValueError: a bad argument; ``check_request`` for a request larger than n_slots.
@@ -50,8 +52,8 @@ class OrcaScheduler(Scheduler):
     name = "orca"
 
     def __init__(self, max_bs: int = 8, n_slots: int = 16384, block_size: int = 1,
-                 reserve_new_tokens: int | None = None):
-        super().__init__()
+                 reserve_new_tokens: int | None = None, queue_policy="fcfs"):
+        super().__init__(queue_policy)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_bs < 1:
@@ -80,9 +82,10 @@ class OrcaScheduler(Scheduler):
             )
 
     def schedule(self, now_s: float) -> SchedulerOutput:
-        # Running requests arrived before every waiting one (admission never skips ahead),
-        # so "sort the pool by arrival" = running first, then waiting in arrival order.
+        # Every running request is in the batch; then waiting ones in queue-policy order
+        # (FCFS: by arrival, Algorithm 1's sortByArrivalTime), stopping at the first that does not fit.
         batch = list(self.running)
+        self.waiting.sort(key=self.sort_key)
         while self.waiting and len(batch) < self.max_bs:
             req = self.waiting[0]
             new_n_rsrv = self.n_rsrv + self._reservation(req)

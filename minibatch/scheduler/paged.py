@@ -4,20 +4,26 @@
 Orca reserves prompt + max_new_tokens slots per request at admission; here a request gets blocks
 only as it needs them, so admission asks "are there free blocks for this prompt?" and many more
 requests fit in the same memory. The price: a running request may find no free block for its
-next token. Then the scheduler *preempts* (§4.5) the most recently admitted request, either by
+next token. Then the scheduler *preempts* (§4.5) the lowest-ranked running request (the latest
+arrival under FCFS), either by
 
-* ``recompute``: free its blocks and put it back at the front of the waiting queue; when it is
-  admitted again it prefills its prompt *and* the tokens it already generated, in one step; or
+* ``recompute``: free its blocks and put it back in the waiting queue; when it is admitted
+  again it prefills its prompt *and* the tokens it already generated, in one step; or
 * ``swap``: copy its blocks to CPU memory, and copy them back when blocks free up.
 
-One step:
+One step (vLLM's unifying idea: each request computes ``num_new_tokens`` more tokens, a whole
+prompt, one decode token or, with chunking, a slice of the prompt):
 
-    1. running requests, oldest first: make room for each one's next token, preempting from
-       the newest end (latest arrival) while there is none;
-    2. if nothing was preempted: swapped-out requests come back (oldest first);
-    3. if nothing was preempted and nobody is swapped out: admit waiting requests FCFS while
-       their prompt fits above the watermark (prefix-cache hits need no new blocks; a parallel
-       sample forks its parent's prompt blocks).
+    1. running requests, in queue-policy order: make room for each one's new tokens,
+       preempting from the lowest-ranked end while there is none;
+    2. if nothing was preempted: swapped-out requests come back (best-ranked first);
+    3. if nothing was preempted and nobody is swapped out: admit waiting requests in order,
+       no skipping ahead, while their prompt fits above the watermark (prefix-cache hits need
+       no new blocks; a parallel sample forks its parent's prompt blocks).
+
+With a token budget (``max_num_batched_tokens``) a step schedules at most that many tokens; a
+request that does not fit whole waits for a later step, unless the scheduler chunks prefills
+(:mod:`minibatch.scheduler.chunked`). Subclasses change only the order of these stages.
 
 No request is lost or duplicated: a request is always in exactly one of waiting, running or
 swapped until it finishes.
@@ -25,9 +31,12 @@ swapped until it finishes.
 
 from __future__ import annotations
 
+import math
+
 from minibatch.kv.block_manager import BlockManager
 from minibatch.request import Request, RequestStatus
 from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
+from minibatch.scheduler.queue_policy import QueuePolicy
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -44,32 +53,42 @@ class PagedScheduler(Scheduler):
         num_cpu_blocks: CPU blocks for swapping (default num_blocks when swapping, else 0). If
             they run out, a swap preemption falls back to recompute.
         watermark: fraction of blocks admission leaves free, in [0, 1).
+        max_num_batched_tokens: the token budget: most tokens computed per step, >= 1, or None
+            (no limit). Without chunking every request must fit it whole (prompt +
+            max_new_tokens, the most a recompute prefills).
+        queue_policy: "fcfs", "sjf", "priority" or a QueuePolicy: the order of service and the
+            reverse order of preemption.
 
     Raises:
         ValueError: a bad argument; ``check_request`` for a request that cannot fit alone.
     """
 
     name = "paged"
+    chunked_prefill = False  # may a prompt be split across steps? (ChunkedPrefillScheduler)
 
     def __init__(self, max_bs: int = 8, num_blocks: int = 256, block_size: int = 16, *,
                  enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
-                 num_cpu_blocks: int | None = None, watermark: float = 0.01):
-        super().__init__()
+                 num_cpu_blocks: int | None = None, watermark: float = 0.01,
+                 max_num_batched_tokens: int | None = None, queue_policy: str | QueuePolicy = "fcfs"):
+        super().__init__(queue_policy)
         if max_bs < 1:
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1 or None, got {max_num_batched_tokens}")
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
         self.max_bs = max_bs
         self.preemption_mode = preemption_mode
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                                           watermark=watermark, num_cpu_blocks=num_cpu_blocks)
         self.swapped: list[Request] = []
         self.num_preemptions = 0
-        self._arrival_order: dict[str, int] = {}  # request_id -> order of arrival (FCFS priority)
+        self._step_budget: float = math.inf
         if enable_prefix_caching:
-            self.name = "paged_prefix"
+            self.name = f"{self.name}_prefix"
 
     # ------------------------------------------------------------------ admission checks
     def check_request(self, request: Request) -> None:
@@ -81,90 +100,137 @@ class PagedScheduler(Scheduler):
                 f"(prompt + max_new_tokens = {request.max_num_tokens} tokens, block_size {bm.block_size}); "
                 f"only {usable} blocks are usable (num_blocks {bm.num_blocks} minus the watermark)"
             )
+        budget = self.max_num_batched_tokens
+        if not self.chunked_prefill and budget is not None and request.max_num_tokens > budget:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt + max_new_tokens = {request.max_num_tokens} tokens "
+                f"must be <= max_num_batched_tokens ({budget}) without chunked prefill "
+                f"(a recompute prefills them all in one step)"
+            )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def add_request(self, request: Request) -> None:
-        self._arrival_order[request.request_id] = len(self._arrival_order)
-        super().add_request(request)
-
     # ------------------------------------------------------------------ one step
-    def schedule(self, now_s: float) -> SchedulerOutput:
-        bm = self.block_manager
-        out = SchedulerOutput()
-        batch: list[Request] = []
+    def token_budget(self) -> float:
+        """This step's token budget (inf = no limit); the adaptive chunker overrides it."""
+        return math.inf if self.max_num_batched_tokens is None else self.max_num_batched_tokens
 
-        # 1. running requests: room for each one's new tokens, preempting the newest if needed.
-        # "Newest" is by arrival (vLLM v0's FCFS priority): a request preempted and admitted again
-        # keeps its place, or it would be the next victim every time and starve.
-        self.running.sort(key=lambda r: self._arrival_order[r.request_id])
-        queue = list(self.running)
-        while queue:
-            req = queue.pop(0)
-            while (copies := bm.allocate_slots(req, req.num_tokens - req.num_computed_tokens)) is None:
-                victim = queue.pop() if queue else req  # the latest arrival still running
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        self._step_budget = self.token_budget()
+        out = SchedulerOutput()
+        self.schedule_running(out)
+        if not out.preempted:
+            self.schedule_swapped(out)
+        if not out.preempted and not self.swapped:
+            self.schedule_waiting(out)
+        return self.finish_output(out)
+
+    def budget_left(self, out: SchedulerOutput) -> float:
+        return self._step_budget - out.num_scheduled_tokens
+
+    def num_new_tokens(self, req: Request, budget: float) -> int:
+        """Tokens ``req`` computes this step given ``budget`` tokens left: all it has left, or,
+        when that does not fit, a chunk of ``budget`` (chunked prefill) or 0 (wait)."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return int(budget) if self.chunked_prefill else 0
+
+    def service_order(self, running: list[Request]) -> list[Request]:
+        """The order running requests get tokens and blocks (default: queue-policy order)."""
+        return running
+
+    def schedule_running(self, out: SchedulerOutput) -> None:
+        """Stage 1: running requests get their new tokens' blocks, preempting the lowest-ranked."""
+        bm = self.block_manager
+        self.running.sort(key=self.sort_key)
+        for req in self.service_order(list(self.running)):
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted this step to make room for a better-ranked request
+            n = self.num_new_tokens(req, self.budget_left(out))
+            if n == 0:
+                continue  # the budget is spent: it waits a step (keeps its blocks)
+            while (copies := bm.allocate_slots(req, n)) is None:
+                victim = self._victim(out)
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
                 out.blocks_to_copy += copies
-                batch.append(req)
+                self._add(out, req, n)
 
-        # 2. swapped-out requests come back first (they arrived before anyone waiting)
-        while not out.preempted and self.swapped and len(self.running) < self.max_bs:
+    def schedule_swapped(self, out: SchedulerOutput) -> None:
+        """Stage 2: swapped-out requests come back while their blocks fit."""
+        bm = self.block_manager
+        self.swapped.sort(key=self.sort_key)
+        while self.swapped and len(self.running) < self.max_bs:
             req = self.swapped[0]
-            if not bm.can_swap_in(req):
+            n = self.num_new_tokens(req, self.budget_left(out))
+            if n == 0 or not bm.can_swap_in(req):
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(req.request_id)
-            out.blocks_to_copy += bm.allocate_slots(req, req.num_tokens - req.num_computed_tokens)
+            out.blocks_to_copy += bm.allocate_slots(req, n)
             self._run(req)
-            batch.append(req)
+            self._add(out, req, n)
 
-        # 3. admit waiting requests, FCFS, no skipping ahead
-        while not out.preempted and not self.swapped and self.waiting and len(self.running) < self.max_bs:
+    def schedule_waiting(self, out: SchedulerOutput) -> None:
+        """Stage 3: admit waiting requests in queue-policy order, no skipping ahead."""
+        self.waiting.sort(key=self.sort_key)
+        while self.waiting and len(self.running) < self.max_bs:
             req = self.waiting[0]
-            copies = self._admit(req)
-            if copies is None:
+            admitted = self._admit(req, self.budget_left(out))
+            if admitted is None:
                 break
+            copies, n = admitted
             self.waiting.pop(0)
             out.blocks_to_copy += copies
             self._run(req)
-            batch.append(req)
+            self._add(out, req, n)
 
-        for req in batch:
-            n = req.num_tokens - req.num_computed_tokens
-            out.scheduled.append(ScheduledRequest(
-                request=req, num_new_tokens=n, phase="prefill" if n > 1 or req.is_prefill else "decode",
-                slot=self.slots[req.request_id]))
-        out.num_idle_slots = self.max_bs - len(batch)
-        out.block_tables = {r.request_id: bm.block_tables[r.request_id] for r in batch}
+    def finish_output(self, out: SchedulerOutput) -> SchedulerOutput:
+        bm = self.block_manager
+        out.num_idle_slots = self.max_bs - len(out.scheduled)
+        out.block_tables = {s.request_id: bm.block_tables[s.request_id] for s in out.scheduled}
         return out
 
-    def _admit(self, req: Request) -> list[tuple[int, int]] | None:
-        """Give a waiting request its blocks (fork, prefix-cache hits, new blocks); None if they
-        do not fit (nothing changed then)."""
+    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        out.scheduled.append(ScheduledRequest(
+            request=req, num_new_tokens=n, phase="prefill" if n > 1 or req.is_prefill else "decode",
+            slot=self.slots[req.request_id]))
+
+    def _victim(self, out: SchedulerOutput) -> Request:
+        """The lowest-ranked running request not yet given tokens this step."""
+        scheduled = {s.request_id for s in out.scheduled}
+        return max((r for r in self.running if r.request_id not in scheduled), key=self.sort_key)
+
+    def _admit(self, req: Request, budget: float) -> tuple[list[tuple[int, int]], int] | None:
+        """Give a waiting request its blocks (fork, prefix-cache hits, new blocks) for this step's
+        tokens; returns (copy-on-write copies, num_new_tokens), or None if they do not fit in
+        the budget or the free blocks (nothing changed then)."""
         bm = self.block_manager
         parent = self._running_parent(req)
         if parent is not None:  # parallel sampling: share the parent's prompt blocks
-            if parent.num_computed_tokens < parent.num_prompt_tokens:
+            if parent.num_computed_tokens < parent.num_prompt_tokens or budget < 1:
                 return None  # the parent's prompt is not computed yet: wait one step (FCFS)
             bm.fork(parent.request_id, req.request_id, req.num_prompt_tokens)
             req.num_computed_tokens = req.num_prompt_tokens - 1  # sample its own first token
-            copies = bm.allocate_slots(req, req.num_tokens - req.num_computed_tokens, use_watermark=True)
+            copies = bm.allocate_slots(req, 1, use_watermark=True)
             if copies is None:
                 bm.free(req.request_id)
                 req.num_computed_tokens = 0
-            return copies
+                return None
+            return copies, 1
         hits = bm.get_computed_blocks(req)
         req.num_computed_tokens = len(hits) * bm.block_size
-        copies = bm.allocate_slots(req, req.num_tokens - req.num_computed_tokens, hits, use_watermark=True)
+        n = self.num_new_tokens(req, budget)
+        copies = bm.allocate_slots(req, n, hits, use_watermark=True) if n else None
         if copies is None:
             req.num_computed_tokens = 0
-        else:
-            bm.record_prefix_hits(req, hits)
-        return copies
+            return None
+        bm.record_prefix_hits(req, hits)
+        return copies, n
 
     def _running_parent(self, req: Request) -> Request | None:
         if req.parent_request_id is None:
@@ -190,17 +256,12 @@ class PagedScheduler(Scheduler):
         if self.preemption_mode == "swap" and bm.can_swap_out(req.request_id):
             out.blocks_to_swap_out += bm.swap_out(req.request_id)
             req.status = RequestStatus.SWAPPED
-            self._insert_by_arrival(self.swapped, req)
+            self.swapped.append(req)
         else:
             bm.free(req.request_id)
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
-            self._insert_by_arrival(self.waiting, req)  # ahead of every later arrival
-
-    def _insert_by_arrival(self, queue: list[Request], req: Request) -> None:
-        order = self._arrival_order
-        i = next((i for i, r in enumerate(queue) if order[r.request_id] > order[req.request_id]), len(queue))
-        queue.insert(i, req)
+            self.waiting.append(req)  # re-sorted at admission: ahead of every lower-ranked request
 
     # ------------------------------------------------------------------ after the forward
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

@@ -1,0 +1,99 @@
+"""Queue policies: in which order a scheduler serves its waiting (and running) requests.
+
+Every iteration-level scheduler (orca, paged, prefill_first, chunked) takes one. The scheduler
+sorts by ``policy.key(request)`` (smallest first), breaking ties by arrival order, and uses the
+same order to pick preemption victims (the largest key goes first).
+
+* :class:`FCFS`: first come, first served (Orca Algorithm 1; vLLM's default).
+* :class:`SJF`: shortest job first, job = prompt + max_new_tokens tokens. Minimizes mean
+  latency when lengths are known (e.g. from a length predictor), but a long request can wait
+  forever behind a stream of short ones.
+* :class:`Priority`: lower ``Request.priority`` first (vLLM's ``--scheduling-policy priority``),
+  with *aging*: every ``aging_s`` seconds a request has waited counts as one priority level.
+  All requests age at the same rate, so the order at time t, by
+  ``priority - (t - arrival_time_s) / aging_s``, is the order by
+  ``priority + arrival_time_s / aging_s`` at every t: the key needs no clock. A request of
+  priority p is overtaken only by requests that arrived less than ``(p - q) * aging_s`` seconds
+  after it (q: their priority), a finite set, so it cannot starve. With ``aging_s=None`` a low
+  priority request waits as long as higher priority ones keep coming.
+
+Source: the seed's FCFS / SJF / priority schedulers; aging is the classic remedy for
+starvation in priority scheduling (e.g. Silberschatz, Operating System Concepts, §5.3).
+"""
+
+from __future__ import annotations
+
+from minibatch.request import Request
+
+
+class QueuePolicy:
+    """Base class: ``key(request)`` is a sort key, smaller = served first."""
+
+    name = "base"
+
+    def key(self, request: Request) -> tuple:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class FCFS(QueuePolicy):
+    """First come, first served: by arrival_time_s (ties: the order requests were added)."""
+
+    name = "fcfs"
+
+    def key(self, request: Request) -> tuple:
+        return (request.arrival_time_s,)
+
+
+class SJF(QueuePolicy):
+    """Shortest job first: by prompt + max_new_tokens tokens (ties: arrival)."""
+
+    name = "sjf"
+
+    def key(self, request: Request) -> tuple:
+        return (request.max_num_tokens, request.arrival_time_s)
+
+
+class Priority(QueuePolicy):
+    """Lower ``Request.priority`` first; ``aging_s`` seconds of waiting = one level (None: no aging).
+
+    Raises:
+        ValueError: aging_s not > 0 (or None).
+    """
+
+    name = "priority"
+
+    def __init__(self, aging_s: float | None = 1.0):
+        if aging_s is not None and not aging_s > 0:
+            raise ValueError(f"aging_s must be > 0 seconds or None (no aging), got {aging_s}")
+        self.aging_s = aging_s
+
+    def key(self, request: Request) -> tuple:
+        aged = request.arrival_time_s / self.aging_s if self.aging_s else 0.0
+        return (request.priority + aged, request.arrival_time_s)
+
+    def __repr__(self) -> str:
+        return f"Priority(aging_s={self.aging_s})"
+
+
+QUEUE_POLICIES = ("fcfs", "sjf", "priority")
+
+
+def make_queue_policy(name: str | QueuePolicy = "fcfs", aging_s: float | None = 1.0) -> QueuePolicy:
+    """A policy by name ("fcfs", "sjf", "priority"; aging_s is for "priority"), or ``name`` itself
+    if it is already a QueuePolicy.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if isinstance(name, QueuePolicy):
+        return name
+    if name == "fcfs":
+        return FCFS()
+    if name == "sjf":
+        return SJF()
+    if name == "priority":
+        return Priority(aging_s)
+    raise ValueError(f"queue policy must be one of {QUEUE_POLICIES}, got {name!r}")
