@@ -11,7 +11,7 @@ from minibatch.compare import ALL_POLICIES, CompareConfig, run_compare
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minibatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compare", help="run one trace through static, orca, paged and the Hugging Face baselines")
+    c = sub.add_parser("compare", help="run one trace through static, orca, paged, chunked prefill and the Hugging Face baselines")
     d = CompareConfig()
     c.add_argument("--model", default=d.model,
                    help="smollm2-135m (offline default), tiny-random-llama, tiny-random-gpt2, a local dir or a hub id")
@@ -37,6 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--orca-reservation", default=d.orca_reservation, choices=["oracle", "max"],
                    help="orca: reserve prompt + the trace's output length (oracle, its best case) or "
                         "prompt + --max-output-len (max: a server that cannot know when EOS comes)")
+    c.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="chunked policies: token budget per step (default 512; the other policies have no budget)")
+    c.add_argument("--target-itl-ms", type=float, default=None,
+                   help="chunked: adaptive chunk size, choosing each step's budget to aim at this step time (ms)")
+    c.add_argument("--policy-order", default=d.policy_order, choices=["fcfs", "sjf", "priority"],
+                   help="queue policy of every iteration-level scheduler")
+    c.add_argument("--aging-s", type=float, default=d.aging_s,
+                   help="priority order: seconds of waiting worth one priority level")
+    c.add_argument("--long-prompts", type=int, default=d.long_prompts,
+                   help="the long-prompt trace: this many requests (spread over the trace) get --long-prompt-len tokens")
+    c.add_argument("--long-prompt-len", type=int, default=d.long_prompt_len, help="tokens in each long prompt")
     c.add_argument("--attention-backend", default=d.attention_backend, choices=["torch", "triton"],
                    help="our packed attention: torch reference or Triton kernels (interpreted, slow, on CPU)")
     c.add_argument("--slo-ttft-s", type=float, default=d.slo_ttft_s, help="goodput: TTFT objective, seconds")
@@ -60,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                 max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
                 output_scale=args.output_scale, n_slots=args.n_slots, block_size=args.block_size,
                 preemption_mode=args.preemption_mode, attention_backend=args.attention_backend,
-                orca_reservation=args.orca_reservation,
+                orca_reservation=args.orca_reservation, max_num_batched_tokens=args.max_num_batched_tokens,
+                target_itl_ms=args.target_itl_ms, policy_order=args.policy_order, aging_s=args.aging_s,
+                long_prompts=args.long_prompts, long_prompt_len=args.long_prompt_len,
                 slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                 check_reference=not args.no_reference, json_path=args.json_path,
                 figures_dir=args.figures_dir or None, progress=not args.no_progress,

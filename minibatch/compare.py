@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from minibatch.engine import Engine
-from minibatch.policies import ENGINE_POLICIES, make_engine
+from minibatch.policies import ENGINE_POLICIES, PAGED_POLICIES, make_engine
 from minibatch.request import Request, SamplingParams
 
 BASELINE_POLICIES = ("hf_generate", "hf_generate_batch")
@@ -49,6 +49,12 @@ class CompareConfig:
     preemption_mode: str = "recompute"  # paged policies: "recompute" or "swap"
     attention_backend: str = "torch"  # "torch" or "triton" (our packed attention)
     orca_reservation: str = "oracle"  # "oracle": prompt + the trace's output length; "max": prompt + max_output_len
+    max_num_batched_tokens: int | None = None  # chunked policies' token budget per step (default 512); others have none
+    target_itl_ms: float | None = None  # chunked: adaptive chunk size aiming at this step time
+    policy_order: str = "fcfs"  # queue policy of every iteration-level scheduler: fcfs, sjf, priority
+    aging_s: float | None = 1.0  # priority: seconds of waiting worth one priority level
+    long_prompts: int = 0  # the long-prompt trace: this many requests get long_prompt_len-token prompts
+    long_prompt_len: int = 1024
     check_reference: bool = True
     slo_ttft_s: float | None = 2.0  # goodput counts requests meeting every SLO given
     slo_tpot_s: float | None = 0.5
@@ -84,6 +90,20 @@ class CompareConfig:
             raise ValueError(f"--preemption-mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.orca_reservation not in ("oracle", "max"):
             raise ValueError(f"--orca-reservation must be 'oracle' or 'max', got {self.orca_reservation!r}")
+        from minibatch.scheduler.queue_policy import QUEUE_POLICIES
+
+        if self.policy_order not in QUEUE_POLICIES:
+            raise ValueError(f"--policy-order must be one of {','.join(QUEUE_POLICIES)}, got {self.policy_order!r}")
+        if self.aging_s is not None and not self.aging_s > 0:
+            raise ValueError(f"--aging-s must be > 0 seconds, got {self.aging_s}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
+            raise ValueError(f"--target-itl-ms must be > 0, got {self.target_itl_ms}")
+        if not 0 <= self.long_prompts <= self.num_requests:
+            raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], got {self.long_prompts}")
+        if self.long_prompt_len < 1:
+            raise ValueError(f"--long-prompt-len must be >= 1, got {self.long_prompt_len}")
         if self.attention_backend not in ("torch", "triton"):
             raise ValueError(f"--attention-backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         for name in ("max_prompt_len", "max_output_len"):
@@ -109,7 +129,7 @@ def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]
     return make_trace(
         cfg.num_requests, arrival=cfg.arrival, rate_per_s=cfg.rate, lengths="sharegpt",
         max_prompt_len=cfg.max_prompt_len, max_output_len=cfg.max_output_len, output_scale=cfg.output_scale,
-        vocab_size=vocab_size,
+        vocab_size=vocab_size, num_long_prompts=cfg.long_prompts, long_prompt_len=cfg.long_prompt_len,
         seed=cfg.seed, sampling=SamplingParams(ignore_eos=True), tokenizer=tokenizer,
     )
 
@@ -173,9 +193,12 @@ def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Re
             policy, runner, make_clock(cfg.clock, runner.device),
             max_bs=cfg.batch_size if policy == "static" else cfg.max_bs,
             n_slots=kv_slots(cfg, reqs), max_wait_s=cfg.max_wait_s,
-            block_size=cfg.block_size if policy.startswith("paged") else None,
+            block_size=cfg.block_size if policy in PAGED_POLICIES else None,
             preemption_mode=cfg.preemption_mode,
             reserve_new_tokens=cfg.max_output_len if cfg.orca_reservation == "max" else None,
+            max_num_batched_tokens=cfg.max_num_batched_tokens if policy.startswith("chunked") else None,
+            target_itl_s=cfg.target_itl_ms / 1000 if cfg.target_itl_ms and policy.startswith("chunked") else None,
+            queue_policy=cfg.policy_order, aging_s=cfg.aging_s,
         )
         return engine.generate(reqs, progress=cfg.progress), engine
     if policy == "hf_generate":
@@ -209,6 +232,9 @@ def run_compare(cfg: CompareConfig) -> dict:
               "batch_size": cfg.batch_size, "max_bs": cfg.max_bs, "n_slots": kv_slots(cfg, requests),
               "block_size": cfg.block_size, "preemption_mode": cfg.preemption_mode,
               "orca_reservation": cfg.orca_reservation,
+              "max_num_batched_tokens": cfg.max_num_batched_tokens, "target_itl_ms": cfg.target_itl_ms,
+              "policy_order": cfg.policy_order, "aging_s": cfg.aging_s,
+              "long_prompts": cfg.long_prompts, "long_prompt_len": cfg.long_prompt_len,
               "attention_backend": cfg.attention_backend,
               "seed": cfg.seed, "policies": {}}
     runs = {}
@@ -252,7 +278,8 @@ def environment() -> dict:
 def print_table(result: dict) -> None:
     cols = [("output_throughput_tok_s", "out tok/s", "{:.1f}"), ("total_throughput_tok_s", "total tok/s", "{:.1f}"),
             ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
-            ("tpot_p50_s", "TPOT p50 s", "{:.4f}"), ("e2e_p50_s", "E2E p50 s", "{:.3f}"),
+            ("tpot_p50_s", "TPOT p50 s", "{:.4f}"), ("itl_p99_s", "ITL p99 s", "{:.3f}"),
+            ("e2e_p50_s", "E2E p50 s", "{:.3f}"),
             ("goodput_req_s", "goodput r/s", "{:.3f}"), ("kv_waste_fraction", "KV waste", "{:.1%}"),
             ("max_num_running", "max running", "{}"), ("num_preemptions", "preempted", "{}"),
             ("matches_reference", "matches ref", "{}"), ("clock", "clock", "{}")]
@@ -263,10 +290,12 @@ def print_table(result: dict) -> None:
         cells = [fmt.format(entry.get(key)) if entry.get(key) is not None else "-" for key, _, fmt in cols]
         print(f"{name:<18}" + "".join(f"{c:>13}" for c in cells))
     p = result["policies"]
-    for a, b in (("orca", "static"), ("paged", "orca"), ("paged_prefix", "paged")):
+    for a, b in (("orca", "static"), ("paged", "orca"), ("paged_prefix", "paged"), ("chunked", "prefill_first")):
         if a in p and b in p:
             ratio = p[a]["output_throughput_tok_s"] / p[b]["output_throughput_tok_s"]
             print(f"{a} / {b} output throughput: {ratio:.2f}x")
+    if "chunked" in p and "prefill_first" in p and p["chunked"]["itl_p99_s"]:
+        print(f"prefill_first / chunked ITL p99: {p['prefill_first']['itl_p99_s'] / p['chunked']['itl_p99_s']:.2f}x")
 
 
 def save_figures(runs: dict, figures_dir: str) -> list[str]:
@@ -281,16 +310,16 @@ def save_figures(runs: dict, figures_dir: str) -> list[str]:
         fig = compare_gantt(engines, rows="slot", x="time")
         paths.append(save(fig, "compare_gantt", figures_dir))
         plt.close(fig)
-    paged = {name: eng for name, (_, eng, _) in runs.items() if eng is not None and name.startswith("paged")}
+    paged = {name: eng for name, (_, eng, _) in runs.items() if eng is not None and name in PAGED_POLICIES}
     if paged:
         fig, axes = plt.subplots(1, len(paged), figsize=(6 * len(paged), 4), layout="constrained", squeeze=False)
         for ax, (name, eng) in zip(axes[0], paged.items()):
             kv_block_map(eng.trace, eng.scheduler.block_manager.num_blocks, ax=ax, title=f"{name}: KV blocks per step")
         paths.append(save(fig, "compare_kv_block_map", figures_dir))
         plt.close(fig)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
-    latency_cdf({n: r for n, (r, _, _) in runs.items()}, metric="ttft", ax=axes[0])
-    latency_cdf({n: r for n, (r, _, _) in runs.items()}, metric="e2e", ax=axes[1])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout="constrained")
+    for ax, metric in zip(axes, ("ttft", "itl", "e2e")):
+        latency_cdf({n: r for n, (r, _, _) in runs.items()}, metric=metric, ax=ax)
     paths.append(save(fig, "compare_latency_cdf", figures_dir))
     plt.close(fig)
     ax_tput, _ = throughput_latency_bars({n: s for n, (_, _, s) in runs.items()})

@@ -27,6 +27,8 @@ class StepEntry:
 
     phase: "prefill" | "decode" | "padding" (a finished member of a static batch whose row still
     computes a token: its last one, fed again). num_computed_tokens is the value *before* this step.
+    sampled: the step produced a token for the request (False for a prefill chunk that does not
+    reach the prompt's end, and for padding).
     """
 
     request_id: str
@@ -34,6 +36,12 @@ class StepEntry:
     phase: str
     num_new_tokens: int
     num_computed_tokens: int
+    sampled: bool = True
+
+    @property
+    def is_chunk(self) -> bool:
+        """A partial prefill: a prompt slice that does not reach the prompt's end (chunked prefill)."""
+        return self.phase == "prefill" and not self.sampled
 
 
 @dataclass
@@ -151,9 +159,10 @@ class Engine:
         sampled = self.executor.execute(out)          # the forward pass (or the simulator)
         self.clock.end_step(out)                      # measured or cost-model step time
         entries = [
-            StepEntry(s.request_id, s.slot, s.phase, s.num_new_tokens, s.request.num_computed_tokens)
+            StepEntry(s.request_id, s.slot, s.phase, s.num_new_tokens, s.request.num_computed_tokens,
+                      s.request_id in sampled)
             for s in out.scheduled
-        ] + [StepEntry(s.request_id, s.slot, "padding", 1, s.request.num_computed_tokens) for s in out.padded]
+        ] + [StepEntry(s.request_id, s.slot, "padding", 1, s.request.num_computed_tokens, False) for s in out.padded]
         finished = self.scheduler.update(out, sampled)
         self.executor.free([r.request_id for r in finished])
         end_s = self.clock.now_s

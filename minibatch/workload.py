@@ -216,7 +216,7 @@ def _text_ids(tokenizer, texts: list[str], length: int, start: int) -> list[int]
             parts.append(texts[k % len(texts)])
             approx += len(tokenizer.encode(parts[-1], add_special_tokens=False)) + 1
             k += 1
-        ids = list(tokenizer.encode("\n\n".join(parts), add_special_tokens=False))
+        ids = list(tokenizer.encode("\n\n".join(parts), add_special_tokens=False, verbose=False))  # may exceed model_max_length: cut below
         if len(ids) >= length:
             return ids[:length]
         approx = len(ids)
@@ -229,7 +229,8 @@ def make_trace(num_requests: int, *, arrival: str = "poisson", rate_per_s: float
                max_output_len: int | None = None, output_scale: float = 1.0,
                vocab_size: int = 49152, seed: int = 0,
                sampling: SamplingParams = SamplingParams(ignore_eos=True), tokenizer=None,
-               prompts: list[str] | None = None) -> list[Request]:
+               prompts: list[str] | None = None, num_long_prompts: int = 0,
+               long_prompt_len: int = 1024) -> list[Request]:
     """A reproducible list of Requests "req-000", "req-001", ... sorted by arrival time.
 
     Args:
@@ -252,6 +253,11 @@ def make_trace(num_requests: int, *, arrival: str = "poisson", rate_per_s: float
             starts at text i. ``prompt_text`` holds the decoded ids (re-encoding it may give a
             few tokens more or less: the cut can split a word).
         prompts: texts for the tokenizer path (needs ``tokenizer``).
+        num_long_prompts, long_prompt_len: the long-prompt trace (Sarathi-Serve's setting: a
+            few long prompts among short chats): requests round((k + 0.5) * num_requests /
+            num_long_prompts), k = 0 .. num_long_prompts - 1 (spread evenly over the trace),
+            get a prompt of exactly long_prompt_len tokens (not clipped by max_prompt_len);
+            their output lengths are drawn like the others'.
 
     Output length becomes ``max_new_tokens`` (with ignore_eos, exactly the tokens generated).
 
@@ -272,6 +278,10 @@ def make_trace(num_requests: int, *, arrival: str = "poisson", rate_per_s: float
     _check_int(max_prompt_len, "max_prompt_len", allow_none=True)
     _check_int(max_output_len, "max_output_len", allow_none=True)
     _check_int(vocab_size, "vocab_size", minimum=MIN_TOKEN_ID + 1)
+    _check_int(num_long_prompts, "num_long_prompts", minimum=0)
+    _check_int(long_prompt_len, "long_prompt_len")
+    if num_long_prompts > n:
+        raise ValueError(f"num_long_prompts must be <= num_requests ({n}), got {num_long_prompts}")
     if prompts is not None and tokenizer is None:
         raise ValueError("prompts needs a tokenizer (pass tokenizer=...)")
     if prompts is not None and not (prompts and all(isinstance(t, str) and t for t in prompts)):
@@ -294,6 +304,9 @@ def make_trace(num_requests: int, *, arrival: str = "poisson", rate_per_s: float
         pairs = sharegpt_lengths(n, rng_len)
     pairs = [(p, max(1, int(np.ceil(o * output_scale)))) for p, o in pairs]
     pairs = [(min(p, max_prompt_len or p), min(o, max_output_len or o)) for p, o in pairs]
+    for k in range(num_long_prompts):
+        i = min(n - 1, int((k + 0.5) * n / num_long_prompts))
+        pairs[i] = (long_prompt_len, pairs[i][1])
 
     texts = list(prompts) if prompts is not None else demo_prompts()
     requests = []

@@ -27,13 +27,14 @@ from minibatch.request import Request
 # Okabe-Ito colors (colorblind-safe), fixed once so every notebook's figures agree.
 PALETTE = {
     "prefill": "#E69F00",  # orange
+    "chunk": "#E69F00",  # orange, dotted: a prefill chunk that does not finish the prompt (no token)
     "decode": "#56B4E9",  # sky blue
     "padding": "#D55E00",  # vermillion, hatched: a finished request still holding a static row
     "idle": "#EBEBEB",  # light grey: an empty batch slot
     "waiting": "#F0E442",  # yellow: arrived, not scheduled
     "finished": "#F5F5F5",  # near white: done and gone (request rows only)
 }
-HATCH = {"padding": "////"}
+HATCH = {"padding": "////", "chunk": "..."}
 MERGE_ABOVE_STEPS = 150  # wider traces draw runs of cells as one rectangle (cells < ~5 px)
 CELL_KINDS = tuple(PALETTE)
 # Policies keep one color in every figure; other names take the next free color in order.
@@ -96,7 +97,7 @@ def gantt_cells(trace: list[StepRecord], rows: str = "slot", x: str = "step",
     for i, (record, (x0, width)) in enumerate(zip(trace, spans)):
         for e in record.entries:
             row = e.slot if rows == "slot" else row_of[e.request_id]
-            cells.append(Cell(row, x0, width, e.phase, e.request_id))
+            cells.append(Cell(row, x0, width, "chunk" if e.is_chunk else e.phase, e.request_id))
             last_step[e.request_id] = i
         if rows == "slot":
             busy = {e.slot for e in record.entries}
