@@ -28,6 +28,7 @@ def make_engine(
     target_itl_s: float | None = None,
     queue_policy: str = "fcfs",
     aging_s: float | None = 1.0,
+    max_num_prefills: int | None = None,
 ) -> Engine:
     """An Engine running ``policy`` on ``executor`` (a ModelRunner or SimExecutor).
 
@@ -44,6 +45,7 @@ def make_engine(
         aiming at this step time (seconds) instead of a fixed budget.
     queue_policy, aging_s: "fcfs", "sjf" or "priority" (aging_s seconds of waiting = one
         priority level; None = no aging) for every iteration-level policy.
+    max_num_prefills: prefill_first only: most prompts prefilled per step (None: no limit).
 
     Raises:
         ValueError: an unknown policy or a bad argument (the message names it).
@@ -66,9 +68,13 @@ def make_engine(
             kwargs["chunker"] = AdaptiveChunker(target_itl_s) if target_itl_s is not None else None
         else:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        if policy.startswith("prefill_first"):
+            kwargs["max_num_prefills"] = max_num_prefills
         scheduler = PAGED_POLICIES[policy](**kwargs)
     else:
         raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {policy!r}")
+    if max_num_prefills is not None and not policy.startswith("prefill_first"):
+        raise ValueError(f"max_num_prefills needs the prefill_first policy, got {policy!r}")
     if target_itl_s is not None and not policy.startswith("chunked"):
         raise ValueError(f"target_itl_s (adaptive chunk size) needs a chunked policy, got {policy!r}")
     bm = scheduler.block_manager

@@ -33,7 +33,7 @@ class CharTokenizer:
 
     chat_template = None
 
-    def encode(self, text, add_special_tokens=True):
+    def encode(self, text, add_special_tokens=True, **kwargs):  # kwargs: verbose, as HF tokenizers take
         return [ord(c) for c in text]
 
     def decode(self, ids):

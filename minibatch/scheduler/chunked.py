@@ -43,11 +43,24 @@ class PrefillFirstScheduler(PagedScheduler):
     If a waiting request can be admitted, the step prefills as many whole prompts as fit the
     free blocks, ``max_bs`` and the token budget (``max_num_batched_tokens``, default no limit);
     running requests do not decode in that step. Otherwise every running request decodes
-    (preempting when blocks run out, as :class:`PagedScheduler`). Takes PagedScheduler's
-    arguments.
+    (preempting when blocks run out, as :class:`PagedScheduler`).
+
+    Args:
+        max_num_prefills: most prompts prefilled in one step, >= 1, or None (no limit).
+            1 = one prompt per step, the baseline for batching prefills together.
+        Other arguments: as :class:`PagedScheduler`.
+
+    Raises:
+        ValueError: max_num_prefills < 1, or a bad PagedScheduler argument.
     """
 
     name = "prefill_first"
+
+    def __init__(self, *args, max_num_prefills: int | None = None, **kwargs):
+        if max_num_prefills is not None and max_num_prefills < 1:
+            raise ValueError(f"max_num_prefills must be >= 1 or None, got {max_num_prefills}")
+        super().__init__(*args, **kwargs)
+        self.max_num_prefills = max_num_prefills
 
     def schedule(self, now_s: float) -> SchedulerOutput:
         self._step_budget = self.token_budget()

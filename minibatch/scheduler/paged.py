@@ -65,6 +65,7 @@ class PagedScheduler(Scheduler):
 
     name = "paged"
     chunked_prefill = False  # may a prompt be split across steps? (ChunkedPrefillScheduler)
+    max_num_prefills: int | None = None  # most waiting requests admitted per step (None: no limit)
 
     def __init__(self, max_bs: int = 8, num_blocks: int = 256, block_size: int = 16, *,
                  enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
@@ -178,16 +179,18 @@ class PagedScheduler(Scheduler):
     def schedule_waiting(self, out: SchedulerOutput) -> None:
         """Stage 3: admit waiting requests in queue-policy order, no skipping ahead."""
         self.waiting.sort(key=self.sort_key)
-        while self.waiting and len(self.running) < self.max_bs:
+        admitted = 0
+        while self.waiting and len(self.running) < self.max_bs and admitted != self.max_num_prefills:
             req = self.waiting[0]
-            admitted = self._admit(req, self.budget_left(out))
-            if admitted is None:
+            plan = self._admit(req, self.budget_left(out))
+            if plan is None:
                 break
-            copies, n = admitted
+            copies, n = plan
             self.waiting.pop(0)
             out.blocks_to_copy += copies
             self._run(req)
             self._add(out, req, n)
+            admitted += 1
 
     def finish_output(self, out: SchedulerOutput) -> SchedulerOutput:
         bm = self.block_manager
