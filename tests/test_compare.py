@@ -61,6 +61,21 @@ def test_compare_paged_policies(tmp_path, capsys):
     assert "paged / orca output throughput" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("order", ["fcfs", "sjf", "priority"])
+def test_compare_chunked_on_the_long_prompt_trace(tmp_path, capsys, order):
+    out = tmp_path / "r.json"
+    main(["compare", "--model", "tiny-random-llama", "--num-requests", "8", "--clock", "sim", "--rate", "20",
+          "--max-output-len", "12", "--max-prompt-len", "24", "--no-progress", "--long-prompts", "2",
+          "--long-prompt-len", "200", "--max-num-batched-tokens", "32", "--policy-order", order,
+          "--policies", "prefill_first,chunked,chunked_prefix", "--json", str(out), "--figures-dir", ""])
+    result = json.loads(out.read_text())
+    assert result["max_num_batched_tokens"] == 32 and result["policy_order"] == order
+    p = result["policies"]
+    assert all(entry["matches_reference"] is True for entry in p.values())
+    assert p["chunked"]["itl_p99_s"] < p["prefill_first"]["itl_p99_s"]  # the 200-token prefills no longer stall
+    assert "prefill_first / chunked ITL p99" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--policies", "static,fancy"], "--policies"),
     (["--num-requests", "0"], "--num-requests"),
@@ -70,6 +85,12 @@ def test_compare_paged_policies(tmp_path, capsys):
     (["--block-size", "0"], "--block-size"),
     (["--preemption-mode", "drop"], "--preemption-mode"),
     (["--orca-reservation", "psychic"], "--orca-reservation"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--target-itl-ms", "-3"], "--target-itl-ms"),
+    (["--policy-order", "lifo"], "--policy-order"),
+    (["--aging-s", "0"], "--aging-s"),
+    (["--long-prompts", "99"], "--long-prompts"),
+    (["--long-prompt-len", "0"], "--long-prompt-len"),
     (["--trace", "/no/such/file.json"], "--trace"),
     (["--model", "no-such-model"], "unknown model"),
 ])
