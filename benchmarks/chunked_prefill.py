@@ -28,10 +28,9 @@ from pathlib import Path
 
 import torch
 
-from minibatch import ModelRunner, SimClock, WallClock
-from minibatch.compare import CompareConfig, build_trace, environment
+from minibatch import SimClock
+from minibatch.compare import CompareConfig, build_trace, environment, load_runner
 from minibatch.lessons import chunked_prefill as lesson
-from minibatch.models import load_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,11 +74,7 @@ def acceptance(rows: list[dict], baseline: str = "prefill_first") -> list[dict]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device=args.device)
-    runner = ModelRunner(model, tokenizer)
-    clock = (lambda: WallClock(args.device)) if args.clock == "wall" else SimClock
+    model, tokenizer, runner, clock = load_runner(args.model, args.device, args.clock, args.threads)
     if args.quick:
         args.num_requests, args.long_prompts, args.long_prompt_len, args.budgets = 8, 1, 200, "16,64"
     budgets = [int(b) for b in args.budgets.split(",") if b]
@@ -88,7 +83,8 @@ def main(argv=None) -> dict:
                         long_prompts=args.long_prompts, long_prompt_len=args.long_prompt_len,
                         max_prompt_len=64 if args.quick else 256, max_output_len=16 if args.quick else 256)
     trace = build_trace(cfg, tokenizer, model.config.vocab_size)
-    lesson.run_policy("chunked", trace[:2], runner, SimClock(), max_num_batched_tokens=16)  # warm-up
+    for policy in ("prefill_first", "paged", "chunked"):  # warm-up: no run pays first-call costs
+        lesson.run_policy(policy, trace[:2], runner, SimClock())
     result = {"command": args.command, "environment": environment(), "model": args.model, "clock": args.clock,
               "device": args.device, "trace": {"num_requests": len(trace), "rate_per_s": args.rate,
                                                "long_prompts": args.long_prompts, "long_prompt_len": args.long_prompt_len,

@@ -27,10 +27,8 @@ from pathlib import Path
 
 import torch
 
-from minibatch import ModelRunner, SimClock, WallClock
-from minibatch.compare import CompareConfig, build_trace, environment
+from minibatch.compare import CompareConfig, build_trace, environment, load_runner
 from minibatch.lessons import paged_kv
-from minibatch.models import load_model
 from minibatch.request import Request
 from minibatch.workload import demo_prompts
 
@@ -73,11 +71,7 @@ METRICS = (("kv_waste_fraction", "KV waste", ".1%"), ("max_num_running", "max ru
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model, device=args.device)
-    runner = ModelRunner(model, tokenizer)
-    clock = (lambda: WallClock(args.device)) if args.clock == "wall" else SimClock
+    model, tokenizer, runner, clock = load_runner(args.model, args.device, args.clock, args.threads)
     if args.quick:
         # near-simultaneous arrivals, so that even a tiny model runs into memory pressure
         cfg = CompareConfig(model=args.model, num_requests=8, rate=100.0, max_prompt_len=48, max_output_len=16,

@@ -261,6 +261,20 @@ def run_compare(cfg: CompareConfig) -> dict:
     return result
 
 
+def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threads: int | None = None):
+    """For benchmark scripts: ``(model, tokenizer, ModelRunner, clock_factory)``, where
+    clock_factory() makes a fresh WallClock on ``device`` (clock "wall") or SimClock ("sim").
+    threads: torch CPU threads (None: torch's choice)."""
+    from minibatch.models import load_model
+    from minibatch.runner import ModelRunner
+    from minibatch.sim.clock import SimClock, WallClock
+
+    if threads:
+        torch.set_num_threads(threads)
+    model, tokenizer = load_model(model_name, device=device)
+    return model, tokenizer, ModelRunner(model, tokenizer), (lambda: WallClock(device)) if clock == "wall" else SimClock
+
+
 def environment() -> dict:
     """Versions and machine, stored with every result so numbers can be compared honestly."""
     import os

@@ -11,3 +11,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Eight requests, odd ones sharing a 19-token system prompt: the workload of the paged and chunked
+# engine tests (prompt lengths without the system prompt, and max_new_tokens).
+PROMPT_LENS = [5, 17, 9, 30, 3, 12, 21, 40]
+MAX_NEW = [8, 3, 12, 6, 10, 5, 9, 20]
+
+
+@pytest.fixture(scope="session", params=["tiny-random-llama", "tiny-random-gpt2"])
+def paged_setup(request):
+    """(model, ModelRunner, prompts, HF generate's greedy outputs by request_id "r0".."r7")."""
+    from minibatch import ModelRunner, Request, SamplingParams
+    from minibatch.compare import reference_outputs
+    from minibatch.models import load_model
+
+    model, tok = load_model(request.param)
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(3, model.config.vocab_size, (19,), generator=g).tolist()
+    prompts = [(system if i % 2 else []) + torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
+               for i, n in enumerate(PROMPT_LENS)]
+    reqs = [Request(f"r{i}", p, n, SamplingParams(ignore_eos=True)) for i, (p, n) in enumerate(zip(prompts, MAX_NEW))]
+    return model, ModelRunner(model, tok), prompts, reference_outputs(model, reqs)

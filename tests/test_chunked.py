@@ -6,29 +6,21 @@ the adaptive chunker's fit and budget."""
 import math
 
 import pytest
-import torch
 
 from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecutor, make_engine
-from minibatch.compare import reference_outputs
-from minibatch.models import load_model
 from minibatch.scheduler import AdaptiveChunker, ChunkedPrefillScheduler, PrefillFirstScheduler
 from minibatch.sim.clock import CostModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = SamplingParams(ignore_eos=True)
-PROMPT_LENS = [5, 17, 9, 30, 3, 12, 21, 40]
-MAX_NEW = [8, 3, 12, 6, 10, 5, 9, 20]
+MAX_NEW = [8, 3, 12, 6, 10, 5, 9, 20]  # as conftest's paged_setup
 
 
-@pytest.fixture(scope="module", params=["tiny-random-llama", "tiny-random-gpt2"])
-def setup(request):
-    model, tok = load_model(request.param)
-    g = torch.Generator().manual_seed(2)
-    system = torch.randint(3, model.config.vocab_size, (19,), generator=g).tolist()  # shared system prompt
-    prompts = [(system if i % 2 else []) + torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
-               for i, n in enumerate(PROMPT_LENS)]
-    return ModelRunner(model, tok), prompts, reference_outputs(model, make_requests(prompts))
+@pytest.fixture(scope="module")
+def setup(paged_setup):
+    _, runner, prompts, refs = paged_setup
+    return runner, prompts, refs
 
 
 def make_requests(prompts, gap_s=0.01):

@@ -12,19 +12,12 @@ from minibatch.models import load_model
 from minibatch.request import RequestStatus, fork_requests
 
 GREEDY = SamplingParams(ignore_eos=True)
-PROMPT_LENS = [5, 17, 9, 30, 3, 12, 21, 40]
-MAX_NEW = [8, 3, 12, 6, 10, 5, 9, 20]
+MAX_NEW = [8, 3, 12, 6, 10, 5, 9, 20]  # as conftest's paged_setup
 
 
-@pytest.fixture(scope="module", params=["tiny-random-llama", "tiny-random-gpt2"])
-def setup(request):
-    model, tok = load_model(request.param)
-    g = torch.Generator().manual_seed(1)
-    system = torch.randint(3, model.config.vocab_size, (19,), generator=g).tolist()  # a shared system prompt
-    prompts = [(system if i % 2 else []) + torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
-               for i, n in enumerate(PROMPT_LENS)]
-    reqs = make_requests(prompts)
-    return model, ModelRunner(model, tok), prompts, reference_outputs(model, reqs)
+@pytest.fixture(scope="module")
+def setup(paged_setup):
+    return paged_setup
 
 
 def make_requests(prompts, sampling=GREEDY, gap_s=0.01):
