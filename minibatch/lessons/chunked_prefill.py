@@ -286,18 +286,6 @@ def micro_batching_experiment(requests: list[Request], executor, clock_factory: 
 
 
 # ---------------------------------------------------------------------- exercise
-def library_stall_free_plan(num_decodes: int, prefills_left: list[int], budget: int) -> list[int]:
-    """The reference answer: num_new_tokens per request for one stall-free step."""
-    plan, left = [], budget
-    for _ in range(num_decodes):
-        plan.append(1 if left >= 1 else 0)
-        left -= plan[-1]
-    for n in prefills_left:
-        plan.append(min(n, left))
-        left -= plan[-1]
-    return plan
-
-
 def check_stall_free_plan(fn: Callable, budgets=(1, 7, 16, 64), seed: int = 0) -> int:
     """Check ``fn(num_decodes, prefills_left, budget) -> list[int]`` against the chunked
     scheduler: every step of a random run at each budget gives fn the step's decodes and its

@@ -181,11 +181,6 @@ class AdaptiveChunker:
             self.coefficients = tuple(coef)
             self.num_fits += 1
 
-    def predict_s(self, num_prefill_tokens: int, num_decode_tokens: int) -> float:
-        """The model's step time (seconds) for these token counts."""
-        fixed_s, prefill_s, decode_s = self.coefficients
-        return fixed_s + prefill_s * num_prefill_tokens + decode_s * num_decode_tokens
-
     def token_budget(self, num_decodes: int) -> int:
         """The budget for a step with ``num_decodes`` running decodes: decodes + chunk tokens."""
         fixed_s, prefill_s, decode_s = self.coefficients
