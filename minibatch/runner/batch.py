@@ -30,8 +30,9 @@ from minibatch.scheduler.base import SchedulerOutput
 
 @dataclass
 class PackedBatch:
-    """input_ids, positions: (num_tokens,) int64. logits_indices: (num_sampled,) int64, the packed
-    index of each sampling request's last token; sample_request_ids names those requests."""
+    """input_ids, positions: (num_tokens,) int64. logits_indices: (num_logits,) int64, the packed
+    index of each position that returns logits (a sampling request's last token; all k+1
+    positions of a speculative verification); sample_request_ids names the request of each."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -66,43 +67,72 @@ def context_slot_table(block_tables: list[list[int]], seq_lens: list[int], block
     return slots.masked_fill(pos[None, :] >= torch.tensor(seq_lens)[:, None], 0)
 
 
+@dataclass
+class PackedSequence:
+    """One request's share of a packed forward: ``token_ids`` at positions start, start+1, ...
+    (start = its num_computed_tokens), written to the slots its ``block_table`` gives;
+    ``num_logits`` trailing positions return logits (0: none, 1: sample the next token,
+    k+1: speculative verification)."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    num_logits: int
+
+
 def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor, backend: str = "torch") -> PackedBatch:
     """Pack all scheduled tokens of ``out`` into one row. kv_cache: (L, 2, num_blocks, block_size, H_kv, D).
 
-    backend "torch" gets each request's context slots (its K/V are gathered by slot); "triton"
-    gets the block tables, seq_lens and cu_seqlens_q as int32 tensors (the kernels walk the
-    block table themselves).
+    A request scheduled with draft tokens (``ScheduledRequest.spec_token_ids``, speculative
+    decoding) feeds its last token plus the k draft tokens and returns logits at all k+1 positions.
 
     Raises:
         ValueError: a request is scheduled for more tokens than it has.
     """
-    device = kv_cache.device
-    ids, positions, rows, seq_lens, cu_seqlens_q, logits_indices, sample_ids = [], [], [], [], [0], [], []
-    for i, s in enumerate(out.scheduled):
+    seqs = []
+    for s in out.scheduled:
         r = s.request
-        start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+        start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
         if end > r.num_tokens:
             raise ValueError(f"request {r.request_id!r}: {end} tokens scheduled, only {r.num_tokens} known")
-        ids += (r.prompt_token_ids if end <= r.num_prompt_tokens else r.all_token_ids)[start:end]
-        positions += range(start, end)
-        rows += [i] * s.num_new_tokens
-        seq_lens.append(end)
-        cu_seqlens_q.append(cu_seqlens_q[-1] + s.num_new_tokens)
-        if end == r.num_tokens:  # the step reaches the request's last known token: sample the next one
-            logits_indices.append(cu_seqlens_q[-1] - 1)
-            sample_ids.append(r.request_id)
+        ids = (r.prompt_token_ids if end <= r.num_prompt_tokens else r.all_token_ids)[start:end] + s.spec_token_ids
+        num_logits = 1 + len(s.spec_token_ids) if end == r.num_tokens else 0  # reaches its last token: sample
+        seqs.append(PackedSequence(r.request_id, ids, start, out.block_tables[r.request_id], num_logits))
+    return pack_sequences(seqs, kv_cache, backend)
+
+
+def pack_sequences(seqs: list[PackedSequence], kv_cache: torch.Tensor, backend: str = "torch") -> PackedBatch:
+    """The flat tensors of one packed forward over ``seqs`` (see the module docstring).
+
+    backend "torch" gets each request's context slots (its K/V are gathered by slot); "triton"
+    gets the block tables, seq_lens and cu_seqlens_q as int32 tensors (the kernels walk the
+    block table themselves). ``logits_indices`` lists, sequence by sequence, the packed index of
+    each position that returns logits; ``sample_request_ids`` names the sequence of each.
+    """
+    device = kv_cache.device
+    ids, positions, rows, seq_lens, cu_seqlens_q, logits_indices, sample_ids = [], [], [], [], [0], [], []
+    for i, seq in enumerate(seqs):
+        n = len(seq.token_ids)
+        ids += seq.token_ids
+        positions += range(seq.start, seq.start + n)
+        rows += [i] * n
+        seq_lens.append(seq.start + n)
+        cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+        logits_indices += range(cu_seqlens_q[-1] - seq.num_logits, cu_seqlens_q[-1])
+        sample_ids += [seq.request_id] * seq.num_logits
     block_size = kv_cache.shape[3]
-    tables = [out.block_tables[s.request_id] for s in out.scheduled]
+    tables = [seq.block_table for seq in seqs]
     positions = torch.tensor(positions, dtype=torch.long, device=device)  # (num_tokens,)
     bt = block_table_tensor(tables, seq_lens, block_size).to(device)  # (num_reqs, max_blocks)
     rows = torch.tensor(rows, dtype=torch.long, device=device)  # each new token's request
-    decode_indices = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
+    decode_indices = [i for i, seq in enumerate(seqs) if len(seq.token_ids) == 1]
     meta = AttentionMetadata(
         kv_cache=kv_cache,
         slot_mapping=bt[rows, positions // block_size] * block_size + positions % block_size,
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
-        prefill_indices=[i for i, s in enumerate(out.scheduled) if s.num_new_tokens > 1],
+        prefill_indices=[i for i, seq in enumerate(seqs) if len(seq.token_ids) > 1],
         decode_indices=decode_indices,
         backend=backend,
     )

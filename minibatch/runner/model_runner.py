@@ -18,7 +18,7 @@ import torch
 from minibatch.models import eos_token_ids, pad_token_id, set_attention
 from minibatch.request import Request
 from minibatch.runner import attention
-from minibatch.runner.batch import build_packed_batch
+from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
 from minibatch.runner.sampler import Sampler
 from minibatch.scheduler.base import SchedulerOutput
 
@@ -96,22 +96,34 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns request_id -> sampled token for requests that get a token."""
         self.move_blocks(out)
-        logits, request_ids = self._forward_padded(out) if out.is_padded_batch else self._forward_packed(out)
+        if out.is_padded_batch:
+            logits, request_ids = self._forward_padded(out)
+        else:
+            logits, request_ids = self.forward_packed(build_packed_batch(out, self._kv(), self.attention_backend))
         by_id = {s.request_id: s.request for s in out.scheduled}
         return self.sampler.sample_batch(request_ids, logits, [by_id[rid].sampling for rid in request_ids])
 
-    def _forward_packed(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+    def _kv(self) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("call allocate_kv_cache(num_blocks, block_size) before packed steps")
+        return self.kv_cache
+
+    @torch.inference_mode()
+    def forward_sequences(self, seqs: list[PackedSequence]) -> tuple[torch.Tensor, list[str]]:
+        """One packed forward over explicit sequences (a draft model's steps); see ``forward_packed``."""
+        return self.forward_packed(pack_sequences(seqs, self._kv(), self.attention_backend))
+
+    def forward_packed(self, batch) -> tuple[torch.Tensor, list[str]]:
+        """Run a :class:`~minibatch.runner.batch.PackedBatch`: returns (logits (num_logits, vocab_size),
+        the request_id of each row)."""
         set_attention(self.model, attention.ATTN_IMPLEMENTATION)
-        batch = build_packed_batch(out, self.kv_cache, self.attention_backend)
         logits = self.model(
             input_ids=batch.input_ids[None],  # (1, num_tokens)
             position_ids=batch.positions[None],  # (1, num_tokens)
             attn_metadata=batch.attn_metadata,
             logits_to_keep=batch.logits_indices,  # only rows we sample from hit the LM head
             use_cache=False,
-        ).logits[0]  # (num_sampled, vocab_size)
+        ).logits[0]  # (num_logits, vocab_size)
         return logits, batch.sample_request_ids
 
     def _forward_padded(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:

@@ -34,16 +34,21 @@ class Sampler:
     def __init__(self):
         self.generators: dict[str, torch.Generator] = {}
 
+    def generator(self, request_id: str, params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+        """The request's generator, seeded with ``params.seed`` on first use (no seed: a fresh
+        random one, without reseeding, and so disturbing, torch's global generator)."""
+        gen = self.generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+            self.generators[request_id] = gen
+        return gen
+
     def sample(self, request_id: str, logits: torch.Tensor, params: SamplingParams) -> int:
         """logits: (vocab_size,). Returns a token id."""
         if params.is_greedy:
             return int(torch.argmax(logits))
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=logits.device)
-            # no seed: a fresh random one, without reseeding (and so disturbing) torch's global generator
-            gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-            self.generators[request_id] = gen
+        gen = self.generator(request_id, params, logits.device)
         probs = filter_logits(logits.float(), params).softmax(-1)
         return int(torch.multinomial(probs, 1, generator=gen))
 

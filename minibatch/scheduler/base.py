@@ -20,12 +20,18 @@ class ScheduledRequest:
     phase: "prefill" or "decode".
     slot: batch slot index: which of the batch's max_bs rows the request occupies (the row of the
         Gantt chart). Not a KV slot: KV slots (n_slots, slot_mapping) hold one token's K/V each.
+    num_spec_tokens: speculative decoding: draft tokens the scheduler made room for (k); the
+        step then computes num_new_tokens = 1 + k tokens (the last token and the drafts).
+    spec_token_ids: the draft tokens the executor's proposer filled in (at most num_spec_tokens;
+        a proposer that finds fewer, like n-gram lookup, shrinks num_new_tokens to match).
     """
 
     request: Request
     num_new_tokens: int
     phase: str
     slot: int
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -54,6 +60,8 @@ class SchedulerOutput:
         blocks_to_swap_in: (cpu_block, gpu_block) pairs of requests coming back. The runner does
         swap-outs first, then swap-ins, then copies, then the forward.
     preempted: request_ids preempted this step (by recompute or swap).
+    draft_time_s, draft_forwards: filled by a speculative executor: seconds spent proposing,
+        and (rows, tokens, context tokens) of each draft forward (simulated clocks charge them).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -68,6 +76,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    draft_forwards: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -128,21 +138,32 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance state after the forward: num_computed_tokens, new tokens, finishing.
 
-        sampled: request_id -> token id, for each scheduled request whose step produced a token.
+        sampled: request_id -> token id, for each scheduled request whose step produced a token;
+            a list of token ids for a speculative step (accepted draft tokens, then one more).
         Returns the requests that finished this step.
         """
         raise NotImplementedError
 
     @staticmethod
-    def advance(output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def advance(output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """The common part of ``update``: each scheduled request's num_computed_tokens grows by its
-        num_new_tokens and it gets its sampled token (if any). Returns the requests that finished."""
+        num_new_tokens and it gets its sampled token (if any). Returns the requests that finished.
+
+        A speculative step (draft tokens verified) computed the last token and the drafts, but
+        only the accepted drafts' KV is kept: num_computed_tokens grows by 1 + accepted, i.e.
+        the rejected positions are rolled back (their slots are overwritten later). Tokens after
+        one that finishes the request (EOS, max_new_tokens) are dropped.
+        """
         finished = []
         for s in output.scheduled:
             r = s.request
-            r.num_computed_tokens += s.num_new_tokens
-            if r.request_id in sampled:
-                r.append_token(sampled[r.request_id])
+            tokens = sampled.get(r.request_id)
+            tokens = [] if tokens is None else tokens if isinstance(tokens, list) else [tokens]
+            r.num_computed_tokens += len(tokens) if s.spec_token_ids else s.num_new_tokens
+            for t in tokens:
+                r.append_token(t)
+                if r.is_finished:
+                    break
             if r.is_finished:
                 finished.append(r)
         return finished

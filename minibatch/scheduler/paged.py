@@ -58,6 +58,9 @@ class PagedScheduler(Scheduler):
             max_new_tokens, the most a recompute prefills).
         queue_policy: "fcfs", "sjf", "priority" or a QueuePolicy: the order of service and the
             reverse order of preemption.
+        speculator: speculative decoding (``minibatch.spec``): a FixedK or AdaptiveK that gives
+            each decoding request k draft slots, so it computes 1 + k tokens (within the token
+            budget and its max_new_tokens); None (default): no speculation.
 
     Raises:
         ValueError: a bad argument; ``check_request`` for a request that cannot fit alone.
@@ -70,7 +73,8 @@ class PagedScheduler(Scheduler):
     def __init__(self, max_bs: int = 8, num_blocks: int = 256, block_size: int = 16, *,
                  enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
                  num_cpu_blocks: int | None = None, watermark: float = 0.01,
-                 max_num_batched_tokens: int | None = None, queue_policy: str | QueuePolicy = "fcfs"):
+                 max_num_batched_tokens: int | None = None, queue_policy: str | QueuePolicy = "fcfs",
+                 speculator=None):
         super().__init__(queue_policy)
         if max_bs < 1:
             raise ValueError(f"max_bs must be >= 1, got {max_bs}")
@@ -86,6 +90,7 @@ class PagedScheduler(Scheduler):
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                                           watermark=watermark, num_cpu_blocks=num_cpu_blocks)
         self.swapped: list[Request] = []
+        self.speculator = speculator
         self.num_preemptions = 0
         self._step_budget: float = math.inf
         if enable_prefix_caching:
@@ -134,9 +139,18 @@ class PagedScheduler(Scheduler):
         """Tokens ``req`` computes this step given ``budget`` tokens left: all it has left, or,
         when that does not fit, a chunk of ``budget`` (chunked prefill) or 0 (wait)."""
         remaining = req.num_tokens - req.num_computed_tokens
+        if remaining == 1 and budget >= 1 and self.speculator is not None:  # a decode: 1 + k with k drafts
+            return 1 + self.num_spec_tokens(req, budget)
         if remaining <= budget:
             return remaining
         return int(budget) if self.chunked_prefill else 0
+
+    def num_spec_tokens(self, req: Request, budget: float) -> int:
+        """k for a decoding request: the speculator's choice (or the request's own
+        ``num_speculative_tokens``), capped so the step fits the budget and emits at most the
+        tokens the request may still produce."""
+        k = req.num_speculative_tokens if req.num_speculative_tokens is not None else self.speculator.num_spec_tokens(req)
+        return max(0, min(k, int(min(budget, 1 << 30)) - 1, req.max_new_tokens - req.num_output_tokens - 1))
 
     def service_order(self, running: list[Request]) -> list[Request]:
         """The order running requests get tokens and blocks (default: queue-policy order)."""
@@ -168,7 +182,7 @@ class PagedScheduler(Scheduler):
         while self.swapped and len(self.running) < self.max_bs:
             req = self.swapped[0]
             n = self.num_new_tokens(req, self.budget_left(out))
-            if n == 0 or not bm.can_swap_in(req):
+            if n == 0 or not bm.can_swap_in(req, num_new_tokens=n):
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(req.request_id)
@@ -199,9 +213,10 @@ class PagedScheduler(Scheduler):
         return out
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        k = n - 1 if req.num_tokens - req.num_computed_tokens == 1 else 0  # draft slots of a decode
         out.scheduled.append(ScheduledRequest(
-            request=req, num_new_tokens=n, phase="prefill" if n > 1 or req.is_prefill else "decode",
-            slot=self.slots[req.request_id]))
+            request=req, num_new_tokens=n, phase="prefill" if (n > 1 and not k) or req.is_prefill else "decode",
+            slot=self.slots[req.request_id], num_spec_tokens=k))
 
     def _victim(self, out: SchedulerOutput) -> Request:
         """The lowest-ranked running request not yet given tokens this step."""
@@ -270,6 +285,8 @@ class PagedScheduler(Scheduler):
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         finished = self.advance(output, sampled)
         for s in output.scheduled:
+            if s.num_spec_tokens and not s.request.is_finished:  # roll back blocks of rejected drafts
+                self.block_manager.trim(s.request_id, s.request.num_computed_tokens)
             self.block_manager.cache_full_blocks(s.request)
         for r in finished:
             self.running.remove(r)

@@ -36,16 +36,15 @@ class CostModel:
     per_token_s: float = 0.0015
     per_context_token_s: float = 0.000002
 
+    def forward_time_s(self, rows: int, num_tokens: int, context: int) -> float:
+        """One forward over ``rows`` sequences, ``num_tokens`` tokens, ``context`` context tokens."""
+        return self.fixed_s + self.per_seq_s * rows + self.per_token_s * num_tokens + self.per_context_token_s * context
+
     def step_time_s(self, out: SchedulerOutput) -> float:
         rows = out.scheduled + out.padded
         num_tokens = out.num_scheduled_tokens + out.num_padding_tokens
         context = sum(s.request.num_computed_tokens + s.num_new_tokens for s in rows)
-        return (
-            self.fixed_s
-            + self.per_seq_s * len(rows)
-            + self.per_token_s * num_tokens
-            + self.per_context_token_s * context
-        )
+        return self.forward_time_s(len(rows), num_tokens, context)
 
 
 class WallClock:
@@ -83,20 +82,29 @@ class WallClock:
         self.now_s = max(self.now_s, t_s)
 
 
+# A small draft model's forward (speculative decoding) on the same 2-core CPU: rough numbers for
+# smollm2-135m-draft (2 layers, hidden 256), which costs about a tenth of a target decode step.
+DRAFT_COST_MODEL = CostModel(fixed_s=0.004, per_seq_s=0.0002, per_token_s=0.0002, per_context_token_s=0.0)
+
+
 class SimClock(WallClock):
-    """Deterministic clock: each step takes ``cost_model.step_time_s(out)`` seconds."""
+    """Deterministic clock: each step takes ``cost_model.step_time_s(out)`` seconds, plus
+    ``draft_cost_model.forward_time_s`` for each draft forward of a speculative step (whose
+    share is written to ``out.draft_time_s``)."""
 
     kind = "sim"
 
-    def __init__(self, cost_model: CostModel | None = None):
+    def __init__(self, cost_model: CostModel | None = None, draft_cost_model: CostModel | None = None):
         super().__init__("cpu")
         self.cost_model = cost_model or CostModel()
+        self.draft_cost_model = draft_cost_model or DRAFT_COST_MODEL
 
     def start_step(self) -> None:
         pass
 
     def end_step(self, out: SchedulerOutput) -> float:
-        dt = self.cost_model.step_time_s(out)
+        out.draft_time_s = sum(self.draft_cost_model.forward_time_s(*f) for f in out.draft_forwards)
+        dt = self.cost_model.step_time_s(out) + out.draft_time_s
         self.now_s += dt
         return dt
 

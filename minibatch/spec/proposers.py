@@ -1,0 +1,149 @@
+"""Proposers: where speculative decoding's draft tokens come from.
+
+* :class:`NgramProposer` -- prompt lookup decoding (Saxena 2023; vLLM's ``ngram`` method): no
+  model at all. Find the latest earlier occurrence of the request's last n tokens in its own
+  tokens (prompt and output) and propose the k tokens that followed it. Strong when the output
+  copies from the input (summaries, code edits, extraction), free when it finds nothing.
+* :class:`DraftModelProposer` -- a small causal LM with the target's tokenizer (Leviathan et al.
+  2023; Chen et al. 2023) runs k autoregressive steps per verification, batched over every
+  speculating request through its own :class:`~minibatch.runner.ModelRunner` and KV cache.
+
+The draft's KV cache has the target's geometry in blocks (same num_blocks and block_size, its
+own layers and heads), so a request's ``block_table`` addresses both caches: one block manager
+serves two models, as in vLLM. The draft keeps, per request, how many leading positions of its
+cache are valid; at each step it first catches up on the tokens it has not seen (the prompt, the
+bonus token, the corrected token) in the same forward as its first draft step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from minibatch.request import Request
+from minibatch.runner.batch import PackedSequence
+from minibatch.runner.sampler import Sampler
+from minibatch.scheduler.base import ScheduledRequest, SchedulerOutput
+from minibatch.spec.rejection_sampler import processed_probs
+
+
+def ngram_lookup(token_ids: list[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:
+    """Prompt lookup: for n = n_max .. n_min, find the latest earlier occurrence of the last n
+    tokens and return (up to) the k tokens that followed it; [] if no n-gram recurs.
+
+    Example: tokens ``a b c d a b`` with k = 2 -> ``c d`` (the bigram ``a b`` occurred at 0).
+
+    Raises:
+        ValueError: k < 0 or not 1 <= n_min <= n_max.
+    """
+    if k < 0 or not 1 <= n_min <= n_max:
+        raise ValueError(f"need k >= 0 and 1 <= n_min <= n_max, got k={k}, n_min={n_min}, n_max={n_max}")
+    L = len(token_ids)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = token_ids[L - n:]
+        for start in range(L - n - 1, -1, -1):  # latest match first; it must have a token after it
+            if token_ids[start:start + n] == suffix:
+                return list(token_ids[start + n:start + n + k])
+    return []
+
+
+class NgramProposer:
+    """Prompt lookup decoding (no model). n_max, n_min: the n-gram sizes tried, longest first."""
+
+    name = "ngram"
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        ngram_lookup([], 0, n_max, n_min)  # validates
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, out: SchedulerOutput, specs: list[ScheduledRequest]) -> dict[str, tuple[list[int], None]]:
+        """request_id -> (draft tokens, None): deterministic proposals have no distribution."""
+        return {s.request_id: (ngram_lookup(s.request.all_token_ids, s.num_spec_tokens, self.n_max, self.n_min), None)
+                for s in specs}
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        pass
+
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        pass
+
+    def reset(self, request_id: str) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """k autoregressive draft steps per verification on a small model, batched over requests.
+
+    Args:
+        runner: a :class:`~minibatch.runner.ModelRunner` on the draft model (same tokenizer as
+            the target: same vocab_size).
+
+    Each request samples its drafts from the draft's *processed* distribution (its
+    temperature/top-k/top-p; argmax when greedy) with its own seeded generator, and returns that
+    distribution for the rejection sampler. ``forward_times_s`` collects each draft forward's
+    (rows, tokens, context tokens) for simulated clocks.
+    """
+
+    name = "draft"
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.num_computed: dict[str, int] = {}  # request_id -> leading positions of draft KV that are valid
+        self.sampler = Sampler()  # the drafts' own generators (the target's stay untouched)
+        self.forwards: list[tuple[int, int, int]] = []  # (rows, tokens, context) of the last propose
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        self.runner.allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)
+
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        self.runner.move_blocks(out)
+
+    def reset(self, request_id: str) -> None:
+        """Forget the request's draft KV (after a preemption or when it finishes)."""
+        self.num_computed.pop(request_id, None)
+        self.sampler.free([request_id])
+
+    def _draw(self, r: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if r.sampling.is_greedy:
+            return int(logits.argmax()), None
+        probs = processed_probs(logits, r.sampling)
+        gen = self.sampler.generator(r.request_id, _draft_params(r), logits.device)
+        return int(torch.multinomial(probs, 1, generator=gen)), probs
+
+    @torch.inference_mode()
+    def propose(self, out: SchedulerOutput, specs: list[ScheduledRequest]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """request_id -> (draft tokens (k), their distributions (k, vocab_size) or None if greedy)."""
+        tokens = {s.request_id: [] for s in specs}
+        probs: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in specs}
+        by_id = {s.request_id: s for s in specs}
+        seqs = []
+        for s in specs:  # first forward: catch up on unseen tokens, up to the last one (position c)
+            r = s.request
+            c = r.num_computed_tokens
+            valid = min(self.num_computed.get(r.request_id, 0), c)
+            seqs.append(PackedSequence(r.request_id, r.all_token_ids[valid:c + 1], valid, out.block_tables[r.request_id], 1))
+        self.forwards = []
+        while seqs:
+            self.forwards.append((len(seqs), sum(len(q.token_ids) for q in seqs), sum(q.start + len(q.token_ids) for q in seqs)))
+            logits, rids = self.runner.forward_sequences(seqs)  # (len(seqs), vocab_size)
+            nxt = []
+            for row, (seq, rid) in enumerate(zip(seqs, rids)):
+                s = by_id[rid]
+                tok, p = self._draw(s.request, logits[row])
+                tokens[rid].append(tok)
+                if p is not None:
+                    probs[rid].append(p)
+                self.num_computed[rid] = seq.start + len(seq.token_ids)
+                if len(tokens[rid]) < s.num_spec_tokens:  # feed the draft token to get the next one
+                    nxt.append(PackedSequence(rid, [tok], self.num_computed[rid], seq.block_table, 1))
+            seqs = nxt
+        return {rid: (tokens[rid], torch.stack(probs[rid]) if probs[rid] else None) for rid in tokens}
+
+
+def _draft_params(r: Request):
+    """The draft's sampling stream: the request's params with a derived seed (so draft and
+    target draws are independent but reproducible); no seed stays no seed (a random stream)."""
+    if r.sampling.seed is None:
+        return r.sampling
+    return dataclasses.replace(r.sampling, seed=(r.sampling.seed * 1_000_003 + 17) % (1 << 63))

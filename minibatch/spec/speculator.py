@@ -1,0 +1,183 @@
+"""How many draft tokens each request gets (k), and what speculation achieved (stats).
+
+* :class:`FixedK`: every decoding request drafts k tokens.
+* :class:`AdaptiveK`: per request, from its own acceptance history (the seed's
+  AdaptiveSpeculator). With acceptance rate alpha (each draft token accepted independently with
+  probability alpha), a verification of k drafts emits on average
+
+      E[tokens](k) = sum_{i=0..k} alpha^i = (1 - alpha^(k+1)) / (1 - alpha)
+
+  tokens (Leviathan et al. 2023, Eq. 1) and costs 1 + c k target-step units, c being the measured
+  cost of one draft step relative to one target step. AdaptiveK picks the k in 0..max_k with the
+  most tokens per unit cost (k = 0: no speculation, a plain decode).
+
+The scheduler asks ``num_spec_tokens(request)`` when it plans a decode (so it can make room in
+the KV cache for 1 + k tokens); the executor reports each verification with ``observe``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minibatch.request import Request
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens emitted by one verification of k drafts] = sum_{i=0..k} alpha^i."""
+    return sum(alpha ** i for i in range(k + 1))
+
+
+def best_k(alpha: float, draft_cost_ratio: float, max_k: int) -> int:
+    """argmax over k in 0..max_k of expected_tokens(alpha, k) / (1 + draft_cost_ratio * k)."""
+    return max(range(max_k + 1), key=lambda k: expected_tokens(alpha, k) / (1 + draft_cost_ratio * k))
+
+
+class FixedK:
+    """k draft tokens for every decoding request (k >= 0; 0 turns speculation off).
+
+    Raises:
+        ValueError: k < 0.
+    """
+
+    def __init__(self, k: int = 4):
+        if k < 0:
+            raise ValueError(f"num_speculative_tokens (k) must be >= 0, got {k}")
+        self.k = k
+        self.max_k = k
+
+    def num_spec_tokens(self, request: Request) -> int:
+        return self.k
+
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        pass
+
+    def observe_cost(self, draft_s: float, num_draft_steps: int, verify_s: float) -> None:
+        pass
+
+    def free(self, request_id: str) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"FixedK(k={self.k})"
+
+
+class AdaptiveK:
+    """Choose k per request from its acceptance history and the measured draft cost.
+
+    Args:
+        max_k: the largest k tried (>= 1).
+        prior_alpha: acceptance rate assumed before a request has history, in (0, 1).
+        prior_weight: how many draft tokens the prior counts as (>= 0).
+        window: draft tokens of history kept per request (>= 1).
+        draft_cost_ratio: c, a draft step's time over a target step's; None: measured from the
+            executor's timings (``observe_cost``), starting from ``initial_cost_ratio``.
+
+    Raises:
+        ValueError: an argument out of range (the message names it).
+    """
+
+    def __init__(self, max_k: int = 8, prior_alpha: float = 0.6, prior_weight: float = 8.0, window: int = 64,
+                 draft_cost_ratio: float | None = None, initial_cost_ratio: float = 0.1):
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        if not 0.0 < prior_alpha < 1.0:
+            raise ValueError(f"prior_alpha must be in (0, 1), got {prior_alpha}")
+        if prior_weight < 0 or window < 1:
+            raise ValueError(f"need prior_weight >= 0 and window >= 1, got {prior_weight}, {window}")
+        self.max_k = max_k
+        self.prior_alpha, self.prior_weight, self.window = prior_alpha, prior_weight, window
+        self.fixed_cost_ratio = draft_cost_ratio
+        self.cost_ratio = draft_cost_ratio if draft_cost_ratio is not None else initial_cost_ratio
+        self.history: dict[str, deque] = {}  # request_id -> (num_draft, num_accepted) of recent verifications
+        self.choices: list[int] = []  # every k chosen, for plots
+
+    def alpha(self, request_id: str) -> float:
+        """The request's acceptance-rate estimate: accepted / drafted over its window, shrunk to the prior."""
+        h = self.history.get(request_id, ())
+        drafted = sum(d for d, _ in h)
+        accepted = sum(a for _, a in h)
+        a = (accepted + self.prior_alpha * self.prior_weight) / (drafted + self.prior_weight)
+        return min(max(a, 1e-6), 1 - 1e-6)
+
+    def num_spec_tokens(self, request: Request) -> int:
+        k = best_k(self.alpha(request.request_id), self.cost_ratio, self.max_k)
+        self.choices.append(k)
+        return k
+
+    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        h = self.history.setdefault(request_id, deque())
+        h.append((num_draft, num_accepted))
+        while sum(d for d, _ in h) > self.window and len(h) > 1:
+            h.popleft()
+
+    def observe_cost(self, draft_s: float, num_draft_steps: int, verify_s: float) -> None:
+        """One step's timings: draft_s over num_draft_steps draft forwards, verify_s for the target
+        forward. Updates c (exponential average) unless it was fixed."""
+        if self.fixed_cost_ratio is None and num_draft_steps and verify_s > 0:
+            c = draft_s / num_draft_steps / verify_s
+            self.cost_ratio = 0.8 * self.cost_ratio + 0.2 * c
+
+    def free(self, request_id: str) -> None:
+        self.history.pop(request_id, None)
+
+    def __repr__(self) -> str:
+        return f"AdaptiveK(max_k={self.max_k}, c={self.cost_ratio:.3f})"
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counters with vLLM's SpecDecodingStats meanings.
+
+    num_drafts: verifications (one request, one step) with >= 1 draft token.
+    num_draft_tokens / num_accepted_tokens: draft tokens proposed / accepted.
+    num_accepted_tokens_per_pos[i]: verifications whose draft token at position i was accepted.
+    num_draft_tokens_per_pos[i]: verifications that had a draft token at position i.
+    draft_time_s / verify_time_s: seconds in the proposer / in target forwards of steps with drafts.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for counts, n in ((self.num_draft_tokens_per_pos, num_draft), (self.num_accepted_tokens_per_pos, num_accepted)):
+            counts += [0] * max(0, n - len(counts))
+            for i in range(n):
+                counts[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """num_accepted_tokens / num_draft_tokens (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + num_accepted_tokens / num_drafts: tokens emitted per verification, bonus included."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        """num_accepted_tokens_per_pos[i] / num_drafts (vLLM's per-position acceptance rate)."""
+        return [a / self.num_drafts for a in self.num_accepted_tokens_per_pos] if self.num_drafts else []
+
+    @property
+    def conditional_acceptance_per_pos(self) -> list[float]:
+        """P(position i accepted | a draft token existed there): accepted_i / drafted_i."""
+        return [a / d if d else 0.0 for a, d in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": round(self.acceptance_rate, 4),
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "acceptance_rate_per_pos": [round(x, 4) for x in self.acceptance_rate_per_pos],
+                "draft_time_s": round(self.draft_time_s, 4), "verify_time_s": round(self.verify_time_s, 4)}
