@@ -1,7 +1,8 @@
 """minibatch: LLM serving techniques on real Hugging Face models, small enough to read.
 
 One engine (``Engine.step() = schedule -> execute -> clock -> update -> record``) and
-switchable schedulers: static batching, Orca iteration-level batching, paged KV (vLLM), ...
+switchable schedulers: static batching, Orca iteration-level batching, paged KV (vLLM), chunked
+prefill (Sarathi-Serve), speculative decoding.
 """
 
 __version__ = "0.1.0"
@@ -21,9 +22,11 @@ from minibatch.request import Request, RequestStatus, SamplingParams
 from minibatch.runner import ModelRunner, SimExecutor
 from minibatch.scheduler import OrcaScheduler, PagedScheduler, StaticScheduler
 from minibatch.sim.clock import CostModel, SimClock, WallClock, make_clock
+from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpeculativeRunner
 
 __all__ = [
     "Engine", "StepEntry", "StepRecord", "TokenEvent", "ENGINE_POLICIES", "make_engine",
     "Request", "RequestStatus", "SamplingParams", "ModelRunner", "SimExecutor",
     "OrcaScheduler", "PagedScheduler", "StaticScheduler", "CostModel", "SimClock", "WallClock", "make_clock",
+    "AdaptiveK", "DraftModelProposer", "FixedK", "NgramProposer", "SpeculativeRunner",
 ]

@@ -57,3 +57,30 @@ def human_gpt_pairs(path: Path | None = None) -> tuple[list[tuple[str, str]], in
         if len(conv) >= 2 and conv[0].get("from") == "human" and conv[1].get("from") == "gpt":
             pairs.append((conv[0].get("value", ""), conv[1].get("value", "")))
     return pairs, num_records
+
+
+def select_prompts(tokenizer, seed: int = 0, num_eval: int = 64, num_train: int = 1536,
+                   max_prompt_len: int = 256) -> tuple[list[tuple[int, list[int]]], list[tuple[int, list[int]]]]:
+    """(held_out, train): disjoint lists of (pair index, chat prompt ids) from the first human turns.
+
+    Pairs are shuffled with ``seed``; non-empty turns whose chat prompt (the tokenizer's chat
+    template, ``workload.chat_prompt_ids``) has at most ``max_prompt_len`` tokens are kept in that
+    order; the first ``num_eval`` are held out (the draft model never trains on them), the next
+    ``num_train`` train it (``scripts/train_draft.py``).
+    """
+    import numpy as np
+
+    from minibatch.workload import chat_prompt_ids
+
+    pairs, _ = human_gpt_pairs()
+    chosen: list[tuple[int, list[int]]] = []
+    for i in np.random.default_rng(seed).permutation(len(pairs)).tolist():
+        text = pairs[i][0].strip()
+        if not text:
+            continue
+        ids = chat_prompt_ids(tokenizer, text)
+        if len(ids) <= max_prompt_len:
+            chosen.append((int(i), ids))
+        if len(chosen) == num_eval + num_train:
+            break
+    return chosen[:num_eval], chosen[num_eval:]

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from minibatch.models import cache_dir, load_model
-from minibatch.workload import chat_prompt_ids
+from minibatch.sharegpt import select_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 DRAFT_DIR = ROOT / "data" / "drafts" / "smollm2-135m-draft"
@@ -37,25 +37,6 @@ def work_dir() -> Path:
     d = cache_dir() / "draft"
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def select_prompts(tokenizer, seed: int, num_eval: int, num_train: int, max_prompt_len: int):
-    """(eval, train): lists of (pair index, prompt ids) -- disjoint, seeded."""
-    from minibatch.sharegpt import human_gpt_pairs
-
-    pairs, _ = human_gpt_pairs()
-    order = np.random.default_rng(seed).permutation(len(pairs))
-    chosen = []
-    for i in order:
-        text = pairs[i][0].strip()
-        if not text:
-            continue
-        ids = chat_prompt_ids(tokenizer, text)
-        if len(ids) <= max_prompt_len:
-            chosen.append((int(i), ids))
-        if len(chosen) == num_eval + num_train:
-            break
-    return chosen[:num_eval], chosen[num_eval:]
 
 
 def cmd_teacher(args) -> None:

@@ -5,10 +5,10 @@ import copy
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2
 
 from minibatch import ModelRunner, Request, SamplingParams
 from minibatch.engine import Engine
+from minibatch.lessons.speculative import check_rejection_sampler, chi_square_pvalue, spec_sequences
 from minibatch.policies import make_engine
 from minibatch.scheduler import ChunkedPrefillScheduler, PagedScheduler
 from minibatch.spec import (AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpecDecodingStats, SpeculativeRunner,
@@ -75,45 +75,16 @@ def test_processed_probs_consistent_with_sampler():
 
 
 # ----------------------------------------------------------------------------- distribution
-def _spec_sequences(sampler, n: int, V: int = 6, length: int = 3, k: int = 3, seed: int = 0):
-    """Sample n sequences of ``length`` tokens from a random bigram "model" P by speculative decoding
-    with a different random bigram draft Q (k drafts per round), using ``sampler``."""
-    torch.manual_seed(seed)
-    P = torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((V,))  # target: P[prev] -> next
-    Q = torch.distributions.Dirichlet(torch.full((V,), 0.7)).sample((V,))  # draft
-    g = torch.Generator().manual_seed(seed + 1)
-    counts = np.zeros(V ** length)
-    for _ in range(n):
-        seq = [0]
-        while len(seq) < length + 1:
-            drafts, prev = [], seq[-1]
-            for _ in range(k):
-                prev = int(torch.multinomial(Q[prev], 1, generator=g))
-                drafts.append(prev)
-            rows = [seq[-1]] + drafts
-            seq += sampler(P[rows], drafts, Q[rows[:-1]], g)
-        counts[np.ravel_multi_index(seq[1:length + 1], (V,) * length)] += 1
-    expected = np.array([float(P[0, a] * P[a, b] * P[b, c]) for a in range(V) for b in range(V) for c in range(V)]) * n
-    return counts, expected
-
-
-def _chi_square_pvalue(counts, expected, min_expected: float = 5.0) -> float:
-    """Pearson's chi-square, pooling cells with expected count < min_expected into one."""
-    small = expected < min_expected
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return float(chi2.sf(stat, len(obs) - 1))
-
-
 def test_rejection_sampler_matches_target_distribution():
-    counts, expected = _spec_sequences(rejection_sample, 20_000)
-    assert _chi_square_pvalue(counts, expected) > 1e-3
+    counts, expected = spec_sequences(rejection_sample, 20_000)
+    assert chi_square_pvalue(counts, expected) > 1e-3
 
 
 def test_wrong_sampler_is_caught():
-    counts, expected = _spec_sequences(naive_sample, 20_000)
-    assert _chi_square_pvalue(counts, expected) < 1e-6
+    counts, expected = spec_sequences(naive_sample, 20_000)
+    assert chi_square_pvalue(counts, expected) < 1e-6
+    with pytest.raises(AssertionError, match="chi-square"):
+        check_rejection_sampler(naive_sample)
 
 
 def _small_vocab_models(vocab: int = 5):
@@ -162,7 +133,7 @@ def test_engine_sampled_spec_matches_target_distribution(one_thread, sampler, ok
     for r in reqs:
         counts[np.ravel_multi_index(r.output_token_ids, (5,) * 4)] += 1
     assert spec.stats.num_drafts >= n and 0.05 < spec.stats.acceptance_rate < 0.95  # drafts really were rejected and accepted
-    p = _chi_square_pvalue(counts, _exact_joint(target, prompt, 4, temp) * n)
+    p = chi_square_pvalue(counts, _exact_joint(target, prompt, 4, temp) * n)
     assert (p > 1e-3) if ok else (p < 1e-6)
 
 

@@ -164,20 +164,51 @@ class SimExecutor:
     """No model: every scheduled request that reaches its last token gets a made-up token.
 
     For large simulated runs and scheduler tests (use ignore_eos requests: there is no EOS).
+
+    acceptance_rate: speculative decoding without models: a request scheduled with k draft
+        slots gets k made-up draft tokens, each accepted with this probability (independently,
+        Leviathan et al.'s i.i.d. assumption; seeded by ``seed``) until the first rejection;
+        ``out.draft_forwards`` records k draft forwards for a simulated clock. ``stats`` counts.
     """
 
     eos_token_ids: tuple[int, ...] = ()
 
-    def __init__(self, max_model_len: int = 1 << 20, vocab_size: int = 32000):
+    def __init__(self, max_model_len: int = 1 << 20, vocab_size: int = 32000, acceptance_rate: float | None = None,
+                 seed: int = 0):
+        import random
+
+        from minibatch.spec.speculator import SpecDecodingStats
+
+        if acceptance_rate is not None and not 0.0 <= acceptance_rate <= 1.0:
+            raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.acceptance_rate = acceptance_rate
+        self.rng = random.Random(seed)
+        self.stats = SpecDecodingStats()
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        sampled = {}
+    def _token(self, r, offset: int = 0) -> int:
+        return (7919 * (r.num_tokens + offset) + len(r.request_id)) % self.vocab_size
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
+        sampled: dict[str, int | list[int]] = {}
+        specs = [s for s in out.scheduled if s.num_spec_tokens]
+        if specs and self.acceptance_rate is None:
+            raise ValueError("SimExecutor got draft slots: pass acceptance_rate= to simulate speculative decoding")
+        for j in range(max((s.num_spec_tokens for s in specs), default=0)):  # draft forward j: one token per request
+            rows = [s for s in specs if s.num_spec_tokens > j]
+            out.draft_forwards.append((len(rows), len(rows), sum(s.request.num_tokens + j for s in rows)))
         for s in out.scheduled:
             r = s.request
-            if r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
-                sampled[r.request_id] = (7919 * r.num_tokens + len(r.request_id)) % self.vocab_size
+            if s.num_spec_tokens:
+                s.spec_token_ids = [self._token(r, i) for i in range(s.num_spec_tokens)]
+                a = 0
+                while a < s.num_spec_tokens and self.rng.random() < self.acceptance_rate:
+                    a += 1
+                sampled[r.request_id] = s.spec_token_ids[:a] + [self._token(r, a + 1)]
+                self.stats.observe(s.num_spec_tokens, a)
+            elif r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
+                sampled[r.request_id] = self._token(r)
         return sampled
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:

@@ -1,0 +1,125 @@
+"""Speculative decoding measured on a real model: notebook 06's experiments on the wall clock.
+
+    python benchmarks/spec_decode.py --json data/cpu/spec_decode.json          (smollm2-135m + its draft)
+    python benchmarks/spec_decode.py --model tiny-random-llama --quick           (a smoke test, seconds)
+
+1. k sweep at batch 1: --num-prompts held-out ShareGPT prompts (``minibatch.sharegpt.select_prompts``:
+   the draft never trained on them), greedy, up to --max-new-tokens each, run one at a time
+   (max_bs 1) with no speculation, the draft at each --ks, AdaptiveK and n-gram lookup. Reports
+   output and decode throughput, TPOT, acceptance rate, mean acceptance length, per-position
+   acceptance, draft / verify time; checks every run produced the same tokens.
+2. batch sweep: the same prompts with --batch-sizes requests decoding together, no speculation vs
+   the draft at --batch-k: the speedup shrinks as the batch grows.
+3. input-grounded prompts (a summary, a code fix, an edit: the answer copies from the prompt):
+   n-gram lookup vs the draft vs none.
+
+The acceptance criterion (issue 5): batch-1 decode with the committed draft >= 1.3x faster than
+without speculation, same prompts, same run. Warm-up runs come first so no run pays first-call costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from minibatch.compare import environment
+from minibatch.lessons import speculative as lesson
+from minibatch.request import Request, SamplingParams
+from minibatch.sim.clock import WallClock
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--draft", default=None, help="draft model (default: smollm2-135m-draft, or the model itself)")
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--ks", default="1,2,3,4,5,6")
+    p.add_argument("--batch-sizes", default="1,4,12")
+    p.add_argument("--batch-k", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--quick", action="store_true", help="smoke test: few prompts, few tokens")
+    args = p.parse_args(argv)
+    args.command = " ".join(["python benchmarks/spec_decode.py"] + (argv if argv is not None else sys.argv[1:]))
+    return args
+
+
+def prompts(tokenizer, model: str, n: int) -> list[list[int]]:
+    if model == "smollm2-135m":
+        from minibatch.sharegpt import select_prompts
+
+        return [ids for _, ids in select_prompts(tokenizer, num_eval=n, num_train=0)[0]]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 500, (16,), generator=g).tolist() for _ in range(n)]
+
+
+def main(argv=None) -> dict:
+    from minibatch.models import load_model
+    from minibatch.runner import ModelRunner
+    from minibatch.workload import chat_prompt_ids
+
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.num_prompts, args.max_new_tokens, args.ks, args.batch_sizes = 3, 16, "2,4", "1,3"
+    model, tok = load_model(args.model)
+    draft_name = args.draft or ("smollm2-135m-draft" if args.model == "smollm2-135m" else args.model)
+    draft = model if draft_name == args.model else load_model(draft_name)[0]
+    target_runner, draft_runner = ModelRunner(model, tok), ModelRunner(draft, tok)
+    greedy = SamplingParams()
+    reqs = [Request(f"p{i}", ids, args.max_new_tokens, greedy) for i, ids in enumerate(prompts(tok, args.model, args.num_prompts))]
+    ks = [int(k) for k in args.ks.split(",")]
+    result = {"command": args.command, "environment": environment(), "model": args.model, "draft": draft_name,
+              "draft_parameters": sum(p.numel() for p in draft.parameters()), "clock": "wall",
+              "num_prompts": len(reqs), "max_new_tokens": args.max_new_tokens}
+
+    warm = [r.copy() for r in reqs[:1]]
+    for w in warm:
+        w.max_new_tokens = 8
+    lesson.k_sweep(warm, target_runner, draft_runner, WallClock, ks=(2,), adaptive_max_k=None)  # warm-up
+    t0 = time.perf_counter()
+    rows, same = lesson.k_sweep(reqs, target_runner, draft_runner, WallClock, ks=ks, adaptive_max_k=max(ks))
+    print(f"\n1. batch 1, {len(reqs)} held-out prompts ({time.perf_counter() - t0:.0f} s); same tokens in every run: {same}")
+    lesson.print_rows(rows)
+    best = max((r for r in rows if r["run"].startswith("draft k=")), key=lambda r: r["decode_speedup"])
+    result["batch1"] = {"rows": rows, "same_outputs": same, "best_fixed_k": best["run"],
+                        "best_decode_speedup": best["decode_speedup"], "best_speedup": best["speedup"],
+                        "acceptance_met": best["decode_speedup"] >= 1.3}
+
+    batch_rows = []
+    for B in [int(b) for b in args.batch_sizes.split(",")]:
+        from minibatch.spec import DraftModelProposer, FixedK
+
+        base, out_a, _ = lesson.run_spec("no speculation", reqs, target_runner, WallClock(), max_bs=B)
+        spec, out_b, _ = lesson.run_spec(f"draft k={args.batch_k}", reqs, target_runner, WallClock(),
+                                         DraftModelProposer(draft_runner), FixedK(args.batch_k), max_bs=B)
+        batch_rows.append({"batch_size": B, "k": args.batch_k, "plain": base, "spec": spec,
+                           "speedup": spec["output_throughput_tok_s"] / base["output_throughput_tok_s"],
+                           "same_outputs": [r.output_token_ids for r in out_a] == [r.output_token_ids for r in out_b]})
+        print(f"2. batch {B}: no speculation {base['output_throughput_tok_s']:.1f} tok/s, draft k={args.batch_k} "
+              f"{spec['output_throughput_tok_s']:.1f} tok/s -> {batch_rows[-1]['speedup']:.2f}x "
+              f"(same tokens: {batch_rows[-1]['same_outputs']})")
+    result["batch_sweep"] = batch_rows
+
+    if args.model == "smollm2-135m":
+        grounded = [Request(f"g{i}", chat_prompt_ids(tok, t), args.max_new_tokens, greedy) for i, t in enumerate(lesson.GROUNDED_PROMPTS)]
+        g_rows, g_same = lesson.k_sweep(grounded, target_runner, draft_runner, WallClock, ks=(3,), adaptive_max_k=None)
+        print(f"\n3. input-grounded prompts; same tokens: {g_same}")
+        lesson.print_rows(g_rows)
+        result["grounded"] = {"prompts": list(lesson.GROUNDED_PROMPTS), "rows": g_rows, "same_outputs": g_same}
+
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.json_path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
