@@ -21,15 +21,13 @@ Every experiment checks that its runs produced the same greedy tokens. The funct
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from minibatch import SimClock
-from minibatch.compare import CompareConfig, build_trace, environment, load_runner
+from minibatch.compare import CompareConfig, build_trace, environment, load_runner, write_json
 from minibatch.lessons import chunked_prefill as lesson
 
 
@@ -118,10 +116,7 @@ def main(argv=None) -> dict:
               f"{result['micro_batching']['throughput_x']:.2f}x (seed: 3.1x and 1.5x); same outputs: {mb[0]['same_outputs']}")
 
     result["run_time_s"] = time.perf_counter() - t_start
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json_path}")
+    write_json(result, args.json_path)
     return result
 
 

@@ -20,14 +20,12 @@ come from ``minibatch.lessons.paged_kv``; the notebook runs the same functions o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from minibatch.compare import CompareConfig, build_trace, environment, load_runner
+from minibatch.compare import CompareConfig, build_trace, environment, load_runner, write_json
 from minibatch.lessons import paged_kv
 from minibatch.request import Request
 from minibatch.workload import demo_prompts
@@ -163,10 +161,7 @@ def main(argv=None) -> dict:
 
     result["run_time_s"] = round(time.perf_counter() - t_start, 1)
     print(f"\ntotal {result['run_time_s']} s")
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json_path}")
+    write_json(result, args.json_path)
     return result
 
 

@@ -20,14 +20,12 @@ without speculation, same prompts, same run. Warm-up runs come first so no run p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from minibatch.compare import environment
+from minibatch.compare import environment, write_json
 from minibatch.lessons import speculative as lesson
 from minibatch.request import Request, SamplingParams
 from minibatch.sim.clock import WallClock
@@ -114,10 +112,7 @@ def main(argv=None) -> dict:
         lesson.print_rows(g_rows)
         result["grounded"] = {"prompts": list(lesson.GROUNDED_PROMPTS), "rows": g_rows, "same_outputs": g_same}
 
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.json_path}")
+    write_json(result, args.json_path)
     return result
 
 

@@ -292,9 +292,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     print_table(result)
     if cfg.figures_dir:
         result["figures"] = save_figures(runs, cfg.figures_dir)
-    if cfg.json_path:
-        Path(cfg.json_path).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {cfg.json_path}")
+    write_json(result, cfg.json_path)
     return result
 
 
@@ -310,6 +308,14 @@ def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threa
         torch.set_num_threads(threads)
     model, tokenizer = load_model(model_name, device=device)
     return model, tokenizer, ModelRunner(model, tokenizer), (lambda: WallClock(device)) if clock == "wall" else SimClock
+
+
+def write_json(result: dict, path: str | Path | None) -> None:
+    """Write a benchmark result as indented JSON (parent folders made); nothing if path is None."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
 
 
 def environment() -> dict:

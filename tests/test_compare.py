@@ -76,7 +76,29 @@ def test_compare_chunked_on_the_long_prompt_trace(tmp_path, capsys, order):
     assert "prefill_first / chunked ITL p99" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_compare_speculative_policies(tmp_path, capsys, adaptive):
+    """spec (tiny models: the target drafts for itself) and spec_ngram: exact, with their stats."""
+    out = tmp_path / "r.json"
+    main(["compare", "--model", "tiny-random-llama", "--num-requests", "6", "--clock", "sim", "--rate", "20",
+          "--max-output-len", "16", "--max-prompt-len", "24", "--no-progress", "--num-speculative-tokens", "3",
+          "--policies", "paged,spec,spec_ngram", "--json", str(out), "--figures-dir", ""]
+         + (["--adaptive-k"] if adaptive else []))
+    result = json.loads(out.read_text())
+    assert result["draft_model"] == "tiny-random-llama" and result["num_speculative_tokens"] == 3
+    assert result["adaptive_k"] is adaptive
+    p = result["policies"]
+    assert all(entry["matches_reference"] is True for entry in p.values())
+    st = p["spec"]["spec_decoding"]
+    assert st["num_drafts"] > 0 and st["acceptance_rate"] == 1.0  # self-speculation: every draft accepted
+    assert st["mean_acceptance_length"] > 1
+    assert 0 <= p["spec_ngram"]["spec_decoding"]["acceptance_rate"] <= 1
+    assert "spec / paged output throughput" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+    (["--draft-model", "no-such-draft"], "unknown model"),
     (["--policies", "static,fancy"], "--policies"),
     (["--num-requests", "0"], "--num-requests"),
     (["--rate", "-1"], "--rate"),

@@ -276,3 +276,26 @@ def test_stream_yields_every_token(one_thread, paged_setup):
     for ev in engine.stream(_requests(prompts)):
         got.setdefault(ev.request_id, []).append(ev.token_id)
     assert got == refs
+
+
+def test_simulated_speedup_shrinks_with_batch_size():
+    """On the simulated clock a small batch gains from speculation and a large one loses: the
+    speedup falls monotonically and crosses 1 (section 4 of notebook 06)."""
+    from minibatch.lessons.speculative import batch_sweep_sim
+
+    rows = batch_sweep_sim(acceptance_rate=0.7, ks=(4,), batch_sizes=(1, 4, 16, 64), output_len=64)
+    speedups = [r["speedup"] for r in rows]
+    assert speedups == sorted(speedups, reverse=True)
+    assert speedups[0] > 1.2 and speedups[-1] < 1.0
+
+
+def test_sim_executor_acceptance_rate():
+    from minibatch.runner.model_runner import SimExecutor
+
+    ex = SimExecutor(acceptance_rate=0.6, seed=1)
+    sched = PagedScheduler(max_bs=16, num_blocks=512, speculator=FixedK(4))
+    Engine(sched, ex).generate([Request(f"r{i}", [5] * 8, 200, SamplingParams(ignore_eos=True)) for i in range(16)])
+    # i.i.d. acceptance, stop at the first rejection: P(position i accepted) = 0.6^(i+1)
+    assert ex.stats.acceptance_rate_per_pos == pytest.approx([0.6, 0.36, 0.216, 0.1296], abs=0.03)
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        SimExecutor(acceptance_rate=1.5)
