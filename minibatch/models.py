@@ -165,6 +165,21 @@ def _load_draft() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         return AutoModelForCausalLM.from_pretrained(DRAFT_DIR), tokenizer
 
 
+def draft_vocab_subset(n: int = 8192) -> list[int]:
+    """The ``n`` token ids smollm2-135m's answers use most (from the draft's training data,
+    ``data/drafts/smollm2-135m-draft/vocab_by_frequency.json``): pass them as a draft
+    ModelRunner's ``vocab_subset`` to cut its LM head to n rows.
+
+    Raises:
+        ValueError: n < 1. FileNotFoundError: the draft's files are missing.
+    """
+    import json
+
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return json.loads((DRAFT_DIR / "vocab_by_frequency.json").read_text())[:n]
+
+
 def _load_pretrained(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     with _quiet():
         return AutoModelForCausalLM.from_pretrained(name_or_path), AutoTokenizer.from_pretrained(name_or_path)

@@ -211,8 +211,24 @@ def save_draft(draft, args, log, train_rows, eval_rows, n_tok) -> None:
         "training_log": log,
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads()},
     }
+    ranking, coverage = vocab_by_frequency(train_rows)
+    manifest["vocab_coverage"] = coverage
     (out / "training.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"wrote {out}")
+    (out / "vocab_by_frequency.json").write_text(json.dumps(ranking, separators=(",", ":")) + "\n")
+    print(f"wrote {out}; answer-token coverage of the most frequent ids: {coverage}")
+
+
+def vocab_by_frequency(rows: list[dict]) -> tuple[list[int], dict]:
+    """Token ids of the target's training answers, most frequent first (ties by id), and the
+    share of answer tokens the top 2k..16k cover: the draft's LM head can be cut to the top ids
+    (``minibatch.models.draft_vocab_subset``)."""
+    from collections import Counter
+
+    counts = Counter(t for r in rows for t in r["output"])
+    ranking = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    total = sum(counts.values())
+    coverage = {n: round(sum(counts[t] for t in ranking[:n]) / total, 4) for n in (2048, 4096, 8192, 16384)}
+    return ranking, coverage
 
 
 def cmd_eval(args) -> None:

@@ -32,6 +32,10 @@ class ModelRunner:
         attention_backend: "torch" (gather K/V by block table, SDPA; the reference) or "triton"
             (``minibatch.kernels``: store_kv and paged attention kernels; on CPU they run under
             the Triton interpreter, slowly).
+        vocab_subset: packed steps compute logits only for these token ids (the rest get -inf):
+            a draft model's cheaper LM head (FR-Spec, Zhao et al. 2025: a small draft over a
+            49k vocabulary spends most of its time in the LM head; the most frequent tokens
+            carry almost all of its proposals). None (default): the whole vocabulary.
 
     Raises:
         ValueError: an unknown attention_backend.
@@ -43,7 +47,7 @@ class ModelRunner:
         max_model_len: the model's context limit (max_position_embeddings).
     """
 
-    def __init__(self, model, tokenizer=None, attention_backend: str = "torch"):
+    def __init__(self, model, tokenizer=None, attention_backend: str = "torch", vocab_subset=None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         cfg = model.config
@@ -61,6 +65,11 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.sampler = Sampler()
         self._static: dict | None = None  # the running padded batch (static batching)
+        self.vocab_subset = None if vocab_subset is None else torch.as_tensor(vocab_subset, dtype=torch.long, device=self.device)
+        if self.vocab_subset is not None:  # the LM head's rows for those ids, contiguous (read once per step)
+            head = model.get_output_embeddings()
+            self._subset_weight = head.weight.detach()[self.vocab_subset].contiguous()
+            self._subset_bias = None if getattr(head, "bias", None) is None else head.bias.detach()[self.vocab_subset]
         if attention_backend not in attention.BACKENDS:
             raise ValueError(f"attention_backend must be one of {attention.BACKENDS}, got {attention_backend!r}")
         attention.register()
@@ -117,13 +126,16 @@ class ModelRunner:
         """Run a :class:`~minibatch.runner.batch.PackedBatch`: returns (logits (num_logits, vocab_size),
         the request_id of each row)."""
         set_attention(self.model, attention.ATTN_IMPLEMENTATION)
-        logits = self.model(
-            input_ids=batch.input_ids[None],  # (1, num_tokens)
-            position_ids=batch.positions[None],  # (1, num_tokens)
-            attn_metadata=batch.attn_metadata,
-            logits_to_keep=batch.logits_indices,  # only rows we sample from hit the LM head
-            use_cache=False,
-        ).logits[0]  # (num_logits, vocab_size)
+        inputs = dict(input_ids=batch.input_ids[None],  # (1, num_tokens)
+                      position_ids=batch.positions[None],  # (1, num_tokens)
+                      attn_metadata=batch.attn_metadata, use_cache=False)
+        if self.vocab_subset is None:
+            logits = self.model(**inputs, logits_to_keep=batch.logits_indices).logits[0]  # only rows we sample from hit the LM head
+            return logits, batch.sample_request_ids  # (num_logits, vocab_size)
+        hidden = self.model.base_model(**inputs).last_hidden_state[0, batch.logits_indices]  # (num_logits, hidden)
+        sub = torch.nn.functional.linear(hidden, self._subset_weight, self._subset_bias)
+        logits = torch.full((hidden.shape[0], self.model.config.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
+        logits[:, self.vocab_subset] = sub
         return logits, batch.sample_request_ids
 
     def _forward_padded(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
