@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from minibatch.compare import environment, write_json
+from minibatch.compare import default_draft, environment, load_draft_runner, write_json
 from minibatch.lessons import speculative as lesson
 from minibatch.request import Request, SamplingParams
 from minibatch.sim.clock import WallClock
@@ -67,9 +67,9 @@ def main(argv=None) -> dict:
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.ks, args.batch_sizes = 3, 16, "2,4", "1,3"
     model, tok = load_model(args.model)
-    draft_name = args.draft or ("smollm2-135m-draft" if args.model == "smollm2-135m" else args.model)
-    draft = model if draft_name == args.model else load_model(draft_name)[0]
-    target_runner, draft_runner = ModelRunner(model, tok), ModelRunner(draft, tok)
+    draft_name = args.draft or default_draft(args.model)
+    target_runner, draft_runner = ModelRunner(model, tok), load_draft_runner(draft_name, args.model, model, tok)
+    draft = draft_runner.model
     greedy = SamplingParams()
     reqs = [Request(f"p{i}", ids, args.max_new_tokens, greedy) for i, ids in enumerate(prompts(tok, args.model, args.num_prompts))]
     ks = [int(k) for k in args.ks.split(",")]
@@ -81,8 +81,15 @@ def main(argv=None) -> dict:
     for w in warm:
         w.max_new_tokens = 8
     lesson.k_sweep(warm, target_runner, draft_runner, WallClock, ks=(2,), adaptive_max_k=None)  # warm-up
+    from minibatch.spec import forward_time_s, measure_verify_cost
+
+    v = measure_verify_cost(target_runner, k=4)
+    c = forward_time_s(draft_runner) / forward_time_s(target_runner)
+    result["verify_cost_ratio"], result["draft_cost_ratio"] = v, c
+    print(f"a verify forward (5 tokens) costs {v:.2f} decodes; a draft forward {c:.3f} of a target decode")
     t0 = time.perf_counter()
-    rows, same = lesson.k_sweep(reqs, target_runner, draft_runner, WallClock, ks=ks, adaptive_max_k=max(ks))
+    rows, same = lesson.k_sweep(reqs, target_runner, draft_runner, WallClock, ks=ks, adaptive_max_k=max(ks),
+                                verify_cost_ratio=v)
     print(f"\n1. batch 1, {len(reqs)} held-out prompts ({time.perf_counter() - t0:.0f} s); same tokens in every run: {same}")
     lesson.print_rows(rows)
     best = max((r for r in rows if r["run"].startswith("draft k=")), key=lambda r: r["decode_speedup"])

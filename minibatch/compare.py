@@ -189,17 +189,23 @@ def default_draft(model: str) -> str:
     return "smollm2-135m-draft" if model == "smollm2-135m" else model
 
 
-def load_draft_runner(cfg: CompareConfig, model, tokenizer, device):
-    """A ModelRunner on cfg's draft model (the target's own model object for self-speculation)."""
-    from minibatch.models import load_model
+def load_draft_runner(name: str, target_name: str, model, tokenizer, device="cpu", attention_backend: str = "torch"):
+    """A ModelRunner on the draft model ``name`` for the target ``model`` loaded as ``target_name``
+    (the target's own model object when they are the same: self-speculation). smollm2-135m-draft's LM head is cut to
+    the 8192 ids its target uses most (``models.draft_vocab_subset``, FR-Spec).
+
+    Raises:
+        ValueError: the draft's vocab_size differs from the target's (not the same tokenizer).
+    """
+    from minibatch.models import draft_vocab_subset, load_model
     from minibatch.runner import ModelRunner
 
-    name = cfg.draft_model or default_draft(cfg.model)
-    draft = model if name == cfg.model else load_model(name, device=str(device))[0]
+    draft = model if name == target_name else load_model(name, device=str(device))[0]
     if draft.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"--draft-model {name!r} has vocab_size {draft.config.vocab_size}, "
+        raise ValueError(f"draft model {name!r} has vocab_size {draft.config.vocab_size}, "
                          f"the target {model.config.vocab_size}: they must share a tokenizer")
-    return ModelRunner(draft, tokenizer, attention_backend=cfg.attention_backend)
+    subset = draft_vocab_subset() if name == "smollm2-135m-draft" else None
+    return ModelRunner(draft, tokenizer, attention_backend=attention_backend, vocab_subset=subset)
 
 
 def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:
@@ -257,7 +263,10 @@ def run_compare(cfg: CompareConfig) -> dict:
     too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]
     if too_long:  # fail before minutes of reference runs, never drop the requests silently
         raise ValueError(f"requests {too_long} need more than max_model_len = {runner.max_model_len} tokens")
-    draft_runner = load_draft_runner(cfg, model, tokenizer, runner.device) if "spec" in cfg.policies else None
+    draft_runner = None
+    if "spec" in cfg.policies:
+        draft_runner = load_draft_runner(cfg.draft_model or default_draft(cfg.model), cfg.model, model, tokenizer,
+                                         runner.device, cfg.attention_backend)
     _warm_up(runner, draft_runner)
     refs = reference_outputs(model, requests, cfg.progress) if cfg.check_reference else {}
 

