@@ -299,8 +299,13 @@ def plot_speedup_vs_alpha(verify_cost_ratio: float, draft_cost_ratio: float, ks=
     for a, sp, label in measured:
         ax.plot(a, sp, "k*", ms=10)
         ax.annotate(label, (a, sp), xytext=(5, -12), textcoords="offset points", fontsize=8)
+    return _speedup_axes(ax, "acceptance rate (alpha)", title)
+
+
+def _speedup_axes(ax, xlabel: str, title: str | None):
+    """The speedup plots' common finish: the no-gain line at 1, labels, legend, title."""
     ax.axhline(1.0, color="grey", ls="--", lw=1)
-    ax.set_xlabel("acceptance rate (alpha)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("speedup over plain decoding")
     ax.legend(fontsize=8)
     if title:
@@ -348,11 +353,5 @@ def plot_speedup_vs_batch(rows: list[dict], ax=None, measured: list[dict] | None
         ax.plot(m["batch_size"], m["speedup"], "k*", ms=10)
     if measured:
         ax.plot([], [], "k*", label=measured[0].get("label", "measured"))
-    ax.axhline(1.0, color="grey", ls="--", lw=1)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (requests decoding together)")
-    ax.set_ylabel("speedup over no speculation")
-    ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=10)
-    return ax
+    return _speedup_axes(ax, "batch size (requests decoding together)", title)
