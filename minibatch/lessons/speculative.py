@@ -18,6 +18,8 @@ Times are seconds (``_s``) on the engine clock (SimClock or WallClock).
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Callable
 
 import numpy as np
@@ -53,18 +55,18 @@ GROUNDED_PROMPTS = (
 # ---------------------------------------------------------------------- 1. exactness
 def bigram_models(V: int = 6, seed: int = 0, concentration: float = 0.7) -> tuple[torch.Tensor, torch.Tensor]:
     """(P, Q): a random bigram target and draft over V tokens; row P[prev] is the next-token distribution."""
-    g = torch.Generator().manual_seed(seed)
-    dist = lambda: torch.distributions.Dirichlet(torch.full((V,), concentration)).sample((V,))  # noqa: E731
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=g)))
-        return dist(), dist()
+    with torch.random.fork_rng(devices=[]):  # seeded locally: the caller's RNG stream is untouched
+        torch.manual_seed(seed)
+        dirichlet = torch.distributions.Dirichlet(torch.full((V,), concentration))
+        return dirichlet.sample((V,)), dirichlet.sample((V,))
 
 
 def spec_sequences(sampler: Callable, n: int = 20_000, V: int = 6, length: int = 3, k: int = 3,
                    seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Sample n sequences of ``length`` tokens after token 0 from the bigram target P by speculative
     decoding with the bigram draft Q (k drafts per round, ``sampler`` accepts them). Returns
-    (observed counts, expected counts under P) over the V**length sequences."""
+    (observed counts, expected counts under P) over the V**length sequences, in
+    ``itertools.product`` order."""
     P, Q = bigram_models(V, seed)
     g = torch.Generator().manual_seed(seed + 1)
     counts = np.zeros(V ** length)
@@ -78,11 +80,8 @@ def spec_sequences(sampler: Callable, n: int = 20_000, V: int = 6, length: int =
             rows = [seq[-1]] + drafts
             seq += sampler(P[rows], drafts, Q[rows[:-1]], g)
         counts[np.ravel_multi_index(seq[1:length + 1], (V,) * length)] += 1
-    expected = np.ones(1)
-    for _ in range(length):  # P(a) P(b|a) P(c|b) ... by the chain rule
-        last = np.arange(len(expected)) % V if len(expected) > 1 else np.zeros(1, dtype=int)
-        expected = (expected[:, None] * P.numpy()[last]).reshape(-1)
-    return counts, expected * n
+    expected = [math.prod(float(P[a, b]) for a, b in zip((0,) + s, s)) for s in itertools.product(range(V), repeat=length)]
+    return counts, np.array(expected) * n
 
 
 def chi_square_pvalue(counts: np.ndarray, expected: np.ndarray, min_expected: float = 5.0) -> float:

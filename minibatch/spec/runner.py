@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from minibatch.runner.batch import build_packed_batch
 from minibatch.scheduler.base import SchedulerOutput
 from minibatch.spec.rejection_sampler import greedy_verify, processed_probs, rejection_sample
 from minibatch.spec.speculator import FixedK, SpecDecodingStats
@@ -73,7 +74,7 @@ class SpeculativeRunner:
             s.num_new_tokens = 1 + len(s.spec_token_ids)  # a proposer may find fewer than k
         out.draft_time_s = t1 - t0
         out.draft_forwards = list(getattr(self.proposer, "forwards", [])) if specs else []
-        logits, rids = self.target.forward_packed(self._batch(out))
+        logits, rids = self.target.forward_packed(build_packed_batch(out, self.target._kv(), self.target.attention_backend))
         t2 = time.perf_counter()
         result: dict[str, int | list[int]] = {}
         by_id = {s.request_id: s for s in out.scheduled}
@@ -101,11 +102,6 @@ class SpeculativeRunner:
             self.stats.verify_time_s += t2 - t1
             self.speculator.observe_cost(t1 - t0, len(out.draft_forwards), t2 - t1)
         return result
-
-    def _batch(self, out: SchedulerOutput):
-        from minibatch.runner.batch import build_packed_batch
-
-        return build_packed_batch(out, self.target._kv(), self.target.attention_backend)
 
     def free(self, request_ids: list[str]) -> None:
         self.target.free(request_ids)

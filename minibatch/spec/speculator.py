@@ -126,7 +126,6 @@ class AdaptiveK:
         self.verify_cost_ratio = verify_cost_ratio
         self.cost_ratio = draft_cost_ratio if draft_cost_ratio is not None else initial_cost_ratio
         self.history: dict[str, deque] = {}  # request_id -> (num_draft, num_accepted) of recent verifications
-        self.choices: list[int] = []  # every k chosen, for plots
 
     def alpha(self, request_id: str) -> float:
         """The request's acceptance-rate estimate: accepted / drafted over its window, shrunk to the prior."""
@@ -137,9 +136,7 @@ class AdaptiveK:
         return min(max(a, 1e-6), 1 - 1e-6)
 
     def num_spec_tokens(self, request: Request) -> int:
-        k = best_k(self.alpha(request.request_id), self.cost_ratio, self.max_k, self.verify_cost_ratio)
-        self.choices.append(k)
-        return k
+        return best_k(self.alpha(request.request_id), self.cost_ratio, self.max_k, self.verify_cost_ratio)
 
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         h = self.history.setdefault(request_id, deque())
