@@ -112,6 +112,7 @@ class ChunkedPrefillScheduler(PagedScheduler):
         return sorted(running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
 
     def observe_step(self, record) -> None:
+        super().observe_step(record)
         if self.chunker is not None:
             self.chunker.observe(record)
 

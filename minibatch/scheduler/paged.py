@@ -282,6 +282,11 @@ class PagedScheduler(Scheduler):
             self.waiting.append(req)  # re-sorted at admission: ahead of every lower-ranked request
 
     # ------------------------------------------------------------------ after the forward
+    def observe_step(self, record) -> None:
+        """Speculative decoding: the speculator learns the draft's cost from each step's times."""
+        if self.speculator is not None:
+            self.speculator.observe_step(record)
+
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         finished = self.advance(output, sampled)
         for s in output.scheduled:

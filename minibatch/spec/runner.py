@@ -97,10 +97,9 @@ class SpeculativeRunner:
                 self.stats.observe(len(s.spec_token_ids), len(tokens) - 1)
                 self.speculator.observe(r.request_id, len(s.spec_token_ids), len(tokens) - 1)
             row += n
-        if specs:
+        if specs:  # (the speculator learns step costs from the engine's records: scheduler.observe_step)
             self.stats.draft_time_s += t1 - t0
             self.stats.verify_time_s += t2 - t1
-            self.speculator.observe_cost(t1 - t0, len(out.draft_forwards), t2 - t1)
         return result
 
     def free(self, request_ids: list[str]) -> None:

@@ -9,12 +9,13 @@
 
   tokens (Leviathan et al. 2023, Eq. 1) and costs v + c k decode-step units: v is a verify
   forward's cost relative to a plain decode (about 1 where decode is memory-bound, as on a GPU;
-  ~1.8 on a 2-core CPU, see ``measure_verify_cost``) and c one draft step's, measured as it runs.
+  ~1.8 on a 2-core CPU, see ``measure_verify_cost``) and c one draft step's, learned from the engine's step records.
   AdaptiveK picks the k in 0..max_k with the most tokens per unit cost (k = 0: a plain decode,
   1 token for 1 unit), so with a poor draft it stops speculating.
 
 The scheduler asks ``num_spec_tokens(request)`` when it plans a decode (so it can make room in
-the KV cache for 1 + k tokens); the executor reports each verification with ``observe``.
+the KV cache for 1 + k tokens); the executor reports each verification with ``observe``, the
+scheduler each step's record with ``observe_step``.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class FixedK:
     def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         pass
 
-    def observe_cost(self, draft_s: float, num_draft_steps: int, verify_s: float) -> None:
+    def observe_step(self, record) -> None:
         pass
 
     def free(self, request_id: str) -> None:
@@ -101,7 +102,7 @@ class AdaptiveK:
         prior_weight: how many draft tokens the prior counts as (>= 0).
         window: draft tokens of history kept per request (>= 1).
         draft_cost_ratio: c, a draft step's time over a target step's; None: measured from the
-            executor's timings (``observe_cost``), starting from ``initial_cost_ratio``.
+            engine's step records (``observe_step``), starting from ``initial_cost_ratio``.
         verify_cost_ratio: v, a verify forward's time over a plain decode's (>= 1 in practice;
             default 1, the memory-bound ideal; ``measure_verify_cost`` gives this machine's).
 
@@ -144,12 +145,15 @@ class AdaptiveK:
         while sum(d for d, _ in h) > self.window and len(h) > 1:
             h.popleft()
 
-    def observe_cost(self, draft_s: float, num_draft_steps: int, verify_s: float) -> None:
-        """One step's timings: draft_s over num_draft_steps draft forwards, verify_s for the target
-        forward. Updates c, in decode-step units (a verify step is v of them), by an exponential
+    def observe_step(self, record) -> None:
+        """One engine step's record (its clock's times, so a simulated run stays deterministic):
+        draft_time_s over its draft forwards (the largest k in the step) against the rest of the
+        step. Updates c, in decode-step units (a verify step is v of them), by an exponential
         average, unless it was fixed."""
-        if self.fixed_cost_ratio is None and num_draft_steps and verify_s > 0:
-            c = draft_s / num_draft_steps / verify_s * self.verify_cost_ratio
+        rounds = max((e.num_spec_tokens for e in record.entries), default=0)
+        verify_s = record.duration_s - record.draft_time_s
+        if self.fixed_cost_ratio is None and rounds and record.draft_time_s > 0 and verify_s > 0:
+            c = record.draft_time_s / rounds / verify_s * self.verify_cost_ratio
             self.cost_ratio = 0.8 * self.cost_ratio + 0.2 * c
 
     def free(self, request_id: str) -> None:
