@@ -56,6 +56,7 @@ class NgramProposer:
     def __init__(self, n_max: int = 4, n_min: int = 1):
         ngram_lookup([], 0, n_max, n_min)  # validates
         self.n_max, self.n_min = n_max, n_min
+        self.forwards: list[tuple[int, int, int]] = []  # no draft forwards, ever
 
     def propose(self, out: SchedulerOutput, specs: list[ScheduledRequest]) -> dict[str, tuple[list[int], None]]:
         """request_id -> (draft tokens, None): deterministic proposals have no distribution."""
@@ -81,8 +82,8 @@ class DraftModelProposer:
 
     Each request samples its drafts from the draft's *processed* distribution (its
     temperature/top-k/top-p; argmax when greedy) with its own seeded generator, and returns that
-    distribution for the rejection sampler. ``forward_times_s`` collects each draft forward's
-    (rows, tokens, context tokens) for simulated clocks.
+    distribution for the rejection sampler. ``forwards`` holds each draft forward of the last
+    ``propose`` as (rows, tokens, context tokens), for simulated clocks.
     """
 
     name = "draft"

@@ -73,7 +73,7 @@ class SpeculativeRunner:
             s.spec_token_ids = list(drafts[s.request_id][0])
             s.num_new_tokens = 1 + len(s.spec_token_ids)  # a proposer may find fewer than k
         out.draft_time_s = t1 - t0
-        out.draft_forwards = list(getattr(self.proposer, "forwards", [])) if specs else []
+        out.draft_forwards = list(self.proposer.forwards) if specs else []
         logits, rids = self.target.forward_packed(build_packed_batch(out, self.target._kv(), self.target.attention_backend))
         t2 = time.perf_counter()
         result: dict[str, int | list[int]] = {}
