@@ -58,6 +58,8 @@ class CompareConfig:
     draft_model: str | None = None  # spec: the draft; default smollm2-135m-draft for smollm2-135m, else the target itself
     num_speculative_tokens: int = 4  # spec policies: k (with adaptive_k: the largest k)
     adaptive_k: bool = False  # spec policies: k per request from its acceptance history
+    profile: str | None = None  # a calibrated cost model (python -m minibatch calibrate) for the sim clock
+    trace_out: str | None = None  # write a Chrome trace JSON per policy into this folder
     check_reference: bool = True
     slo_ttft_s: float | None = 2.0  # goodput counts requests meeting every SLO given
     slo_tpot_s: float | None = 0.5
@@ -128,6 +130,8 @@ class CompareConfig:
         check_model_name(self.model)
         if self.trace is not None and not Path(self.trace).is_file():
             raise ValueError(f"--trace: no such file {self.trace!r}")
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise ValueError(f"--profile: no such file {self.profile!r} (make one with python -m minibatch calibrate)")
 
 
 def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]:
@@ -218,16 +222,27 @@ def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:
     return cfg.n_slots or cfg.batch_size * longest
 
 
+def make_compare_clock(cfg: CompareConfig, device="cpu"):
+    """cfg.clock's clock: a WallClock, or a SimClock on cfg.profile (calibrated) or the default CostModel."""
+    from minibatch.sim.clock import SimClock, make_clock
+    from minibatch.sim.cost_model import Profile
+
+    if cfg.clock == "sim" and cfg.profile:
+        profile = Profile.load(cfg.profile)
+        return SimClock(profile, profile)
+    return make_clock(cfg.clock, device)
+
+
 def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Request],
-               draft_runner=None) -> tuple[list[Request], Engine | None]:
-    """Run fresh copies of ``requests`` under ``policy``; returns them (and the engine, if ours)."""
+               draft_runner=None, clock=None) -> tuple[list[Request], Engine | None]:
+    """Run fresh copies of ``requests`` under ``policy``; returns them (and the engine, if ours).
+    runner: a ModelRunner or a SimExecutor; clock: default :func:`make_compare_clock`."""
     from minibatch.baselines import run_hf_generate, run_hf_generate_batch
-    from minibatch.sim.clock import make_clock
 
     reqs = [r.copy() for r in requests]
     if policy in ENGINE_POLICIES:
         engine = make_engine(
-            policy, runner, make_clock(cfg.clock, runner.device),
+            policy, runner, clock or make_compare_clock(cfg, runner.device if hasattr(runner, "device") else "cpu"),
             max_bs=cfg.batch_size if policy == "static" else cfg.max_bs,
             n_slots=kv_slots(cfg, reqs), max_wait_s=cfg.max_wait_s,
             block_size=cfg.block_size if policy in PAGED_POLICIES else None,
@@ -287,15 +302,10 @@ def run_compare(cfg: CompareConfig) -> dict:
         reqs, engine = run_policy(policy, cfg, runner, model, requests, draft_runner)
         summary = summarize(reqs, engine.trace if engine else None, SLO(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s))
         runs[policy] = (reqs, engine, summary)
-        entry = {k: v for k, v in summary.to_dict().items()}
+        entry = policy_entry(policy, summary, engine, cfg, reqs)
         entry["matches_reference"] = matches_reference(reqs, refs) if cfg.check_reference else None
         entry["clock"] = cfg.clock if engine else "wall"
         entry["run_time_s"] = round(time.perf_counter() - t, 3)
-        bm = getattr(engine.scheduler, "block_manager", None) if engine else None
-        if bm is not None and bm.enable_prefix_caching:
-            entry["prefix_cache_hit_rate"] = bm.prefix_cache_hit_rate
-        if policy in SPEC_POLICIES:
-            entry["spec_decoding"] = engine.executor.stats.as_dict()
         result["policies"][policy] = entry
 
     print_table(result)
@@ -303,6 +313,24 @@ def run_compare(cfg: CompareConfig) -> dict:
         result["figures"] = save_figures(runs, cfg.figures_dir)
     write_json(result, cfg.json_path)
     return result
+
+
+def policy_entry(policy: str, summary, engine: Engine | None, cfg: CompareConfig, requests: list[Request]) -> dict:
+    """A policy's JSON entry: the summary's metrics, prefix-cache and speculative-decoding
+    statistics where they apply; with cfg.trace_out, also writes the run's Chrome trace there
+    (``<trace_out>/<policy>.trace.json``) and records its path."""
+    entry = dict(summary.to_dict())
+    bm = getattr(engine.scheduler, "block_manager", None) if engine else None
+    if bm is not None and bm.enable_prefix_caching:
+        entry["prefix_cache_hit_rate"] = bm.prefix_cache_hit_rate
+    if policy in SPEC_POLICIES:
+        entry["spec_decoding"] = engine.executor.stats.as_dict()
+    if cfg.trace_out and engine is not None:
+        from minibatch.viz.chrome_trace import write_chrome_trace
+
+        path = write_chrome_trace(Path(cfg.trace_out) / f"{policy}.trace.json", engine.trace, requests, policy)
+        entry["chrome_trace"] = str(path)
+    return entry
 
 
 def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threads: int | None = None):

@@ -96,12 +96,17 @@ def make_engine(
 
 
 def _speculative_executor(policy: str, executor, draft_runner, k: int, adaptive_k: bool):
+    from minibatch.runner.model_runner import SimExecutor
     from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpeculativeRunner
 
     if k < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
+    speculator = AdaptiveK(max_k=k) if adaptive_k else FixedK(k)
+    if isinstance(executor, SimExecutor):  # simulation: the executor makes up drafts and accepts them
+        if executor.acceptance_rate is None:
+            raise ValueError(f"policy {policy!r} on a SimExecutor needs SimExecutor(acceptance_rate=...)")
+        return executor, speculator
     if policy == "spec" and draft_runner is None:
         raise ValueError("policy 'spec' needs draft_runner (a ModelRunner on the draft model)")
-    speculator = AdaptiveK(max_k=k) if adaptive_k else FixedK(k)
     proposer = DraftModelProposer(draft_runner) if policy == "spec" else NgramProposer()
     return SpeculativeRunner(executor, proposer, speculator), speculator

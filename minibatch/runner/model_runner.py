@@ -181,21 +181,37 @@ class SimExecutor:
         slots gets k made-up draft tokens, each accepted with this probability (independently,
         Leviathan et al.'s i.i.d. assumption; seeded by ``seed``) until the first rejection;
         ``out.draft_forwards`` records k draft forwards for a simulated clock. ``stats`` counts.
+        A list gives vLLM's per-position acceptance rates instead (the fraction of drafts at
+        position i accepted, as ``SpecDecodingStats`` measures them; non-increasing): position i
+        is accepted with probability rate[i] / rate[i-1] once i-1 was (the last rate repeats).
+    draft_forwards: record the draft forwards (a draft model); False for n-gram lookup, whose
+        drafting costs no forward.
+    proposal_rate: the probability that a row given draft slots gets drafts at all (n-gram
+        lookup finds no match for some; such a row decodes 1 token, as SpeculativeRunner does).
     """
 
     eos_token_ids: tuple[int, ...] = ()
 
-    def __init__(self, max_model_len: int = 1 << 20, vocab_size: int = 32000, acceptance_rate: float | None = None,
-                 seed: int = 0):
+    def __init__(self, max_model_len: int = 1 << 20, vocab_size: int = 32000,
+                 acceptance_rate: float | list[float] | None = None, seed: int = 0, draft_forwards: bool = True,
+                 proposal_rate: float = 1.0):
         import random
 
         from minibatch.spec.speculator import SpecDecodingStats
 
-        if acceptance_rate is not None and not 0.0 <= acceptance_rate <= 1.0:
-            raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
+        rates = [acceptance_rate] if isinstance(acceptance_rate, (int, float)) else acceptance_rate
+        if rates is not None and (not rates or not all(0.0 <= a <= 1.0 for a in rates)):
+            raise ValueError(f"acceptance_rate must be in [0, 1] (or a non-empty list of such), got {acceptance_rate}")
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.acceptance_rate = acceptance_rate
+        self.draft_forwards = draft_forwards
+        if not 0.0 <= proposal_rate <= 1.0:
+            raise ValueError(f"proposal_rate must be in [0, 1], got {proposal_rate}")
+        self.proposal_rate = proposal_rate
+        # conditional probability of accepting position i given position i-1 was accepted
+        self._accept_p = None if rates is None else [
+            a / prev if prev > 0 else 0.0 for a, prev in zip(rates, [1.0] + list(rates[:-1]))]
         self.rng = random.Random(seed)
         self.stats = SpecDecodingStats()
 
@@ -207,15 +223,22 @@ class SimExecutor:
         specs = [s for s in out.scheduled if s.num_spec_tokens]
         if specs and self.acceptance_rate is None:
             raise ValueError("SimExecutor got draft slots: pass acceptance_rate= to simulate speculative decoding")
-        for j in range(max((s.num_spec_tokens for s in specs), default=0)):  # draft forward j: one token per request
-            rows = [s for s in specs if s.num_spec_tokens > j]
+        if self.proposal_rate < 1.0:  # rows with no draft found decode 1 token (as SpeculativeRunner)
+            found = [self.rng.random() < self.proposal_rate for _ in specs]
+            for s, f in zip(specs, found):
+                if not f:
+                    s.num_new_tokens, s.spec_token_ids = 1, []
+            specs = [s for s, f in zip(specs, found) if f]
+        for j in range(max((s.num_spec_tokens for s in specs), default=0) if self.draft_forwards else 0):
+            rows = [s for s in specs if s.num_spec_tokens > j]  # draft forward j: one token per request
             out.draft_forwards.append((len(rows), len(rows), sum(s.request.num_tokens + j for s in rows)))
+        drafting = {id(s) for s in specs}
         for s in out.scheduled:
             r = s.request
-            if s.num_spec_tokens:
+            if id(s) in drafting:
                 s.spec_token_ids = [self._token(r, i) for i in range(s.num_spec_tokens)]
                 a = 0
-                while a < s.num_spec_tokens and self.rng.random() < self.acceptance_rate:
+                while a < s.num_spec_tokens and self.rng.random() < self._accept_p[min(a, len(self._accept_p) - 1)]:
                     a += 1
                 sampled[r.request_id] = s.spec_token_ids[:a] + [self._token(r, a + 1)]
                 self.stats.observe(s.num_spec_tokens, a)

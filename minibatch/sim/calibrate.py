@@ -1,0 +1,162 @@
+"""Calibrate the simulator's clock on this machine: ``python -m minibatch calibrate --model ...``.
+
+Runs small workloads through the real engine with a WallClock, so every measured step is a
+real step (scheduling, the forward, sampling, the update), and fits a
+:class:`~minibatch.sim.cost_model.Profile` to the recorded steps. The workloads cover the grid
+the fit needs (Vidur §4 profiles the same axes per operator):
+
+* decode batches of 1..64 requests at short and long context (batch size, context read),
+* whole prefills of one or many prompts (prefill tokens, up to ~2k tokens in a step),
+* chunked prefill mixed with decodes on a Poisson trace with ShareGPT lengths (mixed steps),
+* static batches of 1..32 padded requests (the padded layout).
+
+None of these is a validation trace: ``benchmarks/validate_sim.py`` checks the fit on traces
+made with other seeds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from minibatch.request import Request, SamplingParams
+from minibatch.sim.cost_model import LAYOUTS, Profile, fit_layout, relative_errors, shape_of_record
+
+GREEDY = SamplingParams(ignore_eos=True)
+
+
+@dataclass
+class Scenario:
+    """One calibration workload: ``policy`` (a make_engine name) over ``requests``."""
+
+    name: str
+    policy: str
+    requests: list[Request]
+    kwargs: dict
+
+    @property
+    def layout(self) -> str:
+        return "padded" if self.policy == "static" else "packed"
+
+
+def _requests(name: str, lengths: list[tuple[int, int]], rng: np.random.Generator, vocab_size: int,
+              spacing_s: float = 0.0) -> list[Request]:
+    return [Request(f"{name}-{i:03d}", rng.integers(3, vocab_size, size=p).tolist(), o, GREEDY,
+                    arrival_time_s=i * spacing_s) for i, (p, o) in enumerate(lengths)]
+
+
+def scenarios(vocab_size: int, scale: float = 1.0, seed: int = 1234) -> list[Scenario]:
+    """The calibration workloads. scale < 1 shrinks batch sizes and lengths (tests, tiny models)."""
+    from minibatch.workload import make_trace
+
+    rng = np.random.default_rng(seed)
+
+    def s(x: int) -> int:
+        return max(1, round(x * scale))
+
+    big = dict(max_bs=128, n_slots=1 << 16)
+    out = []
+    for b in sorted({s(b) for b in (1, 2, 4, 8, 16, 32, 64)}):  # decode batches, short context
+        out.append(Scenario(f"decode-b{b}", "paged", _requests(f"d{b}", [(s(24), 10)] * b, rng, vocab_size), big))
+    for b in sorted({s(b) for b in (1, 4, 8)}):  # long context (and big multi-prompt prefills)
+        out.append(Scenario(f"long-b{b}", "paged", _requests(f"l{b}", [(s(320), 6)] * b, rng, vocab_size), big))
+    prefills = [(s(p), 2) for p in (3, 8, 48, 96, 192, 768)]  # one prompt alone per step
+    out.append(Scenario("prefill", "paged", _requests("p", prefills, rng, vocab_size, spacing_s=1e6), big))
+    mixed = make_trace(s(24), rate_per_s=4.0, max_prompt_len=s(256), max_output_len=s(256), output_scale=0.25 * scale,
+                       vocab_size=vocab_size, seed=seed)
+    for budget in (96, 512):  # chunked prefill: chunks mixed with decodes
+        reqs = [Request(f"c{budget}-{r.request_id}", r.prompt_token_ids, r.max_new_tokens, GREEDY,
+                        arrival_time_s=r.arrival_time_s) for r in mixed]
+        out.append(Scenario(f"chunked-{budget}", "chunked", reqs, dict(big, max_num_batched_tokens=s(budget))))
+    for b in sorted({s(b) for b in (1, 4, 8, 16, 32)}):  # static: padded (B, T) batches
+        lengths = [(int(rng.integers(s(16), s(200) + 1)), int(rng.integers(4, 25))) for _ in range(b)]
+        out.append(Scenario(f"static-b{b}", "static", _requests(f"s{b}", lengths, rng, vocab_size),
+                            dict(max_bs=b, n_slots=1 << 16, max_wait_s=0.0)))
+    return out
+
+
+def measure(runner, scenario_list: list[Scenario], progress: bool = True) -> list[dict]:
+    """Run each scenario on ``runner`` with a WallClock; one sample per step:
+    {"scenario", "layout", shape fields..., "time_s"}."""
+    from tqdm.auto import tqdm
+
+    from minibatch.policies import make_engine
+    from minibatch.sim.clock import WallClock
+
+    samples = []
+    for sc in tqdm(scenario_list, desc="calibrate", disable=not progress, leave=False):
+        engine = make_engine(sc.policy, runner, WallClock(runner.device), **sc.kwargs)
+        engine.generate([r.copy() for r in sc.requests])
+        for rec in engine.trace:
+            shape = shape_of_record(rec, padded=sc.layout == "padded")
+            samples.append({"scenario": sc.name, "layout": sc.layout, **vars(shape), "time_s": rec.duration_s})
+    return samples
+
+
+def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Profile:
+    """A Profile fit on ``samples`` (from :func:`measure`), one model per layout present; the fit
+    errors (relative, per layout) and the samples go into ``meta``."""
+    from minibatch.sim.cost_model import StepShape
+
+    layouts, errors = {}, {}
+    for layout in LAYOUTS:
+        rows = [x for x in samples if x["layout"] == layout]
+        if not rows:
+            continue
+        shapes = [StepShape(**{k: x[k] for k in StepShape.__dataclass_fields__}) for x in rows]
+        times = [x["time_s"] for x in rows]
+        layouts[layout] = fit_layout(shapes, times)
+        errors[layout] = relative_errors(layouts[layout].predict(shapes), times)
+    return Profile(model=model, layouts=layouts, meta={**(meta or {}), "fit_error": errors, "samples": samples})
+
+
+def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, scale: float = 1.0,
+              draft_model: str | None = None, progress: bool = True, command: str | None = None) -> Profile:
+    """Measure and fit a Profile for ``model_name`` on ``device`` (see the module docstring).
+
+    draft_model: also calibrate this draft (speculative decoding): its decode forwards at
+        batch 1..64, fit as ``profile.draft``.
+    scale: shrink the workloads (tests and tiny models), 0 < scale <= 1.
+
+    Raises:
+        ValueError: scale out of (0, 1]; an unknown model name (from load_model).
+    """
+    from minibatch.compare import _warm_up, environment, load_runner
+
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale must be in (0, 1], got {scale}")
+    t0 = time.perf_counter()
+    model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads)
+    _warm_up(runner)
+    samples = measure(runner, scenarios(model.config.vocab_size, scale), progress)
+    meta = {"command": command, "environment": environment(), "device": str(device), "scale": scale}
+    profile = fit_profile(model_name, samples, meta)
+    if draft_model:
+        from minibatch.compare import load_draft_runner
+
+        draft_runner = load_draft_runner(draft_model, model_name, model, tokenizer, device)
+        _warm_up(draft_runner)
+        draft_samples = measure(draft_runner, [sc for sc in scenarios(model.config.vocab_size, scale)
+                                               if sc.name.startswith("decode")], progress)
+        decode = [x for x in draft_samples if x["prefill_rows"] == 0]
+        draft_fit = fit_profile(draft_model, decode)
+        profile.draft = draft_fit.layouts["packed"]
+        profile.meta.update(draft_model=draft_model, draft_fit_error=draft_fit.meta["fit_error"]["packed"],
+                            draft_samples=decode)
+    profile.meta["calibration_time_s"] = round(time.perf_counter() - t0, 1)
+    return profile
+
+
+def print_profile(profile: Profile) -> None:
+    """The fitted curve and coefficients, in milliseconds, and the fit errors."""
+    for layout, m in profile.layouts.items():
+        err = profile.meta.get("fit_error", {}).get(layout, {})
+        print(f"{layout}: {sum(x['layout'] == layout for x in profile.meta.get('samples', []))} steps, "
+              f"relative error median {err.get('median', float('nan')):.1%}, p90 {err.get('p90', float('nan')):.1%}")
+        print("  curve(N) ms: " + ", ".join(f"N={k}: {v * 1e3:.1f}" for k, v in zip(m.knots, m.curve_s)))
+        print("  " + ", ".join(f"{name} {v * 1e6:.2f} us" for name, v in m.coef_s.items()))
+    if profile.draft:
+        print("draft curve(N) ms: " + ", ".join(f"N={k}: {v * 1e3:.2f}" for k, v in
+                                                zip(profile.draft.knots, profile.draft.curve_s)))
