@@ -1,7 +1,10 @@
 """Validate the calibrated simulator against measured runs on held-out traces (issue 6).
 
     python -m minibatch calibrate --model smollm2-135m --threads 1 --draft-model smollm2-135m-draft
-    python benchmarks/validate_sim.py --threads 1 --json data/cpu/sim_validation.json
+    python benchmarks/validate_sim.py --threads 1 --measured data/cpu/sim_validation_measured.json \
+        --json data/cpu/sim_validation.json
+    python benchmarks/validate_sim.py --resimulate --measured data/cpu/sim_validation_measured.json \
+        --json data/cpu/sim_validation.json          (a new profile, the same measured runs)
 
 Each trace is a ShareGPT-length Poisson trace made with a seed the calibration never used
 (calibration: seed 1234 and synthetic batches). Every policy runs twice on it: measured (the real
@@ -13,12 +16,15 @@ Use the same --threads as the calibration: the profile is only valid for the set
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
-from minibatch.compare import CompareConfig, build_trace, environment, load_draft_runner, load_runner, write_json
+from minibatch.compare import (CompareConfig, _warm_up, build_trace, environment, load_draft_runner, load_runner,
+                               write_json)
 from minibatch.sim.cost_model import Profile
-from minibatch.sim.validate import validate_policy
+from minibatch.sim.validate import measure_policy, simulate_measured
 
 # name -> CompareConfig overrides; the defaults are the main job's (32 requests, 4 req/s, seed 0)
 TRACES = {
@@ -37,37 +43,58 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=128, help="chunked policy's token budget")
-    p.add_argument("--json", default=None)
+    p.add_argument("--measured", default=None,
+                   help="JSON of the measured runs (with every step): written after measuring, or read with --resimulate")
+    p.add_argument("--resimulate", action="store_true",
+                   help="no model: read --measured and simulate its traces again (e.g. with a new profile)")
+    p.add_argument("--json", default=None, help="the report: measured vs simulated, errors (no steps)")
     args = p.parse_args(argv)
     profile_path = args.profile or f"data/profiles/{args.model}-cpu.json"
     profile = Profile.load(profile_path)
-    model, tokenizer, runner, _ = load_runner(args.model, threads=args.threads)
-    policies = [x for x in args.policies.split(",") if x]
-    draft_runner = None
-    if "spec" in policies:
-        draft_runner = load_draft_runner("smollm2-135m-draft" if args.model == "smollm2-135m" else args.model,
-                                         args.model, model, tokenizer)
-    from minibatch.compare import _warm_up
-
-    _warm_up(runner, draft_runner)
-    result = {"command": "python " + " ".join(sys.argv), "environment": environment(), "profile": profile_path,
-              "profile_command": profile.meta.get("command"), "model": args.model, "traces": {}}
-    for name in args.traces.split(","):
-        cfg = CompareConfig(model=args.model, policies=tuple(policies), check_reference=False, figures_dir=None,
-                            progress=False, max_num_batched_tokens=args.max_num_batched_tokens, **TRACES[name])
-        requests = build_trace(cfg, tokenizer, model.config.vocab_size)
+    if args.resimulate:
+        if not args.measured:
+            p.error("--resimulate needs --measured")
+        measured = json.loads(Path(args.measured).read_text())
+        tokenizer, vocab_size = None, 49152
+    else:
+        measured = {"command": "python " + " ".join(sys.argv), "environment": environment(), "model": args.model,
+                    "max_num_batched_tokens": args.max_num_batched_tokens, "traces": {}}
+        model, tokenizer, runner, _ = load_runner(args.model, threads=args.threads)
+        vocab_size = model.config.vocab_size
+        policies = [x for x in args.policies.split(",") if x]
+        draft_runner = None
+        if "spec" in policies:
+            draft_runner = load_draft_runner("smollm2-135m-draft" if args.model == "smollm2-135m" else args.model,
+                                             args.model, model, tokenizer)
+        _warm_up(runner, draft_runner)
+    result = {"command": "python " + " ".join(sys.argv), "measured_command": measured["command"],
+              "environment": measured["environment"], "profile": profile_path,
+              "profile_command": profile.meta.get("command"), "model": measured["model"], "traces": {}}
+    names = list(measured["traces"]) if args.resimulate else args.traces.split(",")
+    for name in names:
+        cfg = CompareConfig(model=measured["model"], check_reference=False, figures_dir=None, progress=False,
+                            max_num_batched_tokens=measured["max_num_batched_tokens"], **TRACES[name])
+        requests = build_trace(cfg, tokenizer, vocab_size)
         rows = []
-        for policy in policies:
+        measured_rows = measured["traces"][name]["policies"] if args.resimulate else []
+        for policy in ([r["policy"] for r in measured_rows] if args.resimulate else policies):
             t = time.perf_counter()
-            row = validate_policy(policy, cfg, runner, requests, profile, draft_runner)
-            row["run_time_s"] = round(time.perf_counter() - t, 1)
+            if not args.resimulate:
+                measured_rows.append(measure_policy(policy, cfg, runner, requests, draft_runner))
+                measured_rows[-1]["run_time_s"] = round(time.perf_counter() - t, 1)
+            m = next(r for r in measured_rows if r["policy"] == policy)
+            row = {k: v for k, v in simulate_measured(m, cfg, requests, profile).items() if k != "steps"}
             rows.append(row)
             e = row["error"]
+            replay = "-" if row["replay_error"] is None else format(row["replay_error"], "+.1%")
             print(f"{name:<26} {policy:<14} out tok/s {row['measured']['output_throughput_tok_s']:7.2f} "
                   f"sim {row['simulated']['output_throughput_tok_s']:7.2f} ({e['output_throughput_tok_s']:+.1%})  "
                   f"TTFT p50 {row['measured']['ttft_p50_s']:6.3f} s sim {row['simulated']['ttft_p50_s']:6.3f} "
-                  f"({e['ttft_p50_s']:+.1%})  replay {row['replay_error'] if row['replay_error'] is None else format(row['replay_error'], '+.1%')}",
-                  flush=True)
+                  f"({e['ttft_p50_s']:+.1%})  step-time replay {replay}", flush=True)
+        if not args.resimulate:
+            measured["traces"][name] = {"config": TRACES[name], "num_requests": len(requests), "policies": measured_rows}
+            if args.measured:  # after every trace: a crash later keeps what was measured
+                write_json(measured, args.measured)
         result["traces"][name] = {"config": TRACES[name], "num_requests": len(requests), "policies": rows}
     errs = [abs(r["error"][m]) for t in result["traces"].values() for r in t["policies"]
             for m in ("output_throughput_tok_s", "ttft_p50_s")]

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--draft-model", default=None, help="also calibrate this draft model (spec policies in simulation)")
     k.add_argument("--scale", type=float, default=1.0, help="shrink the calibration workloads, in (0, 1]")
     k.add_argument("--out", default=None, help="profile JSON (default data/profiles/<model>-<device>.json)")
+    k.add_argument("--refit", default=None, metavar="PROFILE",
+                   help="no measuring: fit this profile's stored samples again with the current code (writes --out or PROFILE)")
     k.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -157,8 +159,14 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(str(e))
     elif args.command == "calibrate":
         from minibatch.models import check_model_name
-        from minibatch.sim.calibrate import calibrate, print_profile
+        from minibatch.sim.calibrate import calibrate, print_profile, refit
+        from minibatch.sim.cost_model import Profile
 
+        if args.refit:
+            profile = refit(Profile.load(args.refit))
+            print_profile(profile)
+            print(f"wrote {profile.save(args.out or args.refit)} (refit of {args.refit})")
+            return 0
         try:
             check_model_name(args.model)
             if args.draft_model:

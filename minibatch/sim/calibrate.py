@@ -6,9 +6,11 @@ real step (scheduling, the forward, sampling, the update), and fits a
 the fit needs (Vidur §4 profiles the same axes per operator):
 
 * decode batches of 1..64 requests at short and long context (batch size, context read),
-* whole prefills of one or many prompts (prefill tokens, up to ~2k tokens in a step),
+* whole prefills of one or many prompts (prefill tokens, up to ~2k tokens in a step), and many
+  short prompts in one step (rows of a few tokens, each its own attention call),
+* speculative verify steps (n-gram lookup on repeating prompts: 1 + k tokens per row),
 * chunked prefill mixed with decodes on a Poisson trace with ShareGPT lengths (mixed steps),
-* static batches of 1..32 padded requests (the padded layout).
+* static batches of 1..32 padded requests, up to 64 decode steps (the padded layout).
 
 None of these is a validation trace: ``benchmarks/validate_sim.py`` checks the fit on traces
 made with other seeds.
@@ -17,6 +19,7 @@ made with other seeds.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,18 +65,33 @@ def scenarios(vocab_size: int, scale: float = 1.0, seed: int = 1234) -> list[Sce
         out.append(Scenario(f"decode-b{b}", "paged", _requests(f"d{b}", [(s(24), 10)] * b, rng, vocab_size), big))
     for b in sorted({s(b) for b in (1, 4, 8)}):  # long context (and big multi-prompt prefills)
         out.append(Scenario(f"long-b{b}", "paged", _requests(f"l{b}", [(s(320), 6)] * b, rng, vocab_size), big))
-    prefills = [(s(p), 2) for p in (3, 8, 48, 96, 192, 768)]  # one prompt alone per step
-    out.append(Scenario("prefill", "paged", _requests("p", prefills, rng, vocab_size, spacing_s=1e6), big))
+    for b in sorted({s(b) for b in (4, 16, 32)}):  # many short multi-token rows in one step
+        out.append(Scenario(f"short-rows-b{b}", "paged", _requests(f"r{b}", [(5, 3)] * b, rng, vocab_size), big))
+    for b, p in sorted({(s(b), s(p)) for b, p in ((1, 24), (4, 24), (16, 24), (4, 256))}):
+        # speculative verify steps (1 + k tokens per row): n-gram lookup on a repeating prompt always finds drafts
+        pattern = rng.integers(3, vocab_size, size=8).tolist()
+        reqs = [Request(f"v{b}-{p}-{i:03d}", (pattern * (p // 8 + 1))[:p], 12, GREEDY) for i in range(b)]
+        out.append(Scenario(f"verify-b{b}-p{p}", "spec_ngram", reqs, dict(big, num_speculative_tokens=4)))
+    prefills = [(s(p), 2) for p in (3, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)]
+    out.append(Scenario("prefill", "paged", _requests("p", prefills, rng, vocab_size, spacing_s=1e6), big))  # alone
+    groups = [(2, 128), (4, 64), (8, 32), (2, 384), (4, 192), (3, 256), (6, 96)]  # B prompts of P tokens together
+    reqs = [Request(f"g{b}x{p}-{i}", rng.integers(3, vocab_size, size=s(p)).tolist(), 2, GREEDY, arrival_time_s=1e6 * g)
+            for g, (b, p) in enumerate(groups) for i in range(s(b))]
+    out.append(Scenario("group-prefill", "paged", reqs, big))
     mixed = make_trace(s(24), rate_per_s=4.0, max_prompt_len=s(256), max_output_len=s(256), output_scale=0.25 * scale,
                        vocab_size=vocab_size, seed=seed)
     for budget in (96, 512):  # chunked prefill: chunks mixed with decodes
         reqs = [Request(f"c{budget}-{r.request_id}", r.prompt_token_ids, r.max_new_tokens, GREEDY,
                         arrival_time_s=r.arrival_time_s) for r in mixed]
         out.append(Scenario(f"chunked-{budget}", "chunked", reqs, dict(big, max_num_batched_tokens=s(budget))))
-    for b in sorted({s(b) for b in (1, 4, 8, 16, 32)}):  # static: padded (B, T) batches
-        lengths = [(int(rng.integers(s(16), s(200) + 1)), int(rng.integers(4, 25))) for _ in range(b)]
+    for b in sorted({s(b) for b in (1, 2, 4, 8, 16, 32)}):  # static: padded (B, T) batches, long decodes
+        n = b if b == s(32) else 3 * b  # three batches each (one prefill step per batch), one of 32
+        lengths = [(int(rng.integers(s(16), s(256) + 1)), int(rng.integers(4, s(64) + 1))) for _ in range(n)]
         out.append(Scenario(f"static-b{b}", "static", _requests(f"s{b}", lengths, rng, vocab_size),
                             dict(max_bs=b, n_slots=1 << 16, max_wait_s=0.0)))
+    lengths = [(s(768), 24), (s(64), 24), (s(128), 8), (s(32), 16)]  # one long prompt pads the whole batch
+    out.append(Scenario("static-long-b4", "static", _requests("sl", lengths, rng, vocab_size),
+                        dict(max_bs=4, n_slots=1 << 16, max_wait_s=0.0)))
     return out
 
 
@@ -107,7 +125,8 @@ def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Pr
             continue
         shapes = [StepShape(**{k: x[k] for k in StepShape.__dataclass_fields__}) for x in rows]
         times = [x["time_s"] for x in rows]
-        layouts[layout] = fit_layout(shapes, times)
+        per_scenario = Counter(x["scenario"] for x in rows)  # every workload weighs the same in the fit
+        layouts[layout] = fit_layout(shapes, times, weights=[1 / per_scenario[x["scenario"]] for x in rows])
         errors[layout] = relative_errors(layouts[layout].predict(shapes), times)
     return Profile(model=model, layouts=layouts, meta={**(meta or {}), "fit_error": errors, "samples": samples})
 
@@ -160,3 +179,15 @@ def print_profile(profile: Profile) -> None:
     if profile.draft:
         print("draft curve(N) ms: " + ", ".join(f"N={k}: {v * 1e3:.2f}" for k, v in
                                                 zip(profile.draft.knots, profile.draft.curve_s)))
+
+
+def refit(profile: Profile) -> Profile:
+    """Fit ``profile``'s stored samples again with this code (e.g. after changing the model's
+    form): no measuring; the command, environment and samples are kept."""
+    meta = {k: v for k, v in profile.meta.items() if k not in ("fit_error", "samples")}
+    new = fit_profile(profile.model, profile.meta["samples"], meta)
+    if profile.meta.get("draft_samples"):
+        draft_fit = fit_profile(profile.meta.get("draft_model", "draft"), profile.meta["draft_samples"])
+        new.draft = draft_fit.layouts["packed"]
+        new.meta["draft_fit_error"] = draft_fit.meta["fit_error"]["packed"]
+    return new

@@ -64,21 +64,29 @@ def shape_from_rows(rows: Iterable[tuple[int, int, int]], num_padding_tokens: in
 
     rows: one (num_new_tokens, num_computed_tokens before the step, num_logits) per batch row;
         num_logits is 0 for a prefill chunk that does not reach the prompt's end, 1 + k for a
-        speculative verify. A padded batch computes logits on every row.
+        speculative verify.
+    padded: static batching's (B, T) batch: logits on every row, and attention is one call over
+        the padded rectangle (prefill_attention = B x T x T_ctx, decode_attention = B x T_ctx;
+        no per-row calls).
     num_padding_tokens: tokens of a padded batch that belong to no request (left padding and
         finished rows); rows of finished members count 1 new token each and are in ``rows``.
     """
     rows = list(rows)
+    real_tokens = sum(n for n, _, _ in rows)
+    if padded:  # one (B, T) batch: one attention call over B x T queries x T_ctx keys, padding included
+        t_new = max(n for n, _, _ in rows)
+        t_ctx = max(c + n for n, c, _ in rows)
+        return StepShape(num_tokens=real_tokens + num_padding_tokens, logits=len(rows),
+                         prefill_attention=len(rows) * t_new * t_ctx if t_new > 1 else 0,
+                         decode_attention=len(rows) * t_ctx if t_new == 1 else 0, padded=True)
     multi = [(n, c) for n, c, _ in rows if n > 1]
     single = [c for n, c, _ in rows if n == 1]
-    real_tokens = sum(n for n, _, _ in rows)
     return StepShape(
         num_tokens=real_tokens + num_padding_tokens,
-        logits=len(rows) if padded else sum(g for _, _, g in rows),
+        logits=sum(g for _, _, g in rows),
         prefill_rows=len(multi),
         prefill_attention=sum(n * (c + n) for n, c in multi),
         decode_attention=len(single) * (max(single) + 1) if single else 0,
-        padded=padded,
     )
 
 
@@ -134,11 +142,21 @@ class LayoutModel:
         return hat_basis(n, self.knots) @ np.array(self.curve_s) + X @ np.array([self.coef_s[f] for f in FEATURES])
 
 
-def fit_layout(shapes: list[StepShape], times_s: list[float], smoothing: float = 0.3) -> LayoutModel:
+def fit_layout(shapes: list[StepShape], times_s: list[float], smoothing: float = 0.3,
+               weights: list[float] | None = None, knee: int = 16) -> LayoutModel:
     """Non-negative least squares on relative error (scipy.optimize.nnls).
 
-    Knots: 1, 2, 4, ... up to the first knot >= the largest N measured, so no knot is left
-    without samples on both sides except the last.
+    The curve has two parts. Up to ``knee`` tokens it is free (its values at 1, 2, 4, .. knee,
+    each >= 0, with a light smoothness penalty): the small-batch region, where a CPU jumps from a
+    matrix-vector product to a matrix product and a GPU is memory-bound. Beyond the knee it is
+    the knee's value plus hinges sum_j beta_j * max(N - k_j, 0) with beta_j >= 0 at the knots
+    k_j >= knee: compute-bound, so the cost per extra token never decreases (convex). Without
+    that constraint a few large prefills let the fit bend the curve down and hand their cost to
+    the attention terms. Knots run up to the first one >= the largest N measured.
+
+    weights: per-sample weight of its squared relative error (default 1 each); calibration
+    gives each workload the same total weight, so a few big prefills count as much as hundreds
+    of decodes.
 
     Raises:
         ValueError: fewer samples than parameters, or a time <= 0.
@@ -148,28 +166,33 @@ def fit_layout(shapes: list[StepShape], times_s: list[float], smoothing: float =
     t = np.asarray(times_s, dtype=float)
     if (t <= 0).any():
         raise ValueError("step times must be > 0 seconds")
-    n = np.array([s.num_tokens for s in shapes])
+    n = np.array([s.num_tokens for s in shapes], dtype=float)
     top = next(k for k in KNOTS if k >= n.max()) if n.max() <= KNOTS[-1] else KNOTS[-1]
-    knots = [k for k in KNOTS if k <= top]
-    if len(knots) < 2:
-        knots = [1, 2]
-    X = np.hstack([hat_basis(n, knots), np.array([s.features() for s in shapes])])
+    knots = [k for k in KNOTS if k <= max(top, 2)]
+    small = [k for k in knots if k <= knee] or knots[:2]
+    hinges = [k for k in knots if k >= small[-1] and k < knots[-1]]
+
+    def curve_basis(x):
+        return np.hstack([hat_basis(np.minimum(x, small[-1]), small),  # flat beyond the knee ...
+                          np.maximum(np.asarray(x, float)[:, None] - np.array(hinges, float), 0.0)])  # ... plus hinges
+
+    X = np.hstack([curve_basis(n), np.array([s.features() for s in shapes]).reshape(len(shapes), len(FEATURES))])
     if len(t) < X.shape[1]:
         raise ValueError(f"need at least {X.shape[1]} measured steps to fit, got {len(t)}")
-    A, b = X / t[:, None], np.ones_like(t)
-    # A light smoothness penalty on the curve's second differences keeps knots with few samples
-    # from swinging (relative weight `smoothing` against one sample's relative error).
-    K = len(knots)
-    penalty = np.zeros((max(K - 2, 0), X.shape[1]))
-    for j in range(K - 2):
+    w = np.sqrt(np.asarray(weights, dtype=float) / np.mean(weights)) if weights is not None else np.ones_like(t)
+    A, b = X / t[:, None] * w[:, None], w
+    # smoothness: second differences of the small-batch values, weighted like `smoothing` samples
+    penalty = np.zeros((max(len(small) - 2, 0), X.shape[1]))
+    for j in range(len(small) - 2):
         penalty[j, j:j + 3] = np.array([1.0, -2.0, 1.0]) * smoothing / np.median(t)
     A, b = np.vstack([A, penalty]), np.concatenate([b, np.zeros(len(penalty))])
     scale = np.abs(A).max(axis=0)
     scale[scale == 0] = 1.0  # a feature never seen (e.g. no prefill rows) keeps coefficient 0
     theta, _ = nnls(A / scale, b, maxiter=50 * X.shape[1])
     theta /= scale
-    return LayoutModel(knots=knots, curve_s=theta[: len(knots)].tolist(),
-                       coef_s=dict(zip(FEATURES, theta[len(knots):].tolist())))
+    k_curve = len(small) + len(hinges)
+    curve = curve_basis(np.array(knots, dtype=float)) @ theta[:k_curve]  # exact: kinks only at knots
+    return LayoutModel(knots=knots, curve_s=curve.tolist(), coef_s=dict(zip(FEATURES, theta[k_curve:].tolist())))
 
 
 @dataclass

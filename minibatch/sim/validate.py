@@ -34,27 +34,51 @@ def compare_runs(measured: dict, simulated: dict) -> dict[str, float | None]:
             for m in METRICS}
 
 
-def validate_policy(policy: str, cfg, runner, requests, profile: Profile, draft_runner=None) -> dict:
-    """Measured vs simulated for one policy on ``requests`` (see the module docstring)."""
+STEP_FIELDS = ("num_tokens", "logits", "prefill_rows", "prefill_attention", "decode_attention", "time_us")
+
+
+def measure_policy(policy: str, cfg, runner, requests, draft_runner=None) -> dict:
+    """The measured half: a real run's metrics, its steps (STEP_FIELDS rows, for replaying them
+    on any profile) and, when speculating, its acceptance and proposal rates."""
     from minibatch.compare import run_policy
     from minibatch.metrics import summarize
-    from minibatch.sim.simulator import simulate_policy
 
     reqs, engine = run_policy(policy, cfg, runner, None, requests, draft_runner)
     measured = summarize(reqs, engine.trace).to_dict()
-    acceptance, proposal = measured_speculation(engine) if policy in SPEC_POLICIES else (None, 1.0)
-    sreqs, sengine = simulate_policy(policy, cfg, profile, requests, acceptance, proposal)
-    simulated = summarize(sreqs, sengine.trace).to_dict()
     padded = policy == "static"
-    predicted = profile.predict([shape_of_record(r, padded) for r in engine.trace])
-    measured_busy = sum(r.duration_s for r in engine.trace)
-    row = {"policy": policy,
+    steps = [[getattr(shape_of_record(r, padded), f) for f in STEP_FIELDS[:-1]] + [round(r.duration_s * 1e6)]
+             for r in engine.trace]
+    row = {"policy": policy, "padded": padded,
            "measured": {m: measured[m] for m in METRICS} | {"num_steps": len(engine.trace), "duration_s": measured["duration_s"]},
-           "simulated": {m: simulated[m] for m in METRICS} | {"num_steps": len(sengine.trace), "duration_s": simulated["duration_s"]},
-           "error": compare_runs(measured, simulated),
-           "replay_error": float(predicted.sum() - measured_busy) / measured_busy}
+           "steps": steps}
     if policy in SPEC_POLICIES:
+        acceptance, proposal = measured_speculation(engine)
         row["acceptance_rate_per_pos"] = acceptance
         row["proposal_rate"] = round(proposal, 4)
-        row["replay_error"] = None  # records keep no draft forwards' shapes: see the end-to-end error
     return row
+
+
+def simulate_measured(row: dict, cfg, requests, profile: Profile) -> dict:
+    """The simulated half, for a row of :func:`measure_policy`: the same requests on ``profile``'s
+    clock; adds "simulated", "error" and "replay_error" (None for spec policies: the records keep
+    no draft forwards' shapes, see the end-to-end error) to a copy of the row."""
+    from minibatch.metrics import summarize
+    from minibatch.sim.cost_model import StepShape
+    from minibatch.sim.simulator import simulate_policy
+
+    policy = row["policy"]
+    sreqs, sengine = simulate_policy(policy, cfg, profile, requests, row.get("acceptance_rate_per_pos"),
+                                     row.get("proposal_rate", 1.0))
+    simulated = summarize(sreqs, sengine.trace).to_dict()
+    shapes = [StepShape(*s[:-1], padded=row["padded"]) for s in row["steps"]]
+    measured_busy = sum(s[-1] for s in row["steps"]) / 1e6
+    replay = float(profile.predict(shapes).sum() - measured_busy) / measured_busy
+    return {**row, "simulated": {m: simulated[m] for m in METRICS} | {"num_steps": len(sengine.trace),
+                                                                      "duration_s": simulated["duration_s"]},
+            "error": compare_runs(row["measured"], simulated),
+            "replay_error": None if policy in SPEC_POLICIES else replay}
+
+
+def validate_policy(policy: str, cfg, runner, requests, profile: Profile, draft_runner=None) -> dict:
+    """Measured vs simulated for one policy on ``requests`` (see the module docstring)."""
+    return simulate_measured(measure_policy(policy, cfg, runner, requests, draft_runner), cfg, requests, profile)

@@ -1,0 +1,92 @@
+"""Scale experiments in simulation (issue 6): thousands of ShareGPT-length requests, no model.
+
+    python benchmarks/sim_scale.py --json data/sim/scale.json
+
+Two clocks, each stated in the output:
+
+* ``cpu``: the calibrated profile of smollm2-135m on this CPU (data/profiles/smollm2-135m-cpu.json,
+  measured by ``python -m minibatch calibrate``); the CPU-sized trace (outputs x 0.25, prompts
+  <= 256 tokens, as the main job);
+* ``h100-roofline``: an ANALYTICAL roofline of a 7B Llama-shaped model in bf16 on an H100
+  (``lessons.benchmarks.roofline_profile``; not measured: a what-if for the shape of a GPU's
+  cost, where a decode step's time hardly grows with the batch); full ShareGPT lengths.
+
+For each: a request-rate sweep (static batching bs 8/32/64 vs orca, paged, chunked), the offline
+table (every request at t = 0: the seed's table), and the capacity at a latency bound (the
+Orca / vLLM "x times the throughput at the same latency" claims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from minibatch.compare import environment, write_json
+from minibatch.lessons import benchmarks as lesson
+from minibatch.sim.cost_model import Profile
+from minibatch.workload import make_trace
+
+# Llama-2-7B's shape: 32 layers, hidden 4096, 32 KV heads x 128 dims, K and V in bf16 (0.5 MB per token);
+# an 80 GB H100 holds ~120k tokens of KV next to the 13.4 GB of weights.
+LLAMA7B = dict(num_params=6.7e9, num_layers=32, hidden_size=4096, kv_bytes_per_token=2 * 32 * 4096 * 2)
+
+SETTINGS = {
+    "cpu": dict(trace=dict(max_prompt_len=256, max_output_len=256, output_scale=0.25),
+                engine=dict(max_bs=32, n_slots=32 * 512), rates=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0),
+                latency_limit_s=1.0),
+    "h100-roofline": dict(trace=dict(max_prompt_len=1024, max_output_len=1024, output_scale=1.0),
+                          engine=dict(max_bs=256, n_slots=120_000), rates=(2, 4, 8, 12, 16, 20, 24, 28, 32, 40),
+                          latency_limit_s=0.1),
+}
+
+
+def profile_for(name: str, cpu_profile: str) -> Profile:
+    if name == "cpu":
+        return Profile.load(cpu_profile)
+    return lesson.roofline_profile("llama-7b (H100 roofline, analytical)", **LLAMA7B)
+
+
+def run(name: str, num_requests: int, cpu_profile: str, seed: int = 0, rates=None) -> dict:
+    s = SETTINGS[name]
+    profile = profile_for(name, cpu_profile)
+    rates = rates or s["rates"]
+    t = time.perf_counter()
+
+    def trace(rate):
+        return make_trace(num_requests, rate_per_s=rate, seed=seed, **s["trace"])
+
+    sweep = lesson.rate_sweep(profile, trace, rates, **s["engine"])
+    offline = lesson.offline_table(profile, trace(1.0), **s["engine"])
+    limit = s["latency_limit_s"]
+    capacity = {setup: lesson.capacity_at(sweep, setup, "normalized_latency_s", limit) for setup in lesson.DEFAULT_SETUPS}
+    return {"clock": name, "profile": profile.model, "profile_meta": {k: v for k, v in profile.meta.items()
+                                                                      if k in ("command", "analytical", "assumptions")},
+            "num_requests": num_requests, "seed": seed, "trace": s["trace"], "engine": s["engine"],
+            "latency_limit_normalized_s": limit, "rate_sweep": sweep, "offline": offline, "capacity": capacity,
+            "sim_time_s": round(time.perf_counter() - t, 1)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--profile", default="data/profiles/smollm2-135m-cpu.json")
+    p.add_argument("--settings", default=",".join(SETTINGS))
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    result = {"command": "python " + " ".join(sys.argv), "environment": environment(), "claims": lesson.CLAIMS,
+              "settings": {}}
+    for name in args.settings.split(","):
+        r = run(name, args.num_requests, args.profile)
+        result["settings"][name] = r
+        print(f"== {name} ({r['profile']}; {r['num_requests']} requests; simulated in {r['sim_time_s']} s)")
+        for row in r["offline"]:
+            print(f"  offline {row['setup']:<13} {row['request_throughput_req_s']:8.3f} req/s "
+                  f"{row['output_throughput_tok_s']:9.1f} tok/s  mean batch {row['mean_batch_size']:.1f}")
+        print(f"  capacity at normalized latency <= {r['latency_limit_normalized_s']} s/token: {r['capacity']}")
+    write_json(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""The calibrated simulator (issue 6): step shapes, the fit, calibrate / simulate on the command
+line, Chrome trace export and the step-through widget."""
+
+import json
+
+import matplotlib
+import numpy as np
+import pytest
+
+from minibatch.__main__ import main, parse_acceptance_rate
+from minibatch.engine import Engine
+from minibatch.policies import make_engine
+from minibatch.request import Request, SamplingParams
+from minibatch.runner.model_runner import SimExecutor
+from minibatch.scheduler import PagedScheduler, StaticScheduler
+from minibatch.sim.clock import SimClock
+from minibatch.sim.cost_model import (LayoutModel, Profile, StepShape, fit_layout, hat_basis, shape_of_output,
+                                      shape_of_record)
+from minibatch.viz.chrome_trace import chrome_trace, write_chrome_trace
+from minibatch.workload import make_trace
+
+matplotlib.use("Agg")
+GREEDY = SamplingParams(ignore_eos=True)
+
+
+# ---------------------------------------------------------------------- step shapes
+class RecordingClock(SimClock):
+    """A SimClock that keeps the shape of every planned step (to compare with the record's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def end_step(self, out):
+        self.shapes.append(shape_of_output(out))
+        return super().end_step(out)
+
+
+@pytest.mark.parametrize("policy,kwargs", [
+    ("static", dict(max_bs=3)), ("orca", {}), ("paged", dict(block_size=4)),
+    ("chunked", dict(block_size=4, max_num_batched_tokens=16)), ("spec", dict(block_size=4)),
+])
+def test_shape_of_record_equals_shape_of_output(policy, kwargs):
+    """What the clock prices before the update is what the record shows after it."""
+    reqs = [Request(f"r{i}", list(range(3, 3 + p)), o, GREEDY, arrival_time_s=0.01 * i)
+            for i, (p, o) in enumerate([(5, 4), (30, 2), (9, 7), (2, 5), (17, 3)])]
+    clock = RecordingClock()
+    ex = SimExecutor(acceptance_rate=0.5) if policy == "spec" else SimExecutor()
+    engine = make_engine(policy, ex, clock, n_slots=256, **kwargs)
+    engine.generate(reqs)
+    padded = policy == "static"
+    assert [shape_of_record(r, padded) for r in engine.trace] == clock.shapes
+    if policy == "chunked":
+        assert any(s.logits < len(r.entries) for s, r in zip(clock.shapes, engine.trace))  # a chunk computes no logits
+    if policy == "spec":
+        assert any(s.logits > len(r.entries) for s, r in zip(clock.shapes, engine.trace))  # 1 + k logits per verify
+
+
+def test_shape_hand_computed():
+    """One prefill of 5 tokens (new 5, cached 0), a chunk of 4 after 8 cached (no logits), and two
+    decodes with 10 and 20 cached tokens: N = 11, logits 3, two attention calls over 5*5 + 4*12
+    pairs, decode attention 2 rows x 21 (the longer context, its new token included)."""
+    reqs = [Request("a", [3] * 5, 2, GREEDY), Request("b", [3] * 20, 2, GREEDY),
+            Request("c", [3] * 10, 2, GREEDY), Request("d", [3] * 20, 2, GREEDY)]
+    reqs[1].num_computed_tokens = 8
+    reqs[2].num_computed_tokens = 10
+    reqs[2].output_token_ids = [7]
+    reqs[3].num_computed_tokens = 20
+    reqs[3].output_token_ids = [7]
+    from minibatch.scheduler.base import ScheduledRequest, SchedulerOutput
+
+    out = SchedulerOutput(scheduled=[ScheduledRequest(reqs[0], 5, "prefill", 0), ScheduledRequest(reqs[1], 4, "prefill", 1),
+                                     ScheduledRequest(reqs[2], 1, "decode", 2), ScheduledRequest(reqs[3], 1, "decode", 3)])
+    assert shape_of_output(out) == StepShape(num_tokens=11, logits=3, prefill_rows=2, prefill_attention=25 + 48,
+                                             decode_attention=2 * 21)
+
+
+# ---------------------------------------------------------------------- the fit
+def test_hat_basis_interpolates_and_extrapolates():
+    knots = [1, 2, 4, 8]
+    values = np.array([10.0, 12.0, 13.0, 17.0])
+    B = hat_basis(np.array([1, 3, 8, 12]), knots)
+    assert np.allclose(B @ values, [10.0, 12.5, 17.0, 21.0])  # 12 extends the last segment (slope 1)
+    assert np.allclose(B.sum(axis=1), 1.0)
+
+
+def test_fit_recovers_a_known_model():
+    """Steps priced by a known piecewise-linear model are fit back within 2%."""
+    rng = np.random.default_rng(0)
+    truth = LayoutModel(knots=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512], coef_s={
+        "logits": 2e-4, "prefill_rows": 3e-3, "prefill_attention": 2e-6, "decode_attention": 1e-5},
+        curve_s=[0.05, 0.08, 0.085, 0.09, 0.1, 0.13, 0.18, 0.3, 0.55, 1.0])
+    shapes = []
+    for _ in range(400):
+        n_dec = int(rng.integers(0, 32))
+        ctx = int(rng.integers(1, 400))
+        chunk = int(rng.choice([0, 0, int(rng.integers(2, 300))]))
+        shapes.append(StepShape(num_tokens=max(1, n_dec + chunk), logits=max(1, n_dec + (chunk > 0)),
+                                prefill_rows=int(chunk > 0), prefill_attention=chunk * (chunk + ctx),
+                                decode_attention=n_dec * ctx))
+    times = truth.predict(shapes) * rng.normal(1.0, 0.01, len(shapes))
+    fit = fit_layout(shapes, times.tolist())
+    rel = np.abs(fit.predict(shapes) - times) / times
+    assert np.median(rel) < 0.02
+    assert fit.knots[0] == 1 and fit.knots[-1] >= 256
+    assert all(v >= 0 for v in fit.curve_s) and all(v >= 0 for v in fit.coef_s.values())
+
+
+def test_fit_errors():
+    with pytest.raises(ValueError, match="> 0 seconds"):
+        fit_layout([StepShape(1, 1)] * 20, [0.0] * 20)
+    with pytest.raises(ValueError, match="at least"):
+        fit_layout([StepShape(1, 1)], [0.1])
+
+
+def test_profile_round_trip(tmp_path):
+    m = LayoutModel(knots=[1, 2], curve_s=[0.01, 0.02], coef_s=dict.fromkeys(
+        ("logits", "prefill_rows", "prefill_attention", "decode_attention"), 0.0))
+    p = Profile("toy", {"packed": m}, draft=m, meta={"command": "x"})
+    q = Profile.load(p.save(tmp_path / "p" / "toy.json"))
+    assert q.layouts["packed"] == m and q.draft == m and q.meta["command"] == "x" and q.model == "toy"
+    shape = StepShape(num_tokens=2, logits=1)
+    assert q.predict([shape])[0] == pytest.approx(0.02)
+    assert q.predict([StepShape(num_tokens=2, logits=1, padded=True)])[0] == pytest.approx(0.02)  # packed stands in
+    assert q.forward_time_s(1, 1, 10) == pytest.approx(0.01)
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "nope"}))
+    with pytest.raises(ValueError, match="format"):
+        Profile.load(tmp_path / "bad.json")
+
+
+# ---------------------------------------------------------------------- calibrate and simulate
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory, one_thread):
+    path = tmp_path_factory.mktemp("profiles") / "tiny.json"
+    assert main(["calibrate", "--model", "tiny-random-llama", "--scale", "0.25", "--draft-model", "tiny-random-llama",
+                 "--out", str(path), "--no-progress"]) == 0
+    return path
+
+
+def test_calibrate_writes_a_profile_that_fits_its_samples(tiny_profile):
+    p = Profile.load(tiny_profile)
+    assert set(p.layouts) == {"packed", "padded"} and p.draft is not None
+    assert p.meta["command"].startswith("python -m minibatch calibrate")
+    samples = p.meta["samples"]
+    assert {s["scenario"].split("-")[0] for s in samples} >= {"decode", "long", "prefill", "chunked", "static"}
+    for layout in ("packed", "padded"):
+        rows = [s for s in samples if s["layout"] == layout]
+        shapes = [StepShape(**{k: s[k] for k in StepShape.__dataclass_fields__}) for s in rows]
+        pred = p.layouts[layout].predict(shapes)
+        total = np.sum([s["time_s"] for s in rows])
+        assert abs(pred.sum() - total) / total < 0.25  # a tiny model's steps are noisy (~1 ms)
+        assert p.meta["fit_error"][layout]["median"] < 0.5
+
+
+def test_simulate_cli_runs_thousands_of_requests(tiny_profile, tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--profile", str(tiny_profile), "--num-requests", "1000", "--rate", "200",
+                 "--policies", "static,paged,chunked", "--json", str(out), "--no-progress",
+                 "--trace-out", str(tmp_path / "traces")]) == 0
+    result = json.loads(out.read_text())
+    assert result["clock"] == "sim" and result["num_requests"] == 1000
+    for name, entry in result["policies"].items():
+        assert entry["num_requests"] == 1000 if "num_requests" in entry else True
+        assert entry["output_throughput_tok_s"] > 0
+        assert json.loads((tmp_path / "traces" / f"{name}.trace.json").read_text())["traceEvents"]
+    assert "paged" in capsys.readouterr().out
+
+
+def test_simulate_spec_needs_acceptance_rate(tiny_profile, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--profile", str(tiny_profile), "--policies", "spec", "--no-progress"])
+    with pytest.raises(SystemExit):
+        main(["simulate", "--profile", str(tiny_profile), "--policies", "hf_generate", "--no-progress"])
+    out = tmp_path / "s.json"
+    main(["simulate", "--profile", str(tiny_profile), "--policies", "paged,spec", "--acceptance-rate", "0.6,0.3",
+          "--num-requests", "20", "--json", str(out), "--no-progress"])
+    stats = json.loads(out.read_text())["policies"]["spec"]["spec_decoding"]
+    assert 0.4 < stats["acceptance_rate_per_pos"][0] < 0.8
+
+
+def test_parse_acceptance_rate():
+    assert parse_acceptance_rate("0.7") == 0.7
+    assert parse_acceptance_rate("0.6,0.3") == [0.6, 0.3]
+    assert parse_acceptance_rate(None) is None
+    for bad in ("x", "1.5", "0.5,-1"):
+        with pytest.raises(ValueError, match="--acceptance-rate"):
+            parse_acceptance_rate(bad)
+
+
+def test_compare_sim_clock_with_profile_is_the_simulator(tiny_profile, tmp_path):
+    """compare --clock sim --profile (real model, calibrated clock) and simulate (no model) give
+    the same timeline: the schedule does not depend on the tokens (ignore_eos)."""
+    common = ["--num-requests", "6", "--max-output-len", "10", "--max-prompt-len", "20", "--rate", "20",
+              "--policies", "orca,chunked", "--profile", str(tiny_profile), "--no-progress"]
+    main(["compare", "--model", "tiny-random-llama", "--clock", "sim", "--figures-dir", "", "--no-reference",
+          "--json", str(tmp_path / "c.json")] + common)
+    main(["simulate", "--json", str(tmp_path / "s.json")] + common)
+    c, s = (json.loads((tmp_path / f"{x}.json").read_text())["policies"] for x in "cs")
+    for policy in ("orca", "chunked"):
+        for key in ("duration_s", "ttft_p50_s", "output_throughput_tok_s"):
+            assert c[policy][key] == pytest.approx(s[policy][key])
+
+
+def test_sim_executor_per_position_acceptance_and_proposal_rate():
+    reqs = [Request(f"r{i}", [3] * 8, 200, GREEDY) for i in range(8)]
+    ex = SimExecutor(acceptance_rate=[0.8, 0.4, 0.1], seed=1, proposal_rate=0.5, draft_forwards=False)
+    engine = make_engine("spec", ex, SimClock(), n_slots=8 * 256, num_speculative_tokens=3)
+    engine.generate(reqs)
+    per_pos = ex.stats.acceptance_rate_per_pos
+    assert per_pos[0] == pytest.approx(0.8, abs=0.05) and per_pos[1] == pytest.approx(0.4, abs=0.05)
+    assert per_pos[2] == pytest.approx(0.1, abs=0.04)
+    decode = [e for r in engine.trace for e in r.entries if e.phase == "decode"]
+    assert sum(e.num_spec_tokens > 0 for e in decode) / len(decode) == pytest.approx(0.5, abs=0.05)
+    assert all(r.draft_time_s == 0 for r in engine.trace)  # no draft forwards charged
+    assert all(r.num_output_tokens == 200 for r in reqs)
+    with pytest.raises(ValueError, match="proposal_rate"):
+        SimExecutor(acceptance_rate=0.5, proposal_rate=2.0)
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        SimExecutor(acceptance_rate=[])
+
+
+# ---------------------------------------------------------------------- Chrome trace
+CHROME_PHASES = {"X", "i", "C", "M"}
+
+
+def assert_valid_chrome_trace(data: dict) -> None:
+    """The Trace Event Format's JSON object form, as Perfetto and chrome://tracing read it."""
+    assert isinstance(data["traceEvents"], list) and data["traceEvents"]
+    assert data.get("displayTimeUnit") in (None, "ms", "ns")
+    spans: dict = {}
+    for e in data["traceEvents"]:
+        assert e["ph"] in CHROME_PHASES, e
+        assert isinstance(e["name"], str) and isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        if e["ph"] == "M":
+            assert e["name"] in ("process_name", "thread_name", "process_sort_index", "thread_sort_index")
+            assert set(e["args"]) <= {"name", "sort_index"}
+            continue
+        assert isinstance(e["ts"], (int, float)) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+            spans.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+        if e["ph"] == "C":
+            assert e["args"] and all(isinstance(v, (int, float)) for v in e["args"].values())
+        if e["ph"] == "i":
+            assert e["s"] in ("g", "p", "t")
+    for track in spans.values():  # complete events on one track never overlap (they nest or follow)
+        track.sort()
+        assert all(a[1] <= b[0] + 1e-3 for a, b in zip(track, track[1:]))
+
+
+@pytest.mark.parametrize("policy", ["static", "chunked", "spec"])
+def test_chrome_trace_is_valid(tmp_path, policy):
+    reqs = make_trace(12, rate_per_s=20, max_prompt_len=64, max_output_len=16, output_scale=0.25, seed=5)
+    ex = SimExecutor(acceptance_rate=0.5) if policy == "spec" else SimExecutor()
+    kwargs = dict(max_bs=4, n_slots=320, block_size=8) if policy != "static" else dict(max_bs=4)
+    if policy == "chunked":
+        kwargs["max_num_batched_tokens"] = 32
+    engine = make_engine(policy, ex, SimClock(), **kwargs)
+    engine.generate(reqs)
+    path = write_chrome_trace(tmp_path / "t" / f"{policy}.json", engine.trace, reqs, policy)
+    data = json.loads(path.read_text())
+    assert_valid_chrome_trace(data)
+    names = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {r.request_id for r in reqs} <= names and "slot 0" in names
+    x = [e for e in data["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+    assert len(x) == sum(len(r.entries) for r in engine.trace)  # every batch row of every step
+    assert sum(e["name"] == "finished" for e in data["traceEvents"]) == len(reqs)
+    kinds = {e["cat"] for e in x}
+    assert {"static": "padding", "chunked": "chunk", "spec": "verify"}[policy] in kinds
+    assert chrome_trace(engine.trace)["traceEvents"]  # requests are optional
+
+
+# ---------------------------------------------------------------------- step-through widget
+def test_step_figure_and_widget():
+    from minibatch.viz.step_widget import num_blocks_of, step_figure, step_widget
+
+    reqs = [Request(f"r{i}", [3] * (5 + 7 * i), 4 + i, GREEDY) for i in range(5)]
+    engine = Engine(PagedScheduler(max_bs=3, num_blocks=12, block_size=4), SimExecutor())
+    engine.generate(reqs)
+    assert num_blocks_of(engine.trace) <= 12
+    fig = step_figure(engine.trace, 2, num_blocks=12)
+    assert len(fig.axes) == 3 and "KV blocks" in fig.axes[1].get_title()
+    assert fig.axes[0].patches  # bars of the batch composition
+    with pytest.raises(IndexError, match="step"):
+        step_figure(engine.trace, len(engine.trace))
+    static = Engine(StaticScheduler(batch_size=2), SimExecutor())
+    static.generate([r.copy() for r in reqs])
+    fig = step_figure(static.trace, 1)  # no block tables: the map is replaced by a note
+    assert "no paged KV cache" in fig.axes[1].texts[0].get_text()
+    w = step_widget(engine.trace, num_blocks=12)
+    assert w.slider.max == len(engine.trace) - 1
+    w.slider.value = 3  # redraws without error
+    with pytest.raises(ValueError, match="empty"):
+        step_widget([])
