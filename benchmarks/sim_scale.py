@@ -6,12 +6,14 @@ Two clocks, each stated in the output:
 
 * ``cpu``: the calibrated profile of smollm2-135m on this CPU (data/profiles/smollm2-135m-cpu.json,
   measured by ``python -m minibatch calibrate``); the CPU-sized trace (outputs x 0.25, prompts
-  <= 256 tokens, as the main job);
+  <= 256 tokens, as the main job); at most 32 requests per step, 8192 KV token slots;
 * ``h100-roofline``: an ANALYTICAL roofline of a 7B Llama-shaped model in bf16 on an H100
   (``lessons.benchmarks.roofline_profile``; not measured: a what-if for the shape of a GPU's
-  cost, where a decode step's time hardly grows with the batch); full ShareGPT lengths.
+  cost, where a decode step's time hardly grows with the batch); full ShareGPT lengths; at most
+  256 requests per step, 120k KV token slots (what an 80 GB H100 holds next to the weights).
 
-For each: a request-rate sweep (static batching bs 8/32/64 vs orca, paged, chunked), the offline
+For each: a request-rate sweep (static batching bs 8/32/64 vs orca with the trace's true output
+length reserved (its best case) and with the maximum reserved (as published), paged, chunked), the offline
 table (every request at t = 0: the seed's table), and the capacity at a latency bound (the
 Orca / vLLM "x times the throughput at the same latency" claims).
 """
@@ -33,10 +35,10 @@ LLAMA7B = dict(num_params=6.7e9, num_layers=32, hidden_size=4096, kv_bytes_per_t
 
 SETTINGS = {
     "cpu": dict(trace=dict(max_prompt_len=256, max_output_len=256, output_scale=0.25),
-                engine=dict(max_bs=32, n_slots=32 * 512), rates=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0),
+                engine=dict(max_bs=32, n_slots=8192), rates=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0),
                 latency_limit_s=1.0),
     "h100-roofline": dict(trace=dict(max_prompt_len=1024, max_output_len=1024, output_scale=1.0),
-                          engine=dict(max_bs=256, n_slots=120_000), rates=(2, 4, 8, 12, 16, 20, 24, 28, 32, 40),
+                          engine=dict(max_bs=256, n_slots=120_000), rates=(2, 5, 10, 15, 20, 30, 40),
                           latency_limit_s=0.1),
 }
 
@@ -56,10 +58,12 @@ def run(name: str, num_requests: int, cpu_profile: str, seed: int = 0, rates=Non
     def trace(rate):
         return make_trace(num_requests, rate_per_s=rate, seed=seed, **s["trace"])
 
-    sweep = lesson.rate_sweep(profile, trace, rates, **s["engine"])
-    offline = lesson.offline_table(profile, trace(1.0), **s["engine"])
+    # Orca as published reserves prompt + the server's max length per request ("Orca (Max)", vLLM §6.1)
+    setups = {**lesson.DEFAULT_SETUPS, "orca (max)": ("orca", dict(reserve_new_tokens=s["trace"]["max_output_len"]))}
+    sweep = lesson.rate_sweep(profile, trace, rates, setups, **s["engine"])
+    offline = lesson.offline_table(profile, trace(1.0), setups, **s["engine"])
     limit = s["latency_limit_s"]
-    capacity = {setup: lesson.capacity_at(sweep, setup, "normalized_latency_s", limit) for setup in lesson.DEFAULT_SETUPS}
+    capacity = {setup: lesson.capacity_at(sweep, setup, "normalized_latency_s", limit) for setup in setups}
     return {"clock": name, "profile": profile.model, "profile_meta": {k: v for k, v in profile.meta.items()
                                                                       if k in ("command", "analytical", "assumptions")},
             "num_requests": num_requests, "seed": seed, "trace": s["trace"], "engine": s["engine"],

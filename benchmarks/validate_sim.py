@@ -6,6 +6,10 @@
     python benchmarks/validate_sim.py --resimulate --measured data/cpu/sim_validation_measured.json \
         --json data/cpu/sim_validation.json          (a new profile, the same measured runs)
 
+--repeat OTHER.json (an earlier measurement of the same traces) adds the run-to-run difference of
+the measurements themselves: on a shared CPU the same step's time varies by several percent from
+run to run, and no simulator can be closer to one run than the runs are to each other.
+
 Each trace is a ShareGPT-length Poisson trace made with a seed the calibration never used
 (calibration: seed 1234 and synthetic batches). Every policy runs twice on it: measured (the real
 model, WallClock) and simulated (no model, the profile's clock); ``minibatch.sim.validate`` reports
@@ -24,7 +28,7 @@ from pathlib import Path
 from minibatch.compare import (CompareConfig, _warm_up, build_trace, environment, load_draft_runner, load_runner,
                                write_json)
 from minibatch.sim.cost_model import Profile
-from minibatch.sim.validate import measure_policy, simulate_measured
+from minibatch.sim.validate import compare_runs, measure_policy, simulate_measured
 
 # name -> CompareConfig overrides; the defaults are the main job's (32 requests, 4 req/s, seed 0)
 TRACES = {
@@ -47,6 +51,9 @@ def main(argv=None) -> int:
                    help="JSON of the measured runs (with every step): written after measuring, or read with --resimulate")
     p.add_argument("--resimulate", action="store_true",
                    help="no model: read --measured and simulate its traces again (e.g. with a new profile)")
+    p.add_argument("--repeat", default=None,
+                   help="another --measured file of the same traces (an earlier run): the report adds the "
+                        "run-to-run difference of the measurements, the noise floor of any simulator")
     p.add_argument("--json", default=None, help="the report: measured vs simulated, errors (no steps)")
     args = p.parse_args(argv)
     profile_path = args.profile or f"data/profiles/{args.model}-cpu.json"
@@ -70,6 +77,9 @@ def main(argv=None) -> int:
     result = {"command": "python " + " ".join(sys.argv), "measured_command": measured["command"],
               "environment": measured["environment"], "profile": profile_path,
               "profile_command": profile.meta.get("command"), "model": measured["model"], "traces": {}}
+    repeat = json.loads(Path(args.repeat).read_text()) if args.repeat else None
+    if repeat is not None:
+        result["repeat_command"] = repeat["command"]
     names = list(measured["traces"]) if args.resimulate else args.traces.split(",")
     for name in names:
         cfg = CompareConfig(model=measured["model"], check_reference=False, figures_dir=None, progress=False,
@@ -84,6 +94,9 @@ def main(argv=None) -> int:
                 measured_rows[-1]["run_time_s"] = round(time.perf_counter() - t, 1)
             m = next(r for r in measured_rows if r["policy"] == policy)
             row = {k: v for k, v in simulate_measured(m, cfg, requests, profile).items() if k != "steps"}
+            if repeat is not None:  # (earlier measurement - this one) / this one
+                other = next(r for r in repeat["traces"][name]["policies"] if r["policy"] == policy)
+                row["repeat_error"] = compare_runs(row["measured"], other["measured"])
             rows.append(row)
             e = row["error"]
             replay = "-" if row["replay_error"] is None else format(row["replay_error"], "+.1%")
@@ -96,11 +109,13 @@ def main(argv=None) -> int:
             if args.measured:  # after every trace: a crash later keeps what was measured
                 write_json(measured, args.measured)
         result["traces"][name] = {"config": TRACES[name], "num_requests": len(requests), "policies": rows}
-    errs = [abs(r["error"][m]) for t in result["traces"].values() for r in t["policies"]
-            for m in ("output_throughput_tok_s", "ttft_p50_s")]
-    result["max_abs_error"] = max(errs)
-    result["mean_abs_error"] = sum(errs) / len(errs)
-    print(f"|error| of output throughput and TTFT p50: mean {result['mean_abs_error']:.1%}, max {result['max_abs_error']:.1%}")
+    for key, what in (("error", "simulated vs measured"), ("repeat_error", "measured vs measured again")):
+        errs = [abs(r[key][m]) for t in result["traces"].values() for r in t["policies"] if key in r
+                for m in ("output_throughput_tok_s", "ttft_p50_s")]
+        if errs:
+            result[f"mean_abs_{key}"], result[f"max_abs_{key}"] = sum(errs) / len(errs), max(errs)
+            print(f"|{what}| of output throughput and TTFT p50: mean {result[f'mean_abs_{key}']:.1%}, "
+                  f"max {result[f'max_abs_{key}']:.1%}")
     write_json(result, args.json)
     return 0
 

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--draft-model", default=None, help="also calibrate this draft model (spec policies in simulation)")
     k.add_argument("--scale", type=float, default=1.0, help="shrink the calibration workloads, in (0, 1]")
     k.add_argument("--out", default=None, help="profile JSON (default data/profiles/<model>-<device>.json)")
+    k.add_argument("--draft-only", default=None, metavar="PROFILE",
+                   help="measure only --draft-model and add it to this profile (writes --out or PROFILE)")
     k.add_argument("--refit", default=None, metavar="PROFILE",
                    help="no measuring: fit this profile's stored samples again with the current code (writes --out or PROFILE)")
     k.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -162,6 +164,17 @@ def main(argv: list[str] | None = None) -> int:
         from minibatch.sim.calibrate import calibrate, print_profile, refit
         from minibatch.sim.cost_model import Profile
 
+        if args.draft_only:
+            from minibatch.sim.calibrate import calibrate_draft
+
+            if not args.draft_model:
+                parser.error("--draft-only needs --draft-model")
+            profile = calibrate_draft(Profile.load(args.draft_only), args.draft_model, args.device, args.threads,
+                                      args.scale, progress=not args.no_progress)
+            profile.meta["draft_command"] = " ".join(["python -m minibatch"] + (argv if argv is not None else sys.argv[1:]))
+            print_profile(profile)
+            print(f"wrote {profile.save(args.out or args.draft_only)} (draft {args.draft_model} added)")
+            return 0
         if args.refit:
             profile = refit(Profile.load(args.refit))
             print_profile(profile)

@@ -292,3 +292,27 @@ def test_step_figure_and_widget():
     w.slider.value = 3  # redraws without error
     with pytest.raises(ValueError, match="empty"):
         step_widget([])
+
+
+def test_validate_policy_measures_and_simulates(tiny_profile):
+    """minibatch.sim.validate on a tiny model: a measured run and its simulation, the replay of
+    the measured steps, and for n-gram speculation the measured proposal and acceptance rates."""
+    from minibatch.compare import CompareConfig, build_trace
+    from minibatch.models import load_model
+    from minibatch.runner import ModelRunner
+    from minibatch.sim.validate import METRICS, validate_policy
+
+    model, tok = load_model("tiny-random-llama")
+    cfg = CompareConfig(model="tiny-random-llama", num_requests=6, rate=50.0, max_prompt_len=24, max_output_len=12,
+                        check_reference=False, figures_dir=None, progress=False)
+    requests = build_trace(cfg, None, model.config.vocab_size)
+    profile = Profile.load(tiny_profile)
+    for policy in ("chunked", "spec_ngram"):
+        row = validate_policy(policy, cfg, ModelRunner(model, tok), requests, profile)
+        assert set(row["error"]) == set(METRICS)
+        assert row["measured"]["num_steps"] == len(row["steps"]) > 0
+        assert all(len(s) == 6 and s[-1] > 0 for s in row["steps"])
+        if policy == "chunked":
+            assert np.isfinite(row["replay_error"])
+        else:
+            assert row["replay_error"] is None and 0 <= row["proposal_rate"] <= 1

@@ -59,7 +59,8 @@ def run_sim(profile: Profile, policy: str, requests: list[Request], *, max_bs: i
     return reqs, engine
 
 
-def _row(name: str, rate: float | None, reqs: list[Request], engine) -> dict:
+def summary_row(name: str, rate: float | None, reqs: list[Request], engine) -> dict:
+    """One row of a sweep or table: the setup, the rate (requests/s) and the run's metrics."""
     s = summarize(reqs, engine.trace)
     e2e_per_token = [(r.finish_time_s - r.arrival_time_s) / r.num_output_tokens for r in reqs]
     return {"setup": name, "rate": rate, "num_requests": s.num_requests,
@@ -80,7 +81,7 @@ def rate_sweep(profile: Profile, trace_fn, rates, setups: dict | None = None, **
         requests = trace_fn(rate)
         for name, (policy, kwargs) in (setups or DEFAULT_SETUPS).items():
             reqs, engine = run_sim(profile, policy, requests, **{**engine_kwargs, **kwargs})
-            rows.append(_row(name, rate, reqs, engine))
+            rows.append(summary_row(name, rate, reqs, engine))
     return rows
 
 
@@ -90,7 +91,7 @@ def offline_table(profile: Profile, requests: list[Request], setups: dict | None
     rows = []
     for name, (policy, kwargs) in (setups or DEFAULT_SETUPS).items():
         reqs, engine = run_sim(profile, policy, at_zero, **{**engine_kwargs, **kwargs})
-        rows.append(_row(name, None, reqs, engine))
+        rows.append(summary_row(name, None, reqs, engine))
     return rows
 
 
@@ -113,7 +114,7 @@ def plot_rate_sweep(rows: list[dict], y: str = "e2e_p99_s", ax=None, title: str 
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 4), layout="constrained")
-    styles = {"static bs=8": ":", "static bs=32": "--", "static bs=64": "-."}
+    styles = {"static bs=8": ":", "static bs=32": "--", "static bs=64": "-.", "orca (max)": "--"}
     for name in dict.fromkeys(r["setup"] for r in rows):
         pts = sorted((r for r in rows if r["setup"] == name), key=lambda r: r["rate"])
         color = POLICY_COLORS.get(name.split()[0], None)
@@ -193,16 +194,20 @@ def plot_cost_model(profile: Profile, axes=None):
 
 
 def print_validation(report: dict) -> None:
-    """The validation report (benchmarks/validate_sim.py's JSON) as a table."""
-    print(f"{'trace':<26}{'policy':<15}{'out tok/s':>10}{'sim':>8}{'error':>8}{'TTFT p50 s':>12}{'sim':>8}"
-          f"{'error':>8}{'replay':>8}")
+    """The validation report (benchmarks/validate_sim.py's JSON) as a table: measured, simulated
+    and the error for output throughput and TTFT p50; "rerun" is the difference of an earlier
+    measurement of the same run (the noise floor), "replay" the cost model alone."""
+    print(f"{'trace':<26}{'policy':<14}{'out tok/s':>10}{'sim':>7}{'error':>8}{'rerun':>7}{'TTFT p50 s':>11}{'sim':>7}"
+          f"{'error':>8}{'rerun':>7}{'replay':>8}")
     for name, t in report["traces"].items():
         for r in t["policies"]:
             m, s, e = r["measured"], r["simulated"], r["error"]
-            replay = "-" if r["replay_error"] is None else f"{r['replay_error']:+.1%}"
-            print(f"{name:<26}{r['policy']:<15}{m['output_throughput_tok_s']:>10.2f}{s['output_throughput_tok_s']:>8.2f}"
-                  f"{e['output_throughput_tok_s']:>+8.1%}{m['ttft_p50_s']:>12.3f}{s['ttft_p50_s']:>8.3f}"
-                  f"{e['ttft_p50_s']:>+8.1%}{replay:>8}")
+            rep = r.get("repeat_error") or {}
+            fmt = lambda x: "-" if x is None else f"{x:+.0%}"  # noqa: E731
+            print(f"{name:<26}{r['policy']:<14}{m['output_throughput_tok_s']:>10.2f}{s['output_throughput_tok_s']:>7.2f}"
+                  f"{e['output_throughput_tok_s']:>+8.1%}{fmt(rep.get('output_throughput_tok_s')):>7}"
+                  f"{m['ttft_p50_s']:>11.3f}{s['ttft_p50_s']:>7.3f}{e['ttft_p50_s']:>+8.1%}"
+                  f"{fmt(rep.get('ttft_p50_s')):>7}{fmt(r['replay_error']):>8}")
 
 
 def plot_validation(report: dict, ax=None):

@@ -188,13 +188,16 @@ class SimExecutor:
         drafting costs no forward.
     proposal_rate: the probability that a row given draft slots gets drafts at all (n-gram
         lookup finds no match for some; such a row decodes 1 token, as SpeculativeRunner does).
+    draft_catch_up: the first draft forward of a step carries every token the draft has not
+        seen yet (a request's whole prompt the first time, then its last token and the bonus
+        token), as DraftModelProposer does; False: one token per row (the older, simpler model).
     """
 
     eos_token_ids: tuple[int, ...] = ()
 
     def __init__(self, max_model_len: int = 1 << 20, vocab_size: int = 32000,
                  acceptance_rate: float | list[float] | None = None, seed: int = 0, draft_forwards: bool = True,
-                 proposal_rate: float = 1.0):
+                 proposal_rate: float = 1.0, draft_catch_up: bool = False):
         import random
 
         from minibatch.spec.speculator import SpecDecodingStats
@@ -209,6 +212,8 @@ class SimExecutor:
         if not 0.0 <= proposal_rate <= 1.0:
             raise ValueError(f"proposal_rate must be in [0, 1], got {proposal_rate}")
         self.proposal_rate = proposal_rate
+        self.draft_catch_up = draft_catch_up
+        self._draft_seen: dict[str, int] = {}  # request_id -> tokens in the draft's KV cache
         # conditional probability of accepting position i given position i-1 was accepted
         self._accept_p = None if rates is None else [
             a / prev if prev > 0 else 0.0 for a, prev in zip(rates, [1.0] + list(rates[:-1]))]
@@ -231,7 +236,13 @@ class SimExecutor:
             specs = [s for s, f in zip(specs, found) if f]
         for j in range(max((s.num_spec_tokens for s in specs), default=0) if self.draft_forwards else 0):
             rows = [s for s in specs if s.num_spec_tokens > j]  # draft forward j: one token per request
-            out.draft_forwards.append((len(rows), len(rows), sum(s.request.num_tokens + j for s in rows)))
+            tokens = len(rows)
+            if j == 0 and self.draft_catch_up:  # unseen tokens; drafts rejected last step are not kept
+                tokens = sum(s.request.num_tokens - min(self._draft_seen.get(s.request_id, 0), s.request.num_computed_tokens)
+                             for s in rows)
+            out.draft_forwards.append((len(rows), tokens, sum(s.request.num_tokens + j for s in rows)))
+        for s in specs:
+            self._draft_seen[s.request_id] = s.request.num_tokens + s.num_spec_tokens - 1
         drafting = {id(s) for s in specs}
         for s in out.scheduled:
             r = s.request
@@ -250,4 +261,5 @@ class SimExecutor:
         pass
 
     def free(self, request_ids: list[str]) -> None:
-        pass
+        for rid in request_ids:
+            self._draft_seen.pop(rid, None)

@@ -67,7 +67,7 @@ def scenarios(vocab_size: int, scale: float = 1.0, seed: int = 1234) -> list[Sce
         out.append(Scenario(f"long-b{b}", "paged", _requests(f"l{b}", [(s(320), 6)] * b, rng, vocab_size), big))
     for b in sorted({s(b) for b in (4, 16, 32)}):  # many short multi-token rows in one step
         out.append(Scenario(f"short-rows-b{b}", "paged", _requests(f"r{b}", [(5, 3)] * b, rng, vocab_size), big))
-    for b, p in sorted({(s(b), s(p)) for b, p in ((1, 24), (4, 24), (16, 24), (4, 256))}):
+    for b, p in sorted({(s(b), s(p)) for b, p in ((1, 24), (4, 24), (16, 24), (32, 24), (4, 256), (16, 128))}):
         # speculative verify steps (1 + k tokens per row): n-gram lookup on a repeating prompt always finds drafts
         pattern = rng.integers(3, vocab_size, size=8).tolist()
         reqs = [Request(f"v{b}-{p}-{i:03d}", (pattern * (p // 8 + 1))[:p], 12, GREEDY) for i in range(b)]
@@ -113,6 +113,66 @@ def measure(runner, scenario_list: list[Scenario], progress: bool = True) -> lis
     return samples
 
 
+def draft_scenarios(vocab_size: int, scale: float = 1.0, seed: int = 4321) -> list[Scenario]:
+    """Speculative decoding with a draft model (k = 4) at batch 1..32, short and long prompts:
+    the draft's forwards (its prompt catch-up included) are what these measure."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for b, p in ((1, 24), (4, 24), (16, 24), (32, 24), (1, 300), (8, 200)):
+        b, p = max(1, round(b * scale)), max(2, round(p * scale))
+        out.append(Scenario(f"draft-b{b}-p{p}", "spec", _requests(f"dr{b}-{p}", [(p, 16)] * b, rng, vocab_size),
+                            dict(max_bs=128, n_slots=1 << 16, num_speculative_tokens=4)))
+    return out
+
+
+class _DraftRecorder:
+    """Wraps a SpeculativeRunner: after each step, keeps the draft forwards' shapes and the time
+    they took (``out.draft_forwards``, ``out.draft_time_s``: perf_counter around the proposer)."""
+
+    def __init__(self, runner):
+        self.runner, self.steps = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def execute(self, out):
+        sampled = self.runner.execute(out)
+        if out.draft_forwards:
+            self.steps.append({"forwards": [list(f) for f in out.draft_forwards], "time_s": out.draft_time_s})
+        return sampled
+
+
+def measure_draft(runner, draft_runner, scenario_list: list[Scenario], progress: bool = True) -> list[dict]:
+    """Run speculative scenarios; one sample per step that drafted: {"scenario", "forwards":
+    [[rows, tokens, context], ...], "time_s"} (the draft's share of the step)."""
+    from tqdm.auto import tqdm
+
+    from minibatch.policies import make_engine
+    from minibatch.sim.clock import WallClock
+
+    samples = []
+    for sc in tqdm(scenario_list, desc="calibrate draft", disable=not progress, leave=False):
+        engine = make_engine(sc.policy, runner, WallClock(runner.device), draft_runner=draft_runner, **sc.kwargs)
+        engine.executor = recorder = _DraftRecorder(engine.executor)
+        engine.generate([r.copy() for r in sc.requests])
+        samples += [{"scenario": sc.name, **x} for x in recorder.steps]
+    return samples
+
+
+def fit_draft(samples: list[dict]):
+    """The draft's LayoutModel from :func:`measure_draft` samples: each draft forward is a step
+    of the draft model (``Profile.forward_time_s``'s shape); a sample's forwards add up to its
+    time. Returns (model, relative errors)."""
+    from minibatch.sim.cost_model import StepShape
+
+    groups = [[StepShape(num_tokens=t, logits=r, decode_attention=c) for r, t, c in x["forwards"]] for x in samples]
+    times = [x["time_s"] for x in samples]
+    per_scenario = Counter(x["scenario"] for x in samples)
+    model = fit_layout(groups, times, weights=[1 / per_scenario[x["scenario"]] for x in samples])
+    pred = [sum(model.predict(g)) for g in groups]
+    return model, relative_errors(pred, times)
+
+
 def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Profile:
     """A Profile fit on ``samples`` (from :func:`measure`), one model per layout present; the fit
     errors (relative, per layout) and the samples go into ``meta``."""
@@ -156,14 +216,10 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
         from minibatch.compare import load_draft_runner
 
         draft_runner = load_draft_runner(draft_model, model_name, model, tokenizer, device)
-        _warm_up(draft_runner)
-        draft_samples = measure(draft_runner, [sc for sc in scenarios(model.config.vocab_size, scale)
-                                               if sc.name.startswith("decode")], progress)
-        decode = [x for x in draft_samples if x["prefill_rows"] == 0]
-        draft_fit = fit_profile(draft_model, decode)
-        profile.draft = draft_fit.layouts["packed"]
-        profile.meta.update(draft_model=draft_model, draft_fit_error=draft_fit.meta["fit_error"]["packed"],
-                            draft_samples=decode)
+        _warm_up(runner, draft_runner)
+        draft_samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale), progress)
+        profile.draft, err = fit_draft(draft_samples)
+        profile.meta.update(draft_model=draft_model, draft_fit_error=err, draft_samples=draft_samples)
     profile.meta["calibration_time_s"] = round(time.perf_counter() - t0, 1)
     return profile
 
@@ -187,7 +243,19 @@ def refit(profile: Profile) -> Profile:
     meta = {k: v for k, v in profile.meta.items() if k not in ("fit_error", "samples")}
     new = fit_profile(profile.model, profile.meta["samples"], meta)
     if profile.meta.get("draft_samples"):
-        draft_fit = fit_profile(profile.meta.get("draft_model", "draft"), profile.meta["draft_samples"])
-        new.draft = draft_fit.layouts["packed"]
-        new.meta["draft_fit_error"] = draft_fit.meta["fit_error"]["packed"]
+        new.draft, new.meta["draft_fit_error"] = fit_draft(profile.meta["draft_samples"])
     return new
+
+
+def calibrate_draft(profile: Profile, draft_model: str, device: str = "cpu", threads: int | None = None,
+                    scale: float = 1.0, progress: bool = True) -> Profile:
+    """Add (or replace) ``profile``'s draft model: measure only the draft's scenarios."""
+    from minibatch.compare import _warm_up, load_draft_runner, load_runner
+
+    model, tokenizer, runner, _ = load_runner(profile.model, device, threads=threads)
+    draft_runner = load_draft_runner(draft_model, profile.model, model, tokenizer, device)
+    _warm_up(runner, draft_runner)
+    samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale), progress)
+    profile.draft, err = fit_draft(samples)
+    profile.meta.update(draft_model=draft_model, draft_fit_error=err, draft_samples=samples)
+    return profile

@@ -142,9 +142,12 @@ class LayoutModel:
         return hat_basis(n, self.knots) @ np.array(self.curve_s) + X @ np.array([self.coef_s[f] for f in FEATURES])
 
 
-def fit_layout(shapes: list[StepShape], times_s: list[float], smoothing: float = 0.3,
+def fit_layout(shapes: list, times_s: list[float], smoothing: float = 0.3,
                weights: list[float] | None = None, knee: int = 16) -> LayoutModel:
     """Non-negative least squares on relative error (scipy.optimize.nnls).
+
+    shapes: one StepShape per measured time, or a list of StepShapes whose times add up to it
+    (a speculative step's several draft forwards, timed together).
 
     The curve has two parts. Up to ``knee`` tokens it is free (its values at 1, 2, 4, .. knee,
     each >= 0, with a light smoothness penalty): the small-batch region, where a CPU jumps from a
@@ -166,8 +169,9 @@ def fit_layout(shapes: list[StepShape], times_s: list[float], smoothing: float =
     t = np.asarray(times_s, dtype=float)
     if (t <= 0).any():
         raise ValueError("step times must be > 0 seconds")
-    n = np.array([s.num_tokens for s in shapes], dtype=float)
-    top = next(k for k in KNOTS if k >= n.max()) if n.max() <= KNOTS[-1] else KNOTS[-1]
+    groups = [s if isinstance(s, (list, tuple)) else [s] for s in shapes]
+    n_max = max(x.num_tokens for g in groups for x in g)
+    top = next(k for k in KNOTS if k >= n_max) if n_max <= KNOTS[-1] else KNOTS[-1]
     knots = [k for k in KNOTS if k <= max(top, 2)]
     small = [k for k in knots if k <= knee] or knots[:2]
     hinges = [k for k in knots if k >= small[-1] and k < knots[-1]]
@@ -176,7 +180,11 @@ def fit_layout(shapes: list[StepShape], times_s: list[float], smoothing: float =
         return np.hstack([hat_basis(np.minimum(x, small[-1]), small),  # flat beyond the knee ...
                           np.maximum(np.asarray(x, float)[:, None] - np.array(hinges, float), 0.0)])  # ... plus hinges
 
-    X = np.hstack([curve_basis(n), np.array([s.features() for s in shapes]).reshape(len(shapes), len(FEATURES))])
+    def design(g):
+        n = np.array([x.num_tokens for x in g], dtype=float)
+        return np.hstack([curve_basis(n), np.array([x.features() for x in g]).reshape(len(g), len(FEATURES))]).sum(0)
+
+    X = np.array([design(g) for g in groups])
     if len(t) < X.shape[1]:
         raise ValueError(f"need at least {X.shape[1]} measured steps to fit, got {len(t)}")
     w = np.sqrt(np.asarray(weights, dtype=float) / np.mean(weights)) if weights is not None else np.ones_like(t)

@@ -29,7 +29,8 @@ def sim_executor(policy: str, acceptance_rate=None, seed: int = 0, proposal_rate
     if policy in SPEC_POLICIES and acceptance_rate is None:
         raise ValueError(f"policy {policy!r} in simulation needs an acceptance rate (--acceptance-rate)")
     return SimExecutor(acceptance_rate=acceptance_rate if policy in SPEC_POLICIES else None, seed=seed,
-                       draft_forwards=policy == "spec", proposal_rate=proposal_rate if policy == "spec_ngram" else 1.0)
+                       draft_forwards=policy == "spec", proposal_rate=proposal_rate if policy == "spec_ngram" else 1.0,
+                       draft_catch_up=True)
 
 
 def simulate_policy(policy: str, cfg, profile: Profile, requests: list[Request], acceptance_rate=None,
