@@ -242,7 +242,7 @@ def run_policy(policy: str, cfg: CompareConfig, runner, model, requests: list[Re
     reqs = [r.copy() for r in requests]
     if policy in ENGINE_POLICIES:
         engine = make_engine(
-            policy, runner, clock or make_compare_clock(cfg, runner.device if hasattr(runner, "device") else "cpu"),
+            policy, runner, clock or make_compare_clock(cfg, getattr(runner, "device", "cpu")),
             max_bs=cfg.batch_size if policy == "static" else cfg.max_bs,
             n_slots=kv_slots(cfg, reqs), max_wait_s=cfg.max_wait_s,
             block_size=cfg.block_size if policy in PAGED_POLICIES else None,

@@ -145,7 +145,7 @@ def test_calibrate_writes_a_profile_that_fits_its_samples(tiny_profile):
     assert {s["scenario"].split("-")[0] for s in samples} >= {"decode", "long", "prefill", "chunked", "static"}
     for layout in ("packed", "padded"):
         rows = [s for s in samples if s["layout"] == layout]
-        shapes = [StepShape(**{k: s[k] for k in StepShape.__dataclass_fields__}) for s in rows]
+        shapes = [StepShape.from_sample(s) for s in rows]
         pred = p.layouts[layout].predict(shapes)
         total = np.sum([s["time_s"] for s in rows])
         assert abs(pred.sum() - total) / total < 0.25  # a tiny model's steps are noisy (~1 ms)

@@ -158,7 +158,7 @@ def profile_samples(profile: Profile, layout: str = "packed") -> tuple[list[dict
     from minibatch.sim.cost_model import StepShape
 
     rows = [s for s in profile.meta.get("samples", []) if s["layout"] == layout]
-    shapes = [StepShape(**{k: s[k] for k in StepShape.__dataclass_fields__}) for s in rows]
+    shapes = [StepShape.from_sample(s) for s in rows]
     return rows, profile.predict(shapes) if rows else np.zeros(0)
 
 

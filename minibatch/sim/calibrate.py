@@ -159,6 +159,12 @@ def measure_draft(runner, draft_runner, scenario_list: list[Scenario], progress:
     return samples
 
 
+def scenario_weights(samples: list[dict]) -> list[float]:
+    """1 / (samples of the same scenario): every workload weighs the same in the fit."""
+    count = Counter(x["scenario"] for x in samples)
+    return [1 / count[x["scenario"]] for x in samples]
+
+
 def fit_draft(samples: list[dict]):
     """The draft's LayoutModel from :func:`measure_draft` samples: each draft forward is a step
     of the draft model (``Profile.forward_time_s``'s shape); a sample's forwards add up to its
@@ -167,8 +173,7 @@ def fit_draft(samples: list[dict]):
 
     groups = [[StepShape(num_tokens=t, logits=r, decode_attention=c) for r, t, c in x["forwards"]] for x in samples]
     times = [x["time_s"] for x in samples]
-    per_scenario = Counter(x["scenario"] for x in samples)
-    model = fit_layout(groups, times, weights=[1 / per_scenario[x["scenario"]] for x in samples])
+    model = fit_layout(groups, times, weights=scenario_weights(samples))
     pred = [sum(model.predict(g)) for g in groups]
     return model, relative_errors(pred, times)
 
@@ -183,10 +188,9 @@ def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Pr
         rows = [x for x in samples if x["layout"] == layout]
         if not rows:
             continue
-        shapes = [StepShape(**{k: x[k] for k in StepShape.__dataclass_fields__}) for x in rows]
+        shapes = [StepShape.from_sample(x) for x in rows]
         times = [x["time_s"] for x in rows]
-        per_scenario = Counter(x["scenario"] for x in rows)  # every workload weighs the same in the fit
-        layouts[layout] = fit_layout(shapes, times, weights=[1 / per_scenario[x["scenario"]] for x in rows])
+        layouts[layout] = fit_layout(shapes, times, weights=scenario_weights(rows))
         errors[layout] = relative_errors(layouts[layout].predict(shapes), times)
     return Profile(model=model, layouts=layouts, meta={**(meta or {}), "fit_error": errors, "samples": samples})
 

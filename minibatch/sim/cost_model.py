@@ -58,6 +58,11 @@ class StepShape:
     def features(self) -> list[float]:
         return [float(getattr(self, f)) for f in FEATURES]
 
+    @classmethod
+    def from_sample(cls, sample: dict) -> "StepShape":
+        """The shape stored in a calibration sample (a dict with the fields and more)."""
+        return cls(**{k: sample[k] for k in cls.__dataclass_fields__})
+
 
 def shape_from_rows(rows: Iterable[tuple[int, int, int]], num_padding_tokens: int = 0, padded: bool = False) -> StepShape:
     """A step's shape from its rows.
