@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         if not args.measured:
             p.error("--resimulate needs --measured")
         measured = json.loads(Path(args.measured).read_text())
-        tokenizer, vocab_size = None, 49152
+        tokenizer, vocab_size = None, profile.meta["vocab_size"]
     else:
         measured = {"command": "python " + " ".join(sys.argv), "environment": environment(), "model": args.model,
                     "max_num_batched_tokens": args.max_num_batched_tokens, "traces": {}}

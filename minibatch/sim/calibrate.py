@@ -214,7 +214,8 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
     model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads)
     _warm_up(runner)
     samples = measure(runner, scenarios(model.config.vocab_size, scale), progress)
-    meta = {"command": command, "environment": environment(), "device": str(device), "scale": scale}
+    meta = {"command": command, "environment": environment(), "device": str(device), "scale": scale,
+            "vocab_size": model.config.vocab_size}  # simulate draws its made-up prompt ids below it
     profile = fit_profile(model_name, samples, meta)
     if draft_model:
         from minibatch.compare import load_draft_runner
