@@ -20,13 +20,12 @@ Use the same --threads as the calibration: the profile is only valid for the set
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 from minibatch.compare import (CompareConfig, _warm_up, build_trace, environment, load_draft_runner, load_runner,
                                write_json)
+from minibatch.files import read_json
 from minibatch.sim.cost_model import Profile
 from minibatch.sim.validate import compare_runs, measure_policy, simulate_measured
 
@@ -61,8 +60,8 @@ def main(argv=None) -> int:
     if args.resimulate:
         if not args.measured:
             p.error("--resimulate needs --measured")
-        measured = json.loads(Path(args.measured).read_text())
-        tokenizer, vocab_size = None, profile.meta["vocab_size"]
+        measured = read_json(args.measured, "measurement")
+        tokenizer, vocab_size = None, profile.vocab_size
     else:
         measured = {"command": "python " + " ".join(sys.argv), "environment": environment(), "model": args.model,
                     "max_num_batched_tokens": args.max_num_batched_tokens, "traces": {}}
@@ -77,7 +76,7 @@ def main(argv=None) -> int:
     result = {"command": "python " + " ".join(sys.argv), "measured_command": measured["command"],
               "environment": measured["environment"], "profile": profile_path,
               "profile_command": profile.meta.get("command"), "model": measured["model"], "traces": {}}
-    repeat = json.loads(Path(args.repeat).read_text()) if args.repeat else None
+    repeat = read_json(args.repeat, "measurement") if args.repeat else None
     if repeat is not None:
         result["repeat_command"] = repeat["command"]
     names = list(measured["traces"]) if args.resimulate else args.traces.split(",")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
+import reprlib
 from pathlib import Path
 
 import numpy as np
@@ -322,50 +324,146 @@ def make_trace(num_requests: int, *, arrival: str = "poisson", rate_per_s: float
 
 
 def save_trace(requests: list[Request], path: str | Path) -> None:
-    """Write the requests' inputs (not engine state) as JSON, format "minibatch-trace-v1".
+    """Write the requests' inputs (not engine state) as JSON, format "minibatch-trace-v1",
+    atomically (:func:`minibatch.files.atomic_write_text`: a failed write keeps the old file).
 
     One request per line: request_id, prompt_token_ids, max_new_tokens, sampling (the
     SamplingParams fields), arrival_time_s (s), prompt_text (or null), priority (int).
-    """
-    rows = [json.dumps({"request_id": r.request_id, "prompt_token_ids": r.prompt_token_ids,
-                        "max_new_tokens": r.max_new_tokens,
-                        "sampling": dataclasses.asdict(r.sampling),
-                        "arrival_time_s": r.arrival_time_s, "prompt_text": r.prompt_text,
-                        "priority": r.priority},
-                       separators=(",", ":")) for r in requests]
-    body = ",\n".join(rows)
-    text = f'{{"format": "{TRACE_FORMAT}", "requests": [\n{body}\n]}}\n'
-    Path(path).write_text(text, encoding="utf-8")
-
-
-def load_trace(path: str | Path) -> list[Request]:
-    """Read a trace written by :func:`save_trace` into fresh Requests.
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: not JSON, wrong/missing "format" key, or a request missing a field or with
-            a bad value (the message names the file, the request index and the field).
+        ValueError: no requests, or a non-finite number (e.g. arrival_time_s = inf) that JSON
+            cannot hold and :func:`load_trace` would refuse (names the request).
+        OSError: the file cannot be written (the old file is kept).
     """
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a JSON trace file ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != TRACE_FORMAT:
-        got = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{path}: format must be {TRACE_FORMAT!r}, got {got!r}")
-    if not isinstance(data.get("requests"), list):
-        raise ValueError(f"{path}: 'requests' must be a list")
-    out = []
-    for i, row in enumerate(data["requests"]):
+    from minibatch.files import atomic_write_text
+
+    if not requests:
+        raise ValueError("requests must hold >= 1 request (load_trace refuses an empty trace)")
+    rows = []
+    for r in requests:
+        row = {"request_id": r.request_id, "prompt_token_ids": r.prompt_token_ids,
+               "max_new_tokens": r.max_new_tokens, "sampling": dataclasses.asdict(r.sampling),
+               "arrival_time_s": r.arrival_time_s, "prompt_text": r.prompt_text, "priority": r.priority}
         try:
-            out.append(Request(row["request_id"], row["prompt_token_ids"],
-                               max_new_tokens=row["max_new_tokens"],
+            rows.append(json.dumps(row, separators=(",", ":"), allow_nan=False))
+        except ValueError:
+            raise ValueError(f"request {r.request_id!r}: a value is not a finite number "
+                             f"(arrival_time_s = {r.arrival_time_s}, sampling = {r.sampling}); JSON cannot hold it") from None
+    body = ",\n".join(rows)
+    atomic_write_text(path, f'{{"format": "{TRACE_FORMAT}", "requests": [\n{body}\n]}}\n')
+
+
+# The keys of a trace file; "sampling" holds SamplingParams fields.
+TRACE_KEYS = ("format", "requests")
+TRACE_REQUEST_KEYS = ("request_id", "prompt_token_ids", "max_new_tokens", "sampling", "arrival_time_s",
+                      "prompt_text", "priority")
+TRACE_REQUIRED_KEYS = ("request_id", "prompt_token_ids", "max_new_tokens")
+
+
+def _is_int(x) -> bool:
+    """A JSON integer: int, not bool (True is an int to Python, not a token id)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_trace_request(row, vocab_size: int | None) -> None:
+    """Types and ranges a trace row must have (JSON-level: what Request cannot see or would
+    coerce). Raises ValueError naming the field and the allowed values."""
+    if not isinstance(row, dict):
+        raise ValueError(f"must be an object with keys {', '.join(TRACE_REQUEST_KEYS)}; got {type(row).__name__}")
+    unknown = [k for k in row if k not in TRACE_REQUEST_KEYS]
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(TRACE_REQUEST_KEYS)})")
+    missing = [k for k in TRACE_REQUIRED_KEYS if k not in row]
+    if missing:
+        raise ValueError(f"missing field {missing[0]!r} (required: {', '.join(TRACE_REQUIRED_KEYS)})")
+    rid = row["request_id"]
+    if not isinstance(rid, str) or not rid:
+        raise ValueError(f"request_id must be a non-empty string, got {reprlib.repr(rid)}")
+    ids = row["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f"prompt_token_ids must be a non-empty list of ints, got {reprlib.repr(ids)}")
+    allowed = f"an int in [0, {vocab_size}) (the model's vocab_size)" if vocab_size is not None else "an int >= 0"
+    for j, t in enumerate(ids):
+        if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"prompt_token_ids[{j}] must be {allowed}, got {reprlib.repr(t)}")
+    m = row["max_new_tokens"]
+    if not _is_int(m) or m < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {reprlib.repr(m)}")
+    t = row.get("arrival_time_s", 0.0)
+    if not _is_finite_number(t) or t < 0:
+        raise ValueError(f"arrival_time_s must be a finite number >= 0 (seconds), got {reprlib.repr(t)}")
+    if not _is_int(row.get("priority", 0)):
+        raise ValueError(f"priority must be an int, got {reprlib.repr(row['priority'])}")
+    if row.get("prompt_text") is not None and not isinstance(row["prompt_text"], str):
+        raise ValueError(f"prompt_text must be a string or null, got {reprlib.repr(row['prompt_text'])}")
+    sampling = row.get("sampling", {})
+    fields = [f.name for f in dataclasses.fields(SamplingParams)]
+    if not isinstance(sampling, dict):
+        raise ValueError(f"sampling must be an object with keys among {', '.join(fields)}, "
+                         f"got {reprlib.repr(sampling)}")
+    unknown = [k for k in sampling if k not in fields]
+    if unknown:
+        raise ValueError(f"sampling: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(fields)})")
+    for key, ok, allowed in (("temperature", _is_finite_number, "a finite number >= 0"),
+                             ("top_k", _is_int, "an int >= 0"),
+                             ("top_p", _is_finite_number, "a number in (0, 1]"),
+                             ("seed", lambda x: x is None or _is_int(x), "an int or null"),
+                             ("ignore_eos", lambda x: isinstance(x, bool), "true or false")):
+        if key in sampling and not ok(sampling[key]):
+            raise ValueError(f"sampling.{key} must be {allowed}, got {reprlib.repr(sampling[key])}")
+
+
+def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]:
+    """Read a trace written by :func:`save_trace` into fresh Requests.
+
+    A trace is ``{"format": "minibatch-trace-v1", "requests": [...]}`` with >= 1 request, each an
+    object with request_id (non-empty string, unique), prompt_token_ids (non-empty list of ints
+    >= 0, below ``vocab_size`` when given), max_new_tokens (int >= 1), and optionally
+    arrival_time_s (finite number >= 0, default 0), sampling (SamplingParams fields), priority
+    (int, default 0), prompt_text (string or null). No other keys.
+
+    Raises:
+        ValueError: every bad file: missing, a folder, binary, empty, truncated or not JSON, wrong
+            top-level type, missing/wrong "format" or "requests", no requests, and any request
+            with a missing, unknown, mistyped or out-of-range field or a repeated request_id; the
+            message names the file, the request index and the field with its allowed values.
+    """
+    from minibatch.files import read_json
+
+    data = read_json(path, what="trace")
+    if not isinstance(data, dict):
+        raise ValueError(f'{path}: a trace must be a JSON object {{"format": "{TRACE_FORMAT}", "requests": [...]}}, '
+                         f"got a {type(data).__name__}")
+    for key in TRACE_KEYS:
+        if key not in data:
+            raise ValueError(f"{path}: missing key {key!r} (a trace is "
+                             f'{{"format": "{TRACE_FORMAT}", "requests": [...]}})')
+    unknown = [k for k in data if k not in TRACE_KEYS]
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(TRACE_KEYS)})")
+    if data["format"] != TRACE_FORMAT:
+        raise ValueError(f"{path}: format must be {TRACE_FORMAT!r}, got {reprlib.repr(data['format'])}")
+    rows = data["requests"]
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: 'requests' must be a list of request objects, got a {type(rows).__name__}")
+    if not rows:
+        raise ValueError(f"{path}: 'requests' is empty; a trace needs >= 1 request")
+    out, seen = [], {}
+    for i, row in enumerate(rows):
+        try:
+            _check_trace_request(row, vocab_size)
+            if row["request_id"] in seen:
+                raise ValueError(f"request_id {row['request_id']!r} repeats request {seen[row['request_id']]}'s "
+                                 "(ids must be unique)")
+            seen[row["request_id"]] = i
+            out.append(Request(row["request_id"], row["prompt_token_ids"], max_new_tokens=row["max_new_tokens"],
                                sampling=SamplingParams(**row.get("sampling", {})),
                                arrival_time_s=float(row.get("arrival_time_s", 0.0)),
                                prompt_text=row.get("prompt_text"), priority=row.get("priority", 0)))
-        except KeyError as e:
-            raise ValueError(f"{path}: request {i} missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: request {i}: {e}") from None
     return out

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minibatch.files import atomic_write_text
 from minibatch.sharegpt import DATA_FILENAME, human_gpt_pairs
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,8 +84,7 @@ def main() -> None:
         compact = (",", ":") if isinstance(val, list) else None
         rows.append(f"  {json.dumps(key)}: {json.dumps(val, separators=compact)}")
     lines = ["{", ",\n".join(rows), "}"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    atomic_write_text(args.out, "\n".join(lines) + "\n")
     print(f"wrote {args.out}")
     print("prompt", out["summary"]["prompt"])
     print("output", out["summary"]["output"])

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minibatch.files import write_json
 from minibatch.models import cache_dir, load_model
 from minibatch.sharegpt import select_prompts
 
@@ -251,8 +251,8 @@ def save_draft(draft, args, log, train_rows, eval_rows, n_tok) -> None:
     }
     ranking, coverage = vocab_by_frequency(train_rows)
     manifest["vocab_coverage"] = coverage
-    (out / "training.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    (out / "vocab_by_frequency.json").write_text(json.dumps(ranking, separators=(",", ":")) + "\n")
+    write_json(out / "training.json", manifest, indent=1)
+    write_json(out / "vocab_by_frequency.json", ranking, indent=None, separators=(",", ":"))
     print(f"wrote {out}; answer-token coverage of the most frequent ids: {coverage}")
 
 

@@ -244,7 +244,14 @@ def print_profile(profile: Profile) -> None:
 
 def refit(profile: Profile) -> Profile:
     """Fit ``profile``'s stored samples again with this code (e.g. after changing the model's
-    form): no measuring; the command, environment and samples are kept."""
+    form): no measuring; the command, environment and samples are kept.
+
+    Raises:
+        ValueError: the profile stores no samples (names its file).
+    """
+    if not profile.meta.get("samples"):
+        raise ValueError(f"{profile.source or 'profile'}: no stored 'samples' to refit: "
+                         "re-run python -m minibatch calibrate")
     meta = {k: v for k, v in profile.meta.items() if k not in ("fit_error", "samples")}
     new = fit_profile(profile.model, profile.meta["samples"], meta)
     if profile.meta.get("draft_samples"):

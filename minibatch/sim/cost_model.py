@@ -29,7 +29,6 @@ the paged KV cache) and ``padded`` (static batching's (B, T) batch).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -221,6 +220,7 @@ class Profile:
     layouts: dict[str, LayoutModel]
     draft: LayoutModel | None = None
     meta: dict = field(default_factory=dict)  # command, environment, fit errors, samples
+    source: str | None = field(default=None, compare=False, repr=False)  # the file it was loaded from
 
     def predict(self, shapes: list[StepShape]) -> np.ndarray:
         """Step times (s) of shapes, each by its layout's model (packed if padded was not fit)."""
@@ -242,30 +242,140 @@ class Profile:
         return float(model.predict([shape])[0])
 
     def save(self, path: str | Path) -> Path:
-        """Write JSON (format "minibatch-profile-v1"); parent folders are made."""
+        """Write strict JSON (format "minibatch-profile-v1"; NaN/inf -> null) atomically
+        (:func:`minibatch.files.write_json`: a failed write keeps the old file); parent folders
+        are made. Returns the path."""
+        from minibatch.files import write_json
+
         data = {"format": PROFILE_FORMAT, "model": self.model,
                 "layouts": {k: asdict(v) for k, v in self.layouts.items()},
                 "draft": asdict(self.draft) if self.draft else None, **self.meta}
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1) + "\n")
-        return path
+        return write_json(path, data, indent=1)
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocab_size, recorded by calibrate (token ids of generated traces).
+
+        Raises:
+            ValueError: the profile has none (made before calibrate recorded it); names the file.
+        """
+        if "vocab_size" not in self.meta:
+            raise ValueError(f"{self.source or 'profile'}: no 'vocab_size' key (a profile from an older version): "
+                             f"re-run python -m minibatch calibrate, or add \"vocab_size\": <the model's "
+                             f"config.vocab_size> to the file")
+        return self.meta["vocab_size"]
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
-        """Read a profile written by :meth:`save`.
+        """Read a profile written by :meth:`save`, checking every key the simulator uses.
+
+        Keys: format ("minibatch-profile-v1"), model (str), layouts ({"packed": ..., "padded": ...},
+        packed required; each {knots, curve_s, coef_s}), draft (the same or null; optional); the
+        rest is ``meta``, where vocab_size (int >= 1), samples and draft_samples (the calibration
+        steps --refit fits again) are checked when present.
 
         Raises:
-            FileNotFoundError: no such file. ValueError: not a profile (names the format found).
+            ValueError: the file is missing, not JSON, not an object, of another format version,
+                or a key is missing or of the wrong type; the message names the file and the key
+                and says what to do (re-run ``python -m minibatch calibrate``).
         """
-        data = json.loads(Path(path).read_text())
-        if data.get("format") != PROFILE_FORMAT:
-            raise ValueError(f"{path}: format must be {PROFILE_FORMAT!r}, got {data.get('format')!r}")
+        from minibatch.files import read_json
+
+        data = read_json(path, what="profile")
+        recalibrate = "re-run python -m minibatch calibrate to make a new profile"
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not a profile (a JSON object with format, model, layouts), "
+                             f"got a {type(data).__name__}")
+        fmt = data.get("format")
+        if fmt != PROFILE_FORMAT:
+            why = ("no 'format' key" if fmt is None else
+                   f"format {fmt!r} is another version's (this version reads {PROFILE_FORMAT!r})"
+                   if isinstance(fmt, str) and fmt.startswith("minibatch-profile") else
+                   f"format must be {PROFILE_FORMAT!r}, got {fmt!r}")
+            raise ValueError(f"{path}: {why}: not a profile of this version of minibatch; {recalibrate}")
+        if not isinstance(data.get("model"), str) or not data["model"]:
+            raise ValueError(f"{path}: key 'model' must be a non-empty string (the model's name), "
+                             f"got {_brief(data, 'model')}; {recalibrate}")
+        layouts = data.get("layouts")
+        if not isinstance(layouts, dict) or "packed" not in layouts or not set(layouts) <= set(LAYOUTS):
+            raise ValueError(f"{path}: key 'layouts' must be an object with 'packed' (and optionally 'padded'), "
+                             f"got {_brief(data, 'layouts')}; {recalibrate}")
+        for name, value in [*((f"layouts.{k}", v) for k, v in layouts.items()), ("draft", data.get("draft"))]:
+            problem = None if name == "draft" and value is None else _layout_problem(value)
+            if problem:
+                raise ValueError(f"{path}: key {name!r}: {problem}; {recalibrate}")
+        if "vocab_size" in data and not (_is_int(data["vocab_size"]) and data["vocab_size"] >= 1):
+            raise ValueError(f"{path}: key 'vocab_size' must be an int >= 1, got {data['vocab_size']!r}; "
+                             "set it to the model's config.vocab_size")
+        for key, needed in (("samples", SAMPLE_KEYS), ("draft_samples", DRAFT_SAMPLE_KEYS)):
+            problem = _samples_problem(data.get(key), needed) if key in data else None
+            if problem:
+                raise ValueError(f"{path}: key {key!r}: {problem}; {recalibrate}")
+        data = dict(data)
         layouts = {k: LayoutModel(**v) for k, v in data.pop("layouts").items()}
-        draft = LayoutModel(**data.pop("draft")) if data.get("draft") else None
-        data.pop("draft", None)
-        data.pop("format")
-        return cls(model=data.pop("model"), layouts=layouts, draft=draft, meta=data)
+        draft = data.pop("draft", None)
+        del data["format"]
+        return cls(model=data.pop("model"), layouts=layouts, draft=LayoutModel(**draft) if draft else None,
+                   meta=data, source=str(path))
+
+
+# What a stored calibration sample holds (calibrate.measure / measure_draft).
+SAMPLE_KEYS = ("scenario", "layout", "time_s", *StepShape.__dataclass_fields__)
+DRAFT_SAMPLE_KEYS = ("scenario", "forwards", "time_s")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x)
+
+
+def _brief(x, key: str | None = None) -> str:
+    """A short description of ``x`` (of ``x[key]`` if key is given: "nothing" if absent) for
+    messages; an object is described by its keys."""
+    import reprlib
+
+    if key is not None:
+        if key not in x:
+            return "nothing (the key is missing)"
+        x = x[key]
+    return f"an object with keys {sorted(x)}" if isinstance(x, dict) else reprlib.repr(x)
+
+
+def _layout_problem(value) -> str | None:
+    """What is wrong with a stored LayoutModel (None: nothing): {knots: ints >= 1, increasing,
+    >= 2 of them; curve_s: one finite number per knot; coef_s: a finite number per FEATURES name}."""
+    keys = ("knots", "curve_s", "coef_s")
+    if not isinstance(value, dict) or set(value) != set(keys):
+        return f"must be an object with keys {', '.join(keys)}, got {_brief(value)}"
+    knots, curve, coef = value["knots"], value["curve_s"], value["coef_s"]
+    if not (isinstance(knots, list) and len(knots) >= 2 and all(_is_int(k) and k >= 1 for k in knots)
+            and all(a < b for a, b in zip(knots, knots[1:]))):
+        return f"knots must be >= 2 increasing ints >= 1 (tokens), got {_brief(knots)}"
+    if not (isinstance(curve, list) and len(curve) == len(knots) and all(_is_number(v) for v in curve)):
+        return f"curve_s must be {len(knots)} finite numbers (seconds, one per knot), got {_brief(curve)}"
+    if not (isinstance(coef, dict) and set(coef) == set(FEATURES)):
+        return f"coef_s must be an object with keys {', '.join(FEATURES)}, got {_brief(coef)}"
+    bad = [k for k in FEATURES if not _is_number(coef[k])]
+    if bad:
+        return f"coef_s[{bad[0]!r}] must be a finite number (seconds per unit), got {_brief(coef[bad[0]])}"
+    return None
+
+
+def _samples_problem(samples, needed: tuple[str, ...]) -> str | None:
+    """What is wrong with stored calibration samples (None: nothing): a list of objects holding
+    ``needed`` keys, time_s > 0."""
+    if not isinstance(samples, list):
+        return f"must be a list of calibration samples, got {_brief(samples)}"
+    for i, x in enumerate(samples):
+        missing = [k for k in needed if k not in x] if isinstance(x, dict) else list(needed)
+        if missing:
+            return f"sample {i} must be an object with keys {', '.join(needed)} (missing {', '.join(missing)})"
+        if not (_is_number(x["time_s"]) and x["time_s"] > 0):
+            return f"sample {i}: time_s must be a finite number > 0, got {x['time_s']!r}"
+    return None
 
 
 def relative_errors(predicted, measured) -> dict[str, float]:

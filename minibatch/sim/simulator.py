@@ -58,10 +58,10 @@ def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
 
     outside = [p for p in cfg.policies if p not in ENGINE_POLICIES]
     if outside:
-        raise ValueError(f"simulate runs our engine's policies only ({','.join(ENGINE_POLICIES)}); "
+        raise ValueError(f"--policies: simulate runs our engine's policies only ({','.join(ENGINE_POLICIES)}); "
                          f"{','.join(outside)} need the real model: use compare")
     profile = Profile.load(profile_path)
-    requests = build_trace(cfg, None, profile.meta["vocab_size"])
+    requests = build_trace(cfg, None, profile.vocab_size)
     print(f"profile {profile_path}: {profile.model}, calibrated by {profile.meta.get('command')!r}")
     print(f"trace: {len(requests)} requests, {sum(r.num_prompt_tokens for r in requests)} prompt + "
           f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over {requests[-1].arrival_time_s:.1f} s")

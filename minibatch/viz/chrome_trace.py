@@ -18,9 +18,9 @@ simulated run opens the same way as a measured one.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from minibatch.files import write_json
 from minibatch.request import Request
 
 SLOTS_PID, REQUESTS_PID, ENGINE_PID = 1, 2, 3
@@ -97,8 +97,6 @@ def chrome_trace(trace: list, requests: list[Request] | None = None, name: str =
 
 def write_chrome_trace(path: str | Path, trace: list, requests: list[Request] | None = None,
                        name: str = "minibatch") -> Path:
-    """Write :func:`chrome_trace` as JSON to ``path`` (parent folders made); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(trace, requests, name), separators=(",", ":")))
-    return path
+    """Write :func:`chrome_trace` as compact strict JSON to ``path``, atomically (parent folders
+    made; :func:`minibatch.files.write_json`); returns the path."""
+    return write_json(path, chrome_trace(trace, requests, name), indent=None, separators=(",", ":"))

@@ -295,8 +295,13 @@ def throughput_latency_bars(summaries: dict[str, BenchmarkSummary], ax=None):
 
 
 def save(fig, name: str, figures_dir: str | Path = "figures") -> Path:
-    """Write ``figures_dir/NAME.png`` (dpi 120, tight box), creating the folder; returns the path."""
+    """Write ``figures_dir/NAME.png`` (dpi 120, tight box), creating the folder; returns the path.
+    Atomic like every minibatch output (``minibatch.files``): a failed write keeps the old PNG."""
+    import io
+
+    from minibatch.files import atomic_write_bytes
+
     path = Path(figures_dir) / (name if name.endswith(".png") else f"{name}.png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    return path
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    return atomic_write_bytes(path, buf.getvalue())
