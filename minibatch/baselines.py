@@ -17,6 +17,10 @@ Both mutate the requests they are given (pass ``[r.copy() for r in reqs]`` to re
 return them in the same order. Neither drops a request: bad input raises ``ValueError``, a request
 HF fails or loses raises ``RuntimeError`` naming it.
 
+Both do only what our engine does: the checkpoint's generation_config (repetition_penalty,
+no_repeat_ngram_size, suppress_tokens, sampling defaults, ...) is replaced by
+:func:`plain_generation_config` inside :func:`plain_generation`, as in ``compare.reference_outputs``.
+
 Limits of the HF APIs (documented, not hidden):
 
 * one sampling setting per call: ``generate`` samples a whole batch with one temperature/top-k/top-p
@@ -41,14 +45,35 @@ import torch
 from minibatch.models import attention_implementation, eos_token_ids, pad_token_id
 from minibatch.request import Request, RequestStatus, SamplingParams
 
-__all__ = ["run_hf_generate", "run_hf_generate_batch"]
+__all__ = ["plain_generation", "plain_generation_config", "run_hf_generate", "run_hf_generate_batch"]
 
 
 # ----------------------------------------------------------------------------- shared helpers
 
 def _max_model_len(model) -> int | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    """The model's context limit, read as ModelRunner reads it (None: its config sets none)."""
+    from minibatch.runner.model_runner import NO_POSITION_LIMIT, config_max_model_len
+
+    max_len = config_max_model_len(model.config.get_text_config())
+    return None if max_len == NO_POSITION_LIMIT else max_len
+
+
+def _fitting_batch(candidates: list[Request], max_len: int | None) -> list[Request]:
+    """The longest FCFS prefix of ``candidates`` that fits the model's positions as one padded batch.
+
+    HF ``generate`` advances every row's position on every step, finished rows too, so the row with
+    the longest prompt reaches position longest prompt + steps - 1, and a batch runs up to its
+    longest max_new_tokens steps: it fits when longest prompt + longest max_new_tokens <= max_len
+    (``max_len`` None: no limit). Every request fits alone (``_check_requests``), so the prefix has
+    at least one.
+    """
+    if max_len is None:
+        return candidates
+    n = 1
+    while n < len(candidates) and (max(r.num_prompt_tokens for r in candidates[:n + 1])
+                                   + max(r.max_new_tokens for r in candidates[:n + 1])) <= max_len:
+        n += 1
+    return candidates[:n]
 
 
 def _check_requests(model, requests: list[Request]) -> None:
@@ -75,6 +100,72 @@ def _check_requests(model, requests: list[Request]) -> None:
 def _batch_sampling(requests: list[Request]) -> SamplingParams | None:
     """The one sampling setting HF can apply to a whole batch: the first sampled request's (None = greedy)."""
     return next((r.sampling for r in requests if not r.sampling.is_greedy), None)
+
+
+# GenerationConfig fields that change the tokens or the work, at the value that turns them off (fields
+# present in transformers 5.17 and later). The rest (forced_bos_token_id, suppress_tokens, bad_words_ids,
+# sequence_bias, min_new_tokens, min_p, stop_strings, watermarking_config, cache_implementation, ...) are
+# off at None, which ``plain_generation`` keeps from being refilled from the checkpoint's generation_config.
+NEUTRAL_GENERATION_FIELDS = dict(
+    num_beams=1, num_return_sequences=1, min_length=0, repetition_penalty=1.0,
+    encoder_repetition_penalty=1.0, no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, length_penalty=1.0,
+    typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, remove_invalid_values=False, renormalize_logits=False,
+    use_cache=True,
+)
+
+
+def plain_generation_config(model, max_new_tokens: int, sampling: SamplingParams | None = None, **overrides):
+    """A fresh ``GenerationConfig`` doing only what our engine does, nothing from the checkpoint's.
+
+    It carries ``max_new_tokens``; greedy (``sampling`` None or greedy: ``do_sample=False``) or
+    ``do_sample=True`` with ``sampling``'s temperature, top_k (0 = off) and top_p; the model's EOS
+    ids (``models.eos_token_ids``) unless ``sampling.ignore_eos`` (then None: no EOS stop); the
+    model's ``pad_token_id``. Every other field that changes the tokens is off
+    (``NEUTRAL_GENERATION_FIELDS``, the rest None). Pass it to ``generate`` inside
+    :func:`plain_generation`, or to transformers' continuous batching (which reads it as is).
+
+    Args:
+        model: an HF causal LM (read for its EOS and pad ids only).
+        max_new_tokens: tokens to generate, >= 1.
+        sampling: the :class:`~minibatch.request.SamplingParams` to map (None: greedy, EOS on).
+        overrides: GenerationConfig fields set last (e.g. ``eos_token_id=-1``).
+
+    Raises:
+        TypeError: an override that is not a GenerationConfig field.
+    """
+    from transformers import GenerationConfig
+
+    unknown = sorted(k for k in overrides if not hasattr(GenerationConfig(), k))
+    if unknown:
+        raise TypeError(f"plain_generation_config: {unknown} are not GenerationConfig fields")
+    fields = dict(NEUTRAL_GENERATION_FIELDS, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id(model))
+    eos = eos_token_ids(model)
+    fields["eos_token_id"] = None if (sampling is not None and sampling.ignore_eos) or not eos else list(eos)
+    if sampling is None or sampling.is_greedy:
+        fields["do_sample"] = False
+    else:
+        fields.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    fields.update(overrides)
+    return GenerationConfig(**fields)
+
+
+@contextlib.contextmanager
+def plain_generation(model, generation_config):
+    """``model.generation_config`` is ``generation_config`` inside the block (restored on exit, also on error).
+
+    ``model.generate(..., generation_config=cfg)`` fills every field ``cfg`` leaves at None from
+    ``model.generation_config`` (the checkpoint's generation_config.json), then from transformers'
+    global defaults; for some fields (forced_bos_token_id, suppress_tokens, bad_words_ids, ...) None
+    is the only value that turns them off, so a fresh config alone cannot keep them out. With the
+    model's own config swapped for ``cfg`` nothing of the checkpoint's is left to fill in. Yields
+    ``generation_config``. Not for a model that another thread generates with meanwhile.
+    """
+    saved = model.generation_config
+    model.generation_config = generation_config
+    try:
+        yield generation_config
+    finally:
+        model.generation_config = saved
 
 
 def _finish(r: Request, tokens: list[int], times: list[float], eos: tuple[int, ...]) -> None:
@@ -190,12 +281,10 @@ def _generate_static_batch(model, batch: list[Request], start_s: float, eos: tup
     """One padded ``model.generate`` call; stamps ``batch`` on the timeline from ``start_s``; returns its duration."""
     device = model.device
     recorder, criteria = _make_stopping_criteria(batch, eos)
-    sampling = _batch_sampling(batch)
-    if sampling is None:
-        sample_kwargs = dict(do_sample=False)
-    else:  # one setting for the batch (see the module docstring)
-        sample_kwargs = dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
-                             top_p=sampling.top_p)
+    sampling = _batch_sampling(batch)  # one setting for the batch (see the module docstring)
+    # EOS is handled per row by `recorder` (a row with ignore_eos must not stop at EOS): no EOS in the config
+    gen_config = plain_generation_config(model, max(r.max_new_tokens for r in batch), sampling,
+                                         eos_token_id=None, pad_token_id=pad_id)
     fork_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices, enabled=sampling is not None):
         if sampling is not None and sampling.seed is not None:
@@ -208,20 +297,9 @@ def _generate_static_batch(model, batch: list[Request], start_s: float, eos: tup
         for i, r in enumerate(batch):  # left padding: every row's last token is real
             ids[i, max_len - r.num_prompt_tokens:] = torch.tensor(r.prompt_token_ids)
             mask[i, max_len - r.num_prompt_tokens:] = 1
-        out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=max(r.max_new_tokens for r in batch),
-            # EOS is handled per row by `recorder` (a row with ignore_eos must not stop at EOS). As a
-            # kwarg, None really disables HF's EOS criterion: a GenerationConfig with eos_token_id=None
-            # would be refilled from model.generation_config.
-            eos_token_id=None,
-            pad_token_id=pad_id,
-            stopping_criteria=criteria,
-            use_cache=True,
-            return_dict_in_generate=False,
-            **sample_kwargs,
-        )
+        with plain_generation(model, gen_config):
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 generation_config=gen_config, stopping_criteria=criteria)
         generated = out[:, max_len:].tolist()
         _sync(device)
         duration = time.perf_counter() - t0
@@ -240,7 +318,9 @@ def run_hf_generate(model, requests: list[Request], batch_size: int = 8, max_wai
 
     Batches form as in our ``StaticScheduler``: requests queue FCFS by arrival; a batch of up to
     ``batch_size`` starts once ``batch_size`` have arrived or the oldest has waited ``max_wait_s``, and
-    only after the previous ``generate`` returned. Prompts are left-padded (with an attention mask)
+    only after the previous ``generate`` returned. A batch also ends before the first request that
+    would take it past the model's positions (see :func:`_fitting_batch`), which then heads the next
+    batch. Prompts are left-padded (with an attention mask)
     and the batch generates ``max(max_new_tokens)`` steps unless every row finished earlier; each
     request keeps only its own tokens (cut at its EOS unless ``ignore_eos``, or its ``max_new_tokens``)
     and finishes at its own last token while the rest of the batch keeps computing.
@@ -271,7 +351,7 @@ def run_hf_generate(model, requests: list[Request], batch_size: int = 8, max_wai
     if not max_wait_s >= 0:
         raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
     _check_requests(model, requests)
-    eos, pad_id = eos_token_ids(model), pad_token_id(model)
+    eos, pad_id, max_len = eos_token_ids(model), pad_token_id(model), _max_model_len(model)
     pending = sorted(requests, key=lambda r: r.arrival_time_s)  # stable: ties keep input order (FCFS)
     bar = _progress(progress, len(requests), "hf-generate")
     now, nxt = 0.0, 0  # virtual clock; pending[nxt:] have not been admitted yet
@@ -288,7 +368,8 @@ def run_hf_generate(model, requests: list[Request], batch_size: int = 8, max_wai
             if len(waiting) < batch_size and now < wake_s:  # wait for a fuller batch (or the wake time)
                 now = min(wake_s, pending[nxt].arrival_time_s) if nxt < len(pending) else wake_s
                 continue
-            batch, waiting = waiting[:batch_size], waiting[batch_size:]
+            batch = _fitting_batch(waiting[:batch_size], max_len)
+            waiting = waiting[len(batch):]
             for r in batch:
                 r.status = RequestStatus.RUNNING
             now += _generate_static_batch(model, batch, now, eos, pad_id)
@@ -329,19 +410,11 @@ def _cb_config(model, requests: list[Request], max_batch_tokens: int | None):
 
 
 def _cb_generation_config(model, requests: list[Request]):
-    from transformers import GenerationConfig
-
-    sampling = _batch_sampling(requests)
-    sample_kwargs = (dict(do_sample=False) if sampling is None else
-                     dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k,
-                          top_p=sampling.top_p))
+    """The run's GenerationConfig: the model's EOS ids by default (each request sets its own at
+    ``add_request``), -1 for none (None makes HF warn and set -1 itself)."""
     eos = eos_token_ids(model)
-    return GenerationConfig(
-        max_new_tokens=max(r.max_new_tokens for r in requests),
-        eos_token_id=list(eos) if eos else -1,  # -1: no EOS (None makes HF warn and set -1 itself)
-        pad_token_id=pad_token_id(model),
-        **sample_kwargs,
-    )
+    return plain_generation_config(model, max(r.max_new_tokens for r in requests), _batch_sampling(requests),
+                                   eos_token_id=list(eos) if eos else -1)
 
 
 def run_hf_generate_batch(model, requests: list[Request], progress: bool = False,
@@ -392,7 +465,8 @@ def run_hf_generate_batch(model, requests: list[Request], progress: bool = False
     bar = _progress(progress, len(requests), "hf-generate-batch")
     # No torch.inference_mode here: HF makes its static tensors in this thread and updates them in place
     # in its generation thread, which inference tensors forbid (HF runs the model under no_grad itself).
-    with _quiet_transformers(), attention_implementation(model, "sdpa"), _frozen_gc():
+    with (_quiet_transformers(), attention_implementation(model, "sdpa"), _frozen_gc(),
+          plain_generation(model, gen_config)):
         with model.continuous_batching_context_manager(generation_config=gen_config, block=True, timeout=60,
                                                        continuous_batching_config=cb_config) as manager:
             t0 = time.perf_counter()

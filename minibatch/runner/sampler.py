@@ -1,8 +1,11 @@
 """Next-token choice from logits: greedy, or temperature -> top-k -> top-p, then a seeded draw.
 
 The order follows Hugging Face's logits warpers (temperature, top-k, top-p). Each request draws
-from its own ``torch.Generator`` seeded with ``SamplingParams.seed``, so its samples do not
-depend on which other requests share the batch.
+from its own ``torch.Generator`` seeded with ``SamplingParams.seed``, kept until the request
+finishes (a preemption keeps it), one draw per sampled token: its samples depend neither on which
+other requests share the batch nor on the policy. Speculative verification keeps that for n-gram
+drafts (``spec.rejection_sampler.sample_verify`` calls ``sample`` once per emitted token), not
+for a draft model's (see ``minibatch.spec.rejection_sampler``).
 """
 
 from __future__ import annotations

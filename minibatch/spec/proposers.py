@@ -66,6 +66,9 @@ class NgramProposer:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         pass
 
+    def claim(self, owner) -> bool:
+        return False  # no KV cache of its own
+
     def move_blocks(self, out: SchedulerOutput) -> None:
         pass
 
@@ -82,7 +85,9 @@ class DraftModelProposer:
 
     Each request samples its drafts from the draft's *processed* distribution (its
     temperature/top-k/top-p; argmax when greedy) with its own seeded generator, and returns that
-    distribution for the rejection sampler. ``forwards`` holds each draft forward of the last
+    distribution for the rejection sampler. The generator restarts from its seed after a
+    preemption (``reset``): one reason a seeded request's tokens under a draft model depend on the
+    schedule (``minibatch.spec.rejection_sampler``). ``forwards`` holds each draft forward of the last
     ``propose`` as (rows, tokens, context tokens), for simulated clocks.
     """
 
@@ -96,6 +101,13 @@ class DraftModelProposer:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         self.runner.allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)
+
+    def claim(self, owner) -> bool:
+        """The draft runner's KV cache goes to ``owner``; if it changed hands, no draft KV is trusted."""
+        changed = self.runner.claim(owner)
+        if changed:
+            self.num_computed.clear()
+        return changed
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         self.runner.move_blocks(out)

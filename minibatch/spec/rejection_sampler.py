@@ -15,11 +15,29 @@ q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) * max(p(x) - q(x), 0) / sum
 one-hot at their argmax: accept while the draft token equals the target's argmax.
 
 p and q must be the distributions the requests actually sample from, so temperature, top-k and
-top-p are applied to both logits in the same way (``processed_probs``). A proposer without
-probabilities (n-gram lookup) is deterministic: q is one-hot at its token.
+top-p are applied to both logits in the same way (``processed_probs``).
+
+A proposer without probabilities (n-gram lookup) is deterministic: q is one-hot at its token, the
+rule above accepts x with probability p(x) and on rejection samples p without x. Sampling the
+target's token t ~ p and accepting x iff t == x is the same distribution (P(accept) = p(x),
+P(emit y != x) = p(y)), so ``sample_verify`` does exactly that: it draws each position's token
+from the request's own generator the way a plain decode does (one draw per emitted token), and a
+seeded request gets the same tokens whatever k, batch or preemptions: a non-speculative run's
+(up to the float rounding of the logits).
+
+With a draft *model* (``rejection_sample``) a seeded request's tokens depend on the schedule:
+verifying position j draws a uniform (and a residual sample on rejection) where a plain decode
+draws from p, so they depend on which positions were verified against drafts -- k, the first
+token after each prefill or re-prefill (never drafted), preemptions (the draft's own stream
+restarts). A run is still reproducible, and every schedule samples exactly the target's
+distribution. Not made schedule-independent on purpose: that needs a draft token to be accepted
+only when it equals the target's own sample, which for a sampled draft accepts with probability
+sum_x q(x) p(x) instead of sum_x min(p(x), q(x)) -- fewer accepted tokens for the same output.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -77,6 +95,27 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int], dra
         out.append(int(torch.multinomial(residual, 1, generator=generator)))
         return out
     out.append(int(torch.multinomial(target_probs[k], 1, generator=generator)))
+    return out
+
+
+def sample_verify(draft_token_ids: list[int], sample: Callable[[int], int]) -> list[int]:
+    """Verification for a deterministic proposer (q one-hot at each draft token): the target's
+    token at each position in turn, ``sample(i)`` (row i follows draft token i-1), kept while it
+    equals the draft; the first mismatch (or the bonus token after k matches) ends it.
+
+    Exactly the target's distribution, the same as ``rejection_sample`` with ``draft_probs=None``
+    (see the module docstring), but it calls ``sample`` once per emitted token and in order, so a
+    request's seeded stream is consumed as by plain decodes: its tokens do not depend on k or on
+    the schedule. With ``sample(i)`` = the argmax of row i this is ``greedy_verify``.
+
+    Returns: 1 .. k+1 token ids; ``len(result) - 1`` draft tokens were accepted.
+    """
+    out: list[int] = []
+    for i, x in enumerate(draft_token_ids):
+        out.append(sample(i))
+        if out[-1] != x:
+            return out
+    out.append(sample(len(draft_token_ids)))
     return out
 
 

@@ -8,10 +8,18 @@ One engine step, for the scheduler's plan (Leviathan et al. 2023, Algorithm 1, b
                  each speculating request's last token + drafts (num_new_tokens = 1 + k), with
                  logits at all k+1 positions of the speculating ones
     3. accept    the rejection sampler keeps a prefix of each request's drafts and adds one token
-                 (``minibatch.spec.rejection_sampler``); greedy: accept while equal to the argmax
+                 (``minibatch.spec.rejection_sampler``); greedy: accept while equal to the argmax;
+                 n-gram drafts (no q): accept while equal to the target's own sample
+                 (``sample_verify``)
 
 Rejected positions were written to the KV cache; the scheduler's ``update`` rolls them back:
 num_computed_tokens grows by 1 + accepted only, and blocks holding no computed token are freed.
+
+Seeded sampling (``SamplingParams.seed``): greedy requests and requests speculating with n-gram
+drafts (``spec_ngram``) get the tokens a non-speculative run gives, whatever k, batch or
+preemptions. With a draft model (``spec``) a seeded request's tokens depend on the schedule (k,
+which positions were verified against drafts, preemptions), though a run is reproducible and
+every schedule samples exactly the target's distribution (``minibatch.spec.rejection_sampler``).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import torch
 
 from minibatch.runner.batch import build_packed_batch
 from minibatch.scheduler.base import SchedulerOutput
-from minibatch.spec.rejection_sampler import greedy_verify, processed_probs, rejection_sample
+from minibatch.spec.rejection_sampler import greedy_verify, processed_probs, rejection_sample, sample_verify
 from minibatch.spec.speculator import FixedK, SpecDecodingStats
 
 
@@ -49,11 +57,17 @@ class SpeculativeRunner:
         self.stats = SpecDecodingStats()
         self.eos_token_ids = target.eos_token_ids
         self.max_model_len = target.max_model_len
+        self.vocab_size = target.vocab_size
         self.rejection_sampler = rejection_sample
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         self.target.allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)
         self.proposer.allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)
+
+    def claim(self, owner) -> bool:
+        """The target's and the draft's KV caches go to ``owner`` (see ``KVOwnership.claim``)."""
+        changed = self.target.claim(owner)
+        return self.proposer.claim(owner) or changed
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
@@ -89,6 +103,9 @@ class SpeculativeRunner:
                 rows = logits[row:row + n]
                 if r.sampling.is_greedy:
                     tokens = greedy_verify(rows.argmax(-1).tolist(), s.spec_token_ids)
+                elif drafts[r.request_id][1] is None:  # n-gram drafts: the target samples as plain decodes do
+                    sample = self.target.sampler.sample
+                    tokens = sample_verify(s.spec_token_ids, lambda i: sample(r.request_id, rows[i], r.sampling))
                 else:
                     gen = self.target.sampler.generator(r.request_id, r.sampling, rows.device)
                     tokens = self.rejection_sampler(processed_probs(rows, r.sampling), s.spec_token_ids,
