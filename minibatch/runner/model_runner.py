@@ -20,10 +20,89 @@ from minibatch.request import Request
 from minibatch.runner import attention
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
 from minibatch.runner.sampler import Sampler
+from minibatch.runner.support import check_packed_support
 from minibatch.scheduler.base import SchedulerOutput
 
 
-class ModelRunner:
+def check_kv_fits(num_slots: int, bytes_per_slot: int, device: torch.device, what: str) -> None:
+    """Raise ValueError unless ``num_slots`` KV token slots of ``bytes_per_slot`` bytes fit in
+    ``device``'s free memory (CUDA: ``mem_get_info``; CPU: available RAM), so an absurd size
+    gets a clear error instead of an out-of-memory kill."""
+    need = num_slots * bytes_per_slot
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if need > free:
+        raise ValueError(f"{what}: {num_slots} token slots x {bytes_per_slot} bytes = {need / 2**30:.1f} GiB, "
+                         f"more than the {free / 2**30:.1f} GiB free on {device.type}: use fewer KV slots (--n-slots)")
+
+
+class KVOwnership:
+    """An executor's KV cache (and padded-batch state) belongs to one engine at a time.
+
+    ``claim(owner)`` is called by the engine before every step. Handing the executor to another
+    engine is refused while the current owner still holds KV in it (``owner.holds_kv``: running
+    or swapped requests), because both would write the same blocks. Returns True when the
+    ownership changed, so the new owner knows that anything it cached here earlier (its prefix
+    cache) may have been overwritten.
+    """
+
+    _owner = None  # weakref to the owning engine
+
+    def claim(self, owner) -> bool:
+        import weakref
+
+        current = self._owner() if self._owner is not None else None
+        if current is owner:
+            return False
+        if current is not None and current.holds_kv:
+            raise RuntimeError(f"{type(self).__name__} is in use by another engine that still holds KV cache "
+                               "(running or swapped requests): give each engine its own runner, or finish one first")
+        self._owner = weakref.ref(owner)
+        self.release_state()
+        return True
+
+    def release_state(self) -> None:
+        """Forget per-owner state when the executor changes hands (subclasses)."""
+
+
+# Config fields that hold a model's context limit (its position table or trained length), tried in
+# this order. A config with none of them (ALiBi, no position table) gets NO_POSITION_LIMIT: positions
+# then set no limit, KV memory does.
+MAX_MODEL_LEN_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+                        "max_seq_len")
+NO_POSITION_LIMIT = 1 << 20
+
+
+def config_max_model_len(cfg) -> int:
+    """The context limit of a model config: the first of MAX_MODEL_LEN_FIELDS set to an int >= 1,
+    else NO_POSITION_LIMIT."""
+    for name in MAX_MODEL_LEN_FIELDS:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value >= 1:
+            return value
+    return NO_POSITION_LIMIT
+
+
+def _config_int(model, cfg, name: str, default: int | None = None) -> int:
+    """``cfg.<name>`` (an int >= 1), else ``default``; NotImplementedError naming the model class when
+    there is neither (not a transformer decoder with one attention geometry for all layers)."""
+    try:
+        value = getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 -- e.g. a per-layer field that has no single value
+        value = None
+    if isinstance(value, int) and value >= 1:
+        return value
+    if default is None:
+        raise NotImplementedError(f"{type(model).__name__} is not supported: its config has no single {name} "
+                                  "(the packed KV cache needs one attention geometry for all layers)")
+    return default
+
+
+class ModelRunner(KVOwnership):
     """Runs steps on ``model`` (an HF causal LM on any device/dtype).
 
     Args:
@@ -39,27 +118,34 @@ class ModelRunner:
 
     Raises:
         ValueError: an unknown attention_backend.
+        NotImplementedError: the model does not run the packed attention exactly (its attention
+            does not dispatch through transformers' AttentionInterface, its layers drop
+            attn_metadata, packed rows see each other, an attention option we do not implement,
+            ...): ``runner.support.check_packed_support``, run once per model object. Also a config
+            without the attention geometry (num_hidden_layers, num_attention_heads, hidden_size).
 
     Attributes:
         kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), made by
             ``allocate_kv_cache`` (the packed layout only).
         eos_token_ids: ids that finish a request (unless its sampling has ignore_eos).
-        max_model_len: the model's context limit (max_position_embeddings).
+        max_model_len: the model's context limit: the first of ``MAX_MODEL_LEN_FIELDS`` its config
+            has, else ``NO_POSITION_LIMIT``.
     """
 
     def __init__(self, model, tokenizer=None, attention_backend: str = "torch", vocab_subset=None):
         self.model = model.eval()
         self.tokenizer = tokenizer
-        cfg = model.config
+        cfg = model.config.get_text_config()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.max_model_len = cfg.max_position_embeddings
+        self.num_layers = _config_int(model, cfg, "num_hidden_layers")
+        self.num_heads = _config_int(model, cfg, "num_attention_heads")
+        self.num_kv_heads = _config_int(model, cfg, "num_key_value_heads", self.num_heads)
+        self.head_dim = _config_int(model, cfg, "head_dim", _config_int(model, cfg, "hidden_size") // self.num_heads)
+        self.max_model_len = config_max_model_len(cfg)
         self.eos_token_ids = eos_token_ids(model)
         self.pad_token_id = pad_token_id(model)
+        self.vocab_size = model.get_input_embeddings().num_embeddings  # ids >= this cannot be embedded
         self.kv_cache: torch.Tensor | None = None
         self.cpu_kv_cache: torch.Tensor | None = None
         self.attention_backend = attention_backend
@@ -73,17 +159,28 @@ class ModelRunner:
         if attention_backend not in attention.BACKENDS:
             raise ValueError(f"attention_backend must be one of {attention.BACKENDS}, got {attention_backend!r}")
         attention.register()
+        check_packed_support(model, self.num_layers, self.num_kv_heads, self.head_dim)  # once per model
 
     # ------------------------------------------------------------------ KV memory
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         """(Re)allocate the packed layout's KV tensors if the geometry changed, plus
-        ``num_cpu_blocks`` blocks of CPU memory for swapping (pinned when the model is on CUDA)."""
+        ``num_cpu_blocks`` blocks of CPU memory for swapping (pinned when the model is on CUDA).
+
+        Raises:
+            ValueError: the tensors would not fit in the device's (or the CPU's) free memory;
+                the message gives the bytes per token slot and the memory available.
+        """
         shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        if self.kv_cache is None or tuple(self.kv_cache.shape) != shape:
-            self.kv_cache = None  # free the old one first
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         cpu_shape = (self.num_layers, 2, num_cpu_blocks, block_size, self.num_kv_heads, self.head_dim)
-        if self.cpu_kv_cache is None or tuple(self.cpu_kv_cache.shape) != cpu_shape:
+        new_gpu = self.kv_cache is None or tuple(self.kv_cache.shape) != shape
+        new_cpu = self.cpu_kv_cache is None or tuple(self.cpu_kv_cache.shape) != cpu_shape
+        if new_gpu:
+            self.kv_cache = None  # free the old one first
+            check_kv_fits(num_blocks * block_size, self.kv_bytes_per_token, self.device, "KV cache (num_blocks x block_size)")
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if new_cpu:
+            self.cpu_kv_cache = None
+            check_kv_fits(num_cpu_blocks * block_size, self.kv_bytes_per_token, torch.device("cpu"), "CPU swap space (num_cpu_blocks x block_size)")
             self.cpu_kv_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
     def move_blocks(self, out: SchedulerOutput) -> None:
@@ -155,7 +252,10 @@ class ModelRunner:
             cache = DynamicCache(config=self.model.config)
         else:
             ids = torch.tensor([[r.all_token_ids[-1]] for r in reqs])  # (B, 1); finished rows: a pad step
-            mask = torch.cat([self._static["mask"], torch.ones((len(reqs), 1), dtype=torch.long)], dim=1)
+            # A finished row's pad token gets mask 0, so its position stops advancing: a row never runs
+            # past its own prompt + max_new_tokens (<= max_model_len), whatever the batch's longest row.
+            step_mask = torch.tensor([[0 if r.is_finished else 1] for r in reqs], dtype=torch.long)
+            mask = torch.cat([self._static["mask"], step_mask.to(self._static["mask"].device)], dim=1)
             cache = self._static["cache"]
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # (B, T) real positions
@@ -171,8 +271,12 @@ class ModelRunner:
         """Forget per-request state (sampling generators) of finished requests."""
         self.sampler.free(request_ids)
 
+    def release_state(self) -> None:
+        self._static = None  # another engine's padded batch
+        self.sampler = Sampler()
 
-class SimExecutor:
+
+class SimExecutor(KVOwnership):
     """No model: every scheduled request that reaches its last token gets a made-up token.
 
     For large simulated runs and scheduler tests (use ignore_eos requests: there is no EOS).
@@ -191,11 +295,13 @@ class SimExecutor:
     draft_catch_up: the first draft forward of a step carries every token the draft has not
         seen yet (a request's whole prompt the first time, then its last token and the bonus
         token), as DraftModelProposer does; False: one token per row (the older, simpler model).
+    vocab_size: None (default): prompts may hold any id and made-up tokens are < 32000; an int:
+        the simulated model's vocabulary (``Engine.add_request`` refuses ids >= it).
     """
 
     eos_token_ids: tuple[int, ...] = ()
 
-    def __init__(self, max_model_len: int = 1 << 20, vocab_size: int = 32000,
+    def __init__(self, max_model_len: int = 1 << 20, vocab_size: int | None = None,
                  acceptance_rate: float | list[float] | None = None, seed: int = 0, draft_forwards: bool = True,
                  proposal_rate: float = 1.0, draft_catch_up: bool = False):
         import random
@@ -205,6 +311,8 @@ class SimExecutor:
         rates = [acceptance_rate] if isinstance(acceptance_rate, (int, float)) else acceptance_rate
         if rates is not None and (not rates or not all(0.0 <= a <= 1.0 for a in rates)):
             raise ValueError(f"acceptance_rate must be in [0, 1] (or a non-empty list of such), got {acceptance_rate}")
+        if rates is not None and any(b > a for a, b in zip(rates, rates[1:])):
+            raise ValueError(f"acceptance_rate per-position rates must be non-increasing, got {acceptance_rate}")
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.acceptance_rate = acceptance_rate
@@ -221,7 +329,7 @@ class SimExecutor:
         self.stats = SpecDecodingStats()
 
     def _token(self, r, offset: int = 0) -> int:
-        return (7919 * (r.num_tokens + offset) + len(r.request_id)) % self.vocab_size
+        return (7919 * (r.num_tokens + offset) + len(r.request_id)) % (self.vocab_size or 32000)
 
     def execute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
         sampled: dict[str, int | list[int]] = {}
@@ -263,3 +371,6 @@ class SimExecutor:
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._draft_seen.pop(rid, None)
+
+    def release_state(self) -> None:
+        self._draft_seen = {}
