@@ -16,6 +16,14 @@ from minibatch.policies import ENGINE_POLICIES
 SIM_DEFAULT_POLICIES = ("static", "orca", "paged", "prefill_first", "chunked")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``minibatch compare: error: --n-slots must be ...`` on
+    stderr and exit code 2, no usage block and never a traceback."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
 def add_run_args(p: argparse.ArgumentParser, d: CompareConfig, model: bool = True) -> None:
     """The trace, policy and output options compare and simulate share; model: add compare's
     model-only options too (--model, --clock, --draft-model, ...)."""
@@ -31,6 +39,7 @@ def add_run_args(p: argparse.ArgumentParser, d: CompareConfig, model: bool = Tru
     if model:
         p.add_argument("--clock", default=d.clock, choices=["wall", "sim"],
                        help="wall: measured; sim: cost-model step times (HF baselines are always wall)")
+        p.add_argument("--device", default=d.device, help="where the model runs: cpu, cuda or cuda:N")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="requests per batch for static and hf_generate")
     p.add_argument("--max-bs", type=int, default=d.max_bs, help="orca: most requests per iteration (KV memory limits it too)")
@@ -84,7 +93,7 @@ def parse_acceptance_rate(text: str | None) -> float | list[float] | None:
     """"0.7" -> 0.7; "0.6,0.3,0.1" -> per-position rates; None -> None.
 
     Raises:
-        ValueError: not numbers in [0, 1] (names --acceptance-rate).
+        ValueError: not numbers in [0, 1], or per-position rates that increase (names --acceptance-rate).
     """
     if text is None:
         return None
@@ -94,11 +103,14 @@ def parse_acceptance_rate(text: str | None) -> float | list[float] | None:
         raise ValueError(f"--acceptance-rate must be a number or comma-separated numbers in [0, 1], got {text!r}") from None
     if not all(0.0 <= a <= 1.0 for a in rates):
         raise ValueError(f"--acceptance-rate must be in [0, 1], got {text!r}")
+    if any(b > a for a, b in zip(rates, rates[1:])):
+        raise ValueError(f"--acceptance-rate per-position rates must be non-increasing (position i+1 is "
+                         f"reached only through position i), got {text!r}")
     return rates[0] if len(rates) == 1 else rates
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minibatch", description=__doc__)
+    parser = _Parser(prog="minibatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="run one trace through static, orca, paged, chunked prefill and the Hugging Face baselines")
     d = CompareConfig()
@@ -123,78 +135,103 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line. Returns 0 when done; otherwise raises SystemExit (as argparse does) with
+    code 2 for a bad option or input (one line on stderr naming it, checked before any model
+    loads where it can be), 1 for a failed file write, 130 when interrupted (Ctrl-C: one line,
+    and no partial output file: every write is atomic)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    sub = f"{parser.prog} {args.command}"
+    try:
+        return _run(parser, args, argv)
+    except KeyboardInterrupt:
+        print(f"{sub}: interrupted", file=sys.stderr)
+        code = 130
+    except (ValueError, TypeError, NotImplementedError, FileNotFoundError, IsADirectoryError) as e:
+        print(f"{sub}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        code = 2
+    except OSError as e:  # a write failed (disk full, permissions), a model could not be fetched
+        print(f"{sub}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        code = 1
+    raise SystemExit(code)
+
+
+def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
+    from minibatch.checks import check_device, check_int, check_real
+    from minibatch.files import check_output_file
+
     command = " ".join(["python -m minibatch"] + (argv if argv is not None else sys.argv[1:]))
     if args.command in ("compare", "simulate"):
         model = args.command == "compare"
-        try:
-            cfg = CompareConfig(
-                num_requests=args.num_requests, rate=args.rate, arrival=args.arrival,
-                trace=args.trace, policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-                seed=args.seed, batch_size=args.batch_size, max_bs=args.max_bs, max_wait_s=args.max_wait_s,
-                max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
-                output_scale=args.output_scale, n_slots=args.n_slots, block_size=args.block_size,
-                preemption_mode=args.preemption_mode,
-                orca_reservation=args.orca_reservation, max_num_batched_tokens=args.max_num_batched_tokens,
-                target_itl_ms=args.target_itl_ms, policy_order=args.policy_order, aging_s=args.aging_s,
-                long_prompts=args.long_prompts, long_prompt_len=args.long_prompt_len,
-                num_speculative_tokens=args.num_speculative_tokens, adaptive_k=args.adaptive_k,
-                slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s, json_path=args.json_path,
-                progress=not args.no_progress, profile=args.profile, trace_out=args.trace_out, command=command,
-                **(dict(model=args.model, clock=args.clock, attention_backend=args.attention_backend,
-                        draft_model=args.draft_model, check_reference=not args.no_reference,
-                        figures_dir=args.figures_dir or None) if model else
-                   dict(clock="sim", check_reference=False, figures_dir=None)),
-            )
-            acceptance = None if model else parse_acceptance_rate(args.acceptance_rate)
-        except ValueError as e:
-            parser.error(str(e))
+        cfg = CompareConfig(
+            num_requests=args.num_requests, rate=args.rate, arrival=args.arrival,
+            trace=args.trace, policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+            seed=args.seed, batch_size=args.batch_size, max_bs=args.max_bs, max_wait_s=args.max_wait_s,
+            max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
+            output_scale=args.output_scale, n_slots=args.n_slots, block_size=args.block_size,
+            preemption_mode=args.preemption_mode,
+            orca_reservation=args.orca_reservation, max_num_batched_tokens=args.max_num_batched_tokens,
+            target_itl_ms=args.target_itl_ms, policy_order=args.policy_order, aging_s=args.aging_s,
+            long_prompts=args.long_prompts, long_prompt_len=args.long_prompt_len,
+            num_speculative_tokens=args.num_speculative_tokens, adaptive_k=args.adaptive_k,
+            slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s, json_path=args.json_path,
+            progress=not args.no_progress, profile=args.profile, trace_out=args.trace_out, command=command,
+            **(dict(model=args.model, clock=args.clock, device=args.device, attention_backend=args.attention_backend,
+                    draft_model=args.draft_model, check_reference=not args.no_reference,
+                    figures_dir=args.figures_dir or None) if model else
+               dict(clock="sim", check_reference=False, figures_dir=None)),
+        )
         if model:
             run_compare(cfg)
         else:
+            from minibatch.sim.cost_model import Profile
             from minibatch.sim.simulator import run_simulation
 
-            try:
-                run_simulation(cfg, args.profile, acceptance)
-            except ValueError as e:
-                parser.error(str(e))
-    elif args.command == "calibrate":
-        from minibatch.models import check_model_name
-        from minibatch.sim.calibrate import calibrate, print_profile, refit
-        from minibatch.sim.cost_model import Profile
+            acceptance = parse_acceptance_rate(args.acceptance_rate)
+            Profile.load(args.profile)  # a bad profile is reported before the run
+            run_simulation(cfg, args.profile, acceptance)
+        return 0
+    # calibrate
+    from minibatch.models import check_model_name
+    from minibatch.sim.calibrate import calibrate, print_profile, refit
+    from minibatch.sim.cost_model import Profile
 
-        if args.draft_only:
-            from minibatch.sim.calibrate import calibrate_draft
+    check_device(args.device, "--device")
+    if args.threads is not None:
+        check_int(args.threads, "--threads", 1, 1024)
+    check_real(args.scale, "--scale", 0.0, 1.0, low_open=True)
+    if args.out is not None:
+        check_output_file(args.out, "--out")
+    if args.draft_only:
+        from minibatch.sim.calibrate import calibrate_draft
 
-            if not args.draft_model:
-                parser.error("--draft-only needs --draft-model")
-            profile = calibrate_draft(Profile.load(args.draft_only), args.draft_model, args.device, args.threads,
-                                      args.scale, progress=not args.no_progress)
-            profile.meta["draft_command"] = " ".join(["python -m minibatch"] + (argv if argv is not None else sys.argv[1:]))
-            print_profile(profile)
-            print(f"wrote {profile.save(args.out or args.draft_only)} (draft {args.draft_model} added)")
-            return 0
-        if args.refit:
-            profile = refit(Profile.load(args.refit))
-            print_profile(profile)
-            print(f"wrote {profile.save(args.out or args.refit)} (refit of {args.refit})")
-            return 0
-        try:
-            check_model_name(args.model)
-            if args.draft_model:
-                check_model_name(args.draft_model)
-            if args.threads is not None and args.threads < 1:
-                raise ValueError(f"--threads must be >= 1, got {args.threads}")
-            if not 0 < args.scale <= 1:
-                raise ValueError(f"--scale must be in (0, 1], got {args.scale}")
-        except ValueError as e:
-            parser.error(str(e))
-        profile = calibrate(args.model, args.device, args.threads, args.scale, args.draft_model,
-                            progress=not args.no_progress, command=command)
+        if not args.draft_model:
+            raise ValueError("--draft-only needs --draft-model")
+        check_model_name(args.draft_model, "--draft-model")
+        base = Profile.load(args.draft_only)
+        check_output_file(args.out or args.draft_only, "--out")
+        profile = calibrate_draft(base, args.draft_model, args.device, args.threads, args.scale,
+                                  progress=not args.no_progress)
+        profile.meta["draft_command"] = command
         print_profile(profile)
-        out = args.out or f"data/profiles/{args.model.replace('/', '_')}-{args.device}.json"
-        print(f"wrote {profile.save(out)} ({profile.meta['calibration_time_s']} s)")
+        print(f"wrote {profile.save(args.out or args.draft_only)} (draft {args.draft_model} added)")
+        return 0
+    if args.refit:
+        base = Profile.load(args.refit)
+        check_output_file(args.out or args.refit, "--out")
+        profile = refit(base)
+        print_profile(profile)
+        print(f"wrote {profile.save(args.out or args.refit)} (refit of {args.refit})")
+        return 0
+    check_model_name(args.model, "--model")
+    if args.draft_model:
+        check_model_name(args.draft_model, "--draft-model")
+    out = args.out or f"data/profiles/{args.model.replace('/', '_')}-{args.device}.json"
+    check_output_file(out, "--out")
+    profile = calibrate(args.model, args.device, args.threads, args.scale, args.draft_model,
+                        progress=not args.no_progress, command=command)
+    print_profile(profile)
+    print(f"wrote {profile.save(out)} ({profile.meta['calibration_time_s']} s)")
     return 0
 
 

@@ -11,7 +11,6 @@ same requests, and every greedy policy's outputs are checked token for token aga
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,16 @@ from minibatch.policies import ENGINE_POLICIES, PAGED_POLICIES, SPEC_POLICIES, m
 from minibatch.request import Request, SamplingParams
 
 BASELINE_POLICIES = ("hf_generate", "hf_generate_batch")
+ARRIVALS = ("poisson", "zero", "gamma")
+# Limits of the run configuration: beyond them a run is a typo, not an experiment (and would
+# exhaust memory or time before saying so).
+MAX_NUM_REQUESTS = 1_000_000
+MAX_NUM_SEQS = 65_536  # batch_size, max_bs (vLLM's max_num_seqs)
+MAX_KV_SLOTS = 1 << 26  # n_slots: 67M token slots, far beyond any GPU's KV memory for these models
+MAX_BLOCK_SIZE = 4096
+MAX_SPEC_TOKENS = 64
+MAX_RATE = 1e6  # requests/s
+MAX_SECONDS = 7 * 24 * 3600.0  # any time option: a week
 ALL_POLICIES = ENGINE_POLICIES + BASELINE_POLICIES
 
 
@@ -37,6 +46,7 @@ class CompareConfig:
     trace: str | None = None  # a saved trace JSON replaces the generated one
     policies: tuple[str, ...] = ALL_POLICIES
     clock: str = "wall"
+    device: str = "cpu"  # where the model runs: cpu, cuda or cuda:N
     seed: int = 0
     batch_size: int = 8  # static batching and hf_generate: requests per padded batch
     max_bs: int = 32  # orca: most requests per iteration (Orca's max_bs); KV memory limits it too
@@ -69,76 +79,88 @@ class CompareConfig:
     command: str | None = None  # the command line, recorded in the JSON
 
     def __post_init__(self):
+        """Check every field (the CLI and the API share this): one ValueError/TypeError naming the
+        field as its CLI option and the allowed range. Explicit bad values are never replaced."""
+        from minibatch.checks import (MAX_TOKENS, FieldTypeError, check_choice, check_device, check_int, check_real,
+                                      check_str)
+        from minibatch.models import check_model_name
+        from minibatch.scheduler.queue_policy import QUEUE_POLICIES
+
+        def opt(name: str) -> str:
+            return "--" + name.replace("_", "-")
+
+        if isinstance(self.policies, str) or not hasattr(self.policies, "__iter__"):
+            raise ValueError(f"--policies must be a comma-separated subset of {','.join(ALL_POLICIES)}, got {self.policies!r}")
         self.policies = tuple(self.policies)
         unknown = [p for p in self.policies if p not in ALL_POLICIES]
         if unknown or not self.policies:
-            raise ValueError(f"--policies must be a comma-separated subset of {','.join(ALL_POLICIES)}, got {unknown}")
+            raise ValueError(f"--policies must be a comma-separated subset of {','.join(ALL_POLICIES)}, got {unknown or '(none)'}")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policies lists a policy twice: {','.join(self.policies)}")
-        if self.num_requests < 1:
-            raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
-        if not self.rate > 0:
-            raise ValueError(f"--rate must be > 0 requests/s, got {self.rate}")
-        if self.clock not in ("wall", "sim"):
-            raise ValueError(f"--clock must be 'wall' or 'sim', got {self.clock!r}")
-        if not self.max_wait_s >= 0:
-            raise ValueError(f"--max-wait-s must be >= 0, got {self.max_wait_s}")
-        if self.max_bs < 1:
-            raise ValueError(f"--max-bs must be >= 1, got {self.max_bs}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.n_slots is not None and self.n_slots < 1:
-            raise ValueError(f"--n-slots must be >= 1, got {self.n_slots}")
-        if self.block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"--preemption-mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.orca_reservation not in ("oracle", "max"):
-            raise ValueError(f"--orca-reservation must be 'oracle' or 'max', got {self.orca_reservation!r}")
-        from minibatch.scheduler.queue_policy import QUEUE_POLICIES
-
-        if self.policy_order not in QUEUE_POLICIES:
-            raise ValueError(f"--policy-order must be one of {','.join(QUEUE_POLICIES)}, got {self.policy_order!r}")
-        if self.aging_s is not None and not self.aging_s > 0:
-            raise ValueError(f"--aging-s must be > 0 seconds, got {self.aging_s}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
-            raise ValueError(f"--target-itl-ms must be > 0, got {self.target_itl_ms}")
-        if not 0 <= self.long_prompts <= self.num_requests:
+        ints = {"num_requests": (1, MAX_NUM_REQUESTS), "seed": (0, 2**32 - 1), "batch_size": (1, MAX_NUM_SEQS),
+                "max_bs": (1, MAX_NUM_SEQS), "max_prompt_len": (1, MAX_TOKENS), "max_output_len": (1, MAX_TOKENS),
+                "block_size": (1, MAX_BLOCK_SIZE), "long_prompts": (0, None), "long_prompt_len": (1, MAX_TOKENS),
+                "num_speculative_tokens": (1, MAX_SPEC_TOKENS), "n_slots": (1, MAX_KV_SLOTS),
+                "max_num_batched_tokens": (1, MAX_TOKENS)}
+        for name, (low, high) in ints.items():
+            if getattr(self, name) is not None or name not in ("n_slots", "max_num_batched_tokens"):
+                setattr(self, name, check_int(getattr(self, name), opt(name), low, high))
+        if self.long_prompts > self.num_requests:
             raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], got {self.long_prompts}")
-        if self.long_prompt_len < 1:
-            raise ValueError(f"--long-prompt-len must be >= 1, got {self.long_prompt_len}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"--num-speculative-tokens must be >= 1, got {self.num_speculative_tokens}")
+        reals = {"rate": (0.0, MAX_RATE, True), "max_wait_s": (0.0, MAX_SECONDS, False),
+                 "output_scale": (0.0, 1000.0, True)}
+        optional_reals = {"target_itl_ms": (0.0, MAX_SECONDS * 1000, True), "aging_s": (0.0, MAX_SECONDS, True),
+                          "slo_ttft_s": (0.0, MAX_SECONDS, True), "slo_tpot_s": (0.0, MAX_SECONDS, True)}
+        for name, (low, high, low_open) in reals.items():
+            setattr(self, name, check_real(getattr(self, name), opt(name), low, high, low_open=low_open))
+        for name, (low, high, low_open) in optional_reals.items():
+            if getattr(self, name) is not None:
+                setattr(self, name, check_real(getattr(self, name), opt(name), low, high, low_open=low_open))
+        for name, choices in (("arrival", ARRIVALS), ("clock", ("wall", "sim")),
+                              ("preemption_mode", ("recompute", "swap")), ("orca_reservation", ("oracle", "max")),
+                              ("policy_order", QUEUE_POLICIES), ("attention_backend", ("torch", "triton"))):
+            check_choice(getattr(self, name), opt(name), choices)
+        for name in ("adaptive_k", "check_reference", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        check_device(self.device, "--device")
+        check_str(self.model, "--model")
+        check_model_name(self.model, "--model")
         if self.draft_model is not None:
-            from minibatch.models import check_model_name
-
-            check_model_name(self.draft_model)
-        if self.attention_backend not in ("torch", "triton"):
-            raise ValueError(f"--attention-backend must be 'torch' or 'triton', got {self.attention_backend!r}")
-        for name in ("max_prompt_len", "max_output_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("slo_ttft_s", "slo_tpot_s"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
-        if not self.output_scale > 0:
-            raise ValueError(f"--output-scale must be > 0, got {self.output_scale}")
-        from minibatch.models import check_model_name
-
-        check_model_name(self.model)
+            check_str(self.draft_model, "--draft-model")
+            check_model_name(self.draft_model, "--draft-model")
+        for name in ("trace", "profile", "trace_out", "json_path", "figures_dir", "command"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, Path)):
+                raise FieldTypeError(f"{'--json' if name == 'json_path' else opt(name)} must be a path (str) or None, "
+                                     f"got {getattr(self, name)!r}")
         if self.trace is not None and not Path(self.trace).is_file():
             raise ValueError(f"--trace: no such file {self.trace!r}")
         if self.profile is not None and not Path(self.profile).is_file():
             raise ValueError(f"--profile: no such file {self.profile!r} (make one with python -m minibatch calibrate)")
+        from minibatch.files import check_output_dir, check_output_file
+
+        if self.json_path is not None:  # output paths: fail now, not after the run
+            check_output_file(self.json_path, "--json")
+        if self.figures_dir:
+            check_output_dir(self.figures_dir, "--figures-dir")
+        if self.trace_out is not None:
+            check_output_dir(self.trace_out, "--trace-out")
+        if self.trace is not None:  # a bad trace file fails now; its ids are checked against the vocab later
+            from minibatch.workload import load_trace
+
+            load_trace(self.trace)
 
 
 def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]:
+    """cfg.trace read (token ids checked against ``vocab_size``), or a generated trace.
+
+    Raises:
+        ValueError: a bad trace file (names the file, the request index and the field).
+    """
     from minibatch.workload import load_trace, make_trace
 
     if cfg.trace is not None:
-        return load_trace(cfg.trace)
+        return load_trace(cfg.trace, vocab_size=vocab_size)
     return make_trace(
         cfg.num_requests, arrival=cfg.arrival, rate_per_s=cfg.rate, lengths="sharegpt",
         max_prompt_len=cfg.max_prompt_len, max_output_len=cfg.max_output_len, output_scale=cfg.output_scale,
@@ -149,21 +171,25 @@ def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]
 
 @torch.inference_mode()
 def reference_outputs(model, requests: list[Request], progress: bool = False) -> dict[str, list[int]]:
-    """HF ``generate`` on each greedy request alone: the ground truth for matches_reference."""
+    """HF ``generate`` on each greedy request alone: the ground truth for matches_reference.
+
+    Greedy, ``max_new_tokens``, stopping at the model's EOS unless ``ignore_eos``, and nothing else:
+    the checkpoint's generation_config (repetition_penalty, suppress_tokens, ...) is left out
+    (``baselines.plain_generation_config``), since our engine implements none of it.
+    Returns request_id -> output token ids.
+    """
     from tqdm.auto import tqdm
 
-    from minibatch.models import attention_implementation, eos_token_ids, pad_token_id
+    from minibatch.baselines import plain_generation, plain_generation_config
+    from minibatch.models import attention_implementation
 
     refs = {}
     with attention_implementation(model, "sdpa"):
         for r in tqdm([r for r in requests if r.sampling.is_greedy], desc="reference", disable=not progress,
                       leave=False):
             ids = torch.tensor([r.prompt_token_ids], device=model.device)
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_new_tokens, do_sample=False,
-                eos_token_id=None if r.sampling.ignore_eos else list(eos_token_ids(model)),
-                pad_token_id=pad_token_id(model),
-            )
+            with plain_generation(model, plain_generation_config(model, r.max_new_tokens, r.sampling)) as cfg:
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
             refs[r.request_id] = out[0, ids.shape[1]:].tolist()
     return refs
 
@@ -266,7 +292,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     from minibatch.runner import ModelRunner
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(cfg.model)
+    model, tokenizer = load_model(cfg.model, device=cfg.device)
     print(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"loaded in {time.perf_counter() - t0:.1f} s")
     requests = build_trace(cfg, tokenizer, model.config.vocab_size)
@@ -277,7 +303,12 @@ def run_compare(cfg: CompareConfig) -> dict:
     runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend)
     too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]
     if too_long:  # fail before minutes of reference runs, never drop the requests silently
-        raise ValueError(f"requests {too_long} need more than max_model_len = {runner.max_model_len} tokens")
+        raise ValueError(f"requests {too_long[:5]}{' ...' if len(too_long) > 5 else ''} need more than "
+                         f"max_model_len = {runner.max_model_len} tokens (--max-prompt-len, --max-output-len)")
+    from minibatch.runner.model_runner import check_kv_fits
+
+    check_kv_fits(kv_slots(cfg, requests) * (2 if cfg.preemption_mode == "swap" else 1), runner.kv_bytes_per_token,
+                  runner.device, "--n-slots (KV cache" + (" and as much CPU swap space)" if cfg.preemption_mode == "swap" else ")"))
     draft_runner = None
     if "spec" in cfg.policies:
         draft_runner = load_draft_runner(cfg.draft_model or default_draft(cfg.model), cfg.model, model, tokenizer,
@@ -285,7 +316,8 @@ def run_compare(cfg: CompareConfig) -> dict:
     _warm_up(runner, draft_runner)
     refs = reference_outputs(model, requests, cfg.progress) if cfg.check_reference else {}
 
-    result = {"command": cfg.command, "environment": environment(), "model": cfg.model, "num_requests": len(requests), "clock": cfg.clock,
+    result = {"command": cfg.command, "environment": environment(), "model": cfg.model, "device": cfg.device,
+              "num_requests": len(requests), "clock": cfg.clock,
               "batch_size": cfg.batch_size, "max_bs": cfg.max_bs, "n_slots": kv_slots(cfg, requests),
               "block_size": cfg.block_size, "preemption_mode": cfg.preemption_mode,
               "orca_reservation": cfg.orca_reservation,
@@ -348,10 +380,13 @@ def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threa
 
 
 def write_json(result: dict, path: str | Path | None) -> None:
-    """Write a benchmark result as indented JSON (parent folders made); nothing if path is None."""
+    """Write a benchmark result as indented, strict JSON (NaN/inf -> null: "metric undefined"),
+    atomically (parent folders made; a failed write keeps the old file); nothing if path is None.
+    See :mod:`minibatch.files`."""
+    from minibatch.files import write_json as write_json_file
+
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+        write_json_file(path, result, indent=2)
         print(f"wrote {path}")
 
 

@@ -104,7 +104,11 @@ class Engine:
     Args:
         scheduler: a :class:`~minibatch.scheduler.base.Scheduler` (static, orca, ...).
         executor: has ``execute(SchedulerOutput) -> {request_id: token_id}``, ``eos_token_ids``,
-            ``max_model_len`` and ``free(request_ids)``; a ``ModelRunner`` or a ``SimExecutor``.
+            ``max_model_len``, ``vocab_size``, ``free(request_ids)``, ``claim(engine)`` and
+            ``allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)``; a ``ModelRunner``,
+            ``SpeculativeRunner`` or ``SimExecutor``. Several engines may share one executor one
+            after another (each claims its KV cache before a step), never interleaved while one
+            still holds KV in it.
         clock: ``WallClock`` (measure) or ``SimClock`` (deterministic timeline); default SimClock,
             so pass a WallClock to time a real model.
 
@@ -125,9 +129,20 @@ class Engine:
         """Queue a request; it reaches the scheduler at its arrival_time_s.
 
         Raises:
-            ValueError: the request cannot ever run (too long for the model or the KV cache)
-                or is not fresh. Requests are never silently dropped.
+            TypeError: not a Request.
+            ValueError: the request cannot ever run (a token id outside [0, vocab_size), too
+                long for the model or the KV cache) or is not fresh. It is refused here, before
+                it can reach a step, so a bad request never takes other requests down; requests
+                are never silently dropped.
         """
+        if not isinstance(request, Request):
+            raise TypeError(f"add_request takes a Request, got {type(request).__name__}")
+        vocab_size = getattr(self.executor, "vocab_size", None)
+        if vocab_size is not None:
+            bad = next((i for i, t in enumerate(request.prompt_token_ids) if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"request {request.request_id!r}: prompt_token_ids[{bad}] must be in "
+                                 f"[0, vocab_size = {vocab_size}), got {request.prompt_token_ids[bad]}")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} already ran; pass request.copy()")
         if request.request_id in self.requests:
@@ -147,13 +162,37 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.pending) or self.scheduler.has_unfinished()
 
+    @property
+    def holds_kv(self) -> bool:
+        """Whether KV of this engine's requests sits in the executor's caches (running or swapped)."""
+        return bool(self.scheduler.running) or bool(getattr(self.scheduler, "swapped", None))
+
+    def _claim_executor(self) -> None:
+        """Take the executor's KV cache for this engine before a step (``KVOwnership.claim``):
+        refused while another engine holds KV in it; on a change of hands, the cache gets this
+        engine's geometry and the prefix cache forgets blocks another engine may have overwritten."""
+        if not self.executor.claim(self):
+            return
+        bm = getattr(self.scheduler, "block_manager", None)
+        if bm is not None:
+            self.executor.allocate_kv_cache(bm.num_blocks, bm.block_size, bm.num_cpu_blocks)
+            bm.reset_prefix_cache()
+
     def _admit_arrivals(self) -> None:
         while self.pending and self.pending[0][0] <= self.clock.now_s:
             self.scheduler.add_request(heapq.heappop(self.pending)[2])
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> StepRecord | None:
-        """Run one iteration. Returns its record, or None if the engine only waited (idle)."""
+        """Run one iteration. Returns its record, or None if the engine only waited (idle) or
+        has nothing to do (no request added, or all finished: the clock does not move).
+
+        Raises:
+            RuntimeError: the executor is in use by another engine that holds KV in it.
+        """
+        if not self.has_unfinished():
+            return None
+        self._claim_executor()
         self._admit_arrivals()
         start_s = self.clock.now_s
         self.clock.start_step()  # the wall clock times scheduling too, not only the forward

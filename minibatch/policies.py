@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from minibatch.checks import check_choice, check_int, check_real
 from minibatch.engine import Engine
 from minibatch.scheduler import (AdaptiveChunker, ChunkedPrefillScheduler, OrcaScheduler, PagedScheduler,
                                  PrefillFirstScheduler, StaticScheduler, make_queue_policy)
@@ -60,21 +61,30 @@ def make_engine(
     Raises:
         ValueError: an unknown policy or a bad argument (the message names it).
     """
+    check_choice(policy, "policy", ENGINE_POLICIES)
+    check_int(max_bs, "max_bs", 1)
+    check_int(n_slots, "n_slots", 1)
+    if block_size is not None:
+        check_int(block_size, "block_size", 1)
+    check_real(max_wait_s, "max_wait_s", 0.0)
+    if max_num_batched_tokens is not None:
+        check_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
     if policy == "static":
         return Engine(StaticScheduler(batch_size=max_bs, max_wait_s=max_wait_s), executor, clock)
     order = make_queue_policy(queue_policy, aging_s)
     if policy == "orca":
-        scheduler = OrcaScheduler(max_bs=max_bs, n_slots=n_slots, block_size=block_size or 1,
+        scheduler = OrcaScheduler(max_bs=max_bs, n_slots=n_slots, block_size=1 if block_size is None else block_size,
                                   reserve_new_tokens=reserve_new_tokens, queue_policy=order)
     elif policy in PAGED_POLICIES:
-        block_size = block_size or 16
+        block_size = 16 if block_size is None else block_size
         if n_slots < block_size:
             raise ValueError(f"n_slots must be >= block_size ({block_size}), got {n_slots}")
         kwargs = dict(max_bs=max_bs, num_blocks=n_slots // block_size, block_size=block_size,
                       enable_prefix_caching=policy.endswith("_prefix"), preemption_mode=preemption_mode,
                       watermark=watermark, queue_policy=order)
         if policy.startswith("chunked"):
-            kwargs["max_num_batched_tokens"] = max_num_batched_tokens or DEFAULT_CHUNKED_BUDGET
+            kwargs["max_num_batched_tokens"] = (DEFAULT_CHUNKED_BUDGET if max_num_batched_tokens is None
+                                                else max_num_batched_tokens)
             kwargs["chunker"] = AdaptiveChunker(target_itl_s) if target_itl_s is not None else None
         else:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
@@ -90,9 +100,7 @@ def make_engine(
         raise ValueError(f"max_num_prefills needs the prefill_first policy, got {policy!r}")
     if target_itl_s is not None and not policy.startswith("chunked"):
         raise ValueError(f"target_itl_s (adaptive chunk size) needs a chunked policy, got {policy!r}")
-    bm = scheduler.block_manager
-    executor.allocate_kv_cache(bm.num_blocks, bm.block_size, bm.num_cpu_blocks)
-    return Engine(scheduler, executor, clock)
+    return Engine(scheduler, executor, clock)  # the engine allocates the KV cache when it claims the executor
 
 
 def _speculative_executor(policy: str, executor, draft_runner, k: int, adaptive_k: bool):

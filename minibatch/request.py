@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import operator
 from dataclasses import dataclass, field
+
+
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 100.0
 
 
 class RequestStatus(enum.Enum):
@@ -28,12 +30,23 @@ class SamplingParams:
     """How the next token is chosen from the logits.
 
     temperature == 0 is greedy (argmax). Otherwise logits / temperature, then top-k (0 = off),
-    then top-p nucleus filtering (1.0 = off), then a draw from a ``torch.Generator`` seeded with
-    ``seed`` so a request's samples are reproducible whatever batch it runs in.
+    then top-p nucleus filtering (1.0 = off), then a draw from the request's own
+    ``torch.Generator`` seeded with ``seed``, one draw per output token. A seeded request gets the
+    same tokens whatever batch it runs in, under every non-speculative policy (with or without
+    preemption) and under ``spec_ngram`` whatever k (n-gram drafts are checked against the
+    target's own draws), up to the float rounding of the logits. Under ``spec`` (a draft model)
+    the tokens depend on the schedule -- k, which positions were verified against drafts,
+    preemptions -- because the rejection sampler draws differently from a plain decode; a run is
+    still reproducible and its tokens follow exactly the target's distribution
+    (``minibatch.spec.rejection_sampler``).
     ``ignore_eos`` makes a request run to exactly ``max_new_tokens`` (as vLLM's benchmarks do,
     so every policy does the same work on a trace).
 
+    temperature is 0 or in [1e-5, 100] (below 1e-5, logits / temperature overflow float32; ask
+    for 0, greedy, instead).
+
     Raises:
+        TypeError: a field of the wrong type (a bool or str where a number is wanted).
         ValueError: a field out of range (the message names the field and its allowed range).
     """
 
@@ -44,12 +57,19 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        from minibatch.checks import FieldTypeError, check_int, check_real
+
+        if not isinstance(self.temperature, bool) and isinstance(self.temperature, (int, float)) \
+                and 0 < self.temperature < MIN_TEMPERATURE:  # logits / 1e-40 overflow: treat as greedy
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                             f"got {self.temperature!r}")
+        check_real(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
+        check_int(self.top_k, "top_k (0 = off)", 0)
+        check_real(self.top_p, "top_p", 0.0, 1.0, low_open=True)
+        if self.seed is not None:
+            check_int(self.seed, "seed", 0, 2**63 - 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise FieldTypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -77,7 +97,11 @@ class Request:
             engine's choice (0: never speculate); None (default): the engine decides.
 
     Raises:
-        ValueError: empty prompt, max_new_tokens < 1, arrival_time_s < 0 or a non-int priority.
+        TypeError: a field of the wrong type: request_id not a str, token ids that are not ints
+            (floats, bools, strings, nested lists), a float max_new_tokens, a non-int priority.
+        ValueError: a field out of range: an empty prompt or an id < 0, max_new_tokens outside
+            [1, 2**20], arrival_time_s negative or not finite, num_speculative_tokens outside
+            [0, 64]. Ids >= the model's vocab_size are refused by ``Engine.add_request``.
     """
 
     request_id: str
@@ -104,26 +128,24 @@ class Request:
     finish_time_s: float | None = None
 
     def __post_init__(self):
-        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
-        if len(self.prompt_token_ids) < 1:
-            raise ValueError(f"request {self.request_id!r}: prompt_token_ids must hold >= 1 token")
-        if self.max_new_tokens < 1:
-            raise ValueError(
-                f"request {self.request_id!r}: max_new_tokens must be >= 1, got {self.max_new_tokens}"
-            )
+        from minibatch.checks import MAX_TOKENS, FieldTypeError, check_int, check_real, check_str, check_token_ids
+
+        check_str(self.request_id, "request_id")
+        where = f"request {self.request_id!r}: "
         try:
-            if isinstance(self.priority, bool):
-                raise TypeError
-            self.priority = operator.index(self.priority)
-        except TypeError:
-            raise ValueError(f"request {self.request_id!r}: priority must be an int, got {self.priority!r}") from None
-        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
-            raise ValueError(f"request {self.request_id!r}: num_speculative_tokens must be >= 0 or None, "
-                             f"got {self.num_speculative_tokens}")
-        if not self.arrival_time_s >= 0.0:
-            raise ValueError(
-                f"request {self.request_id!r}: arrival_time_s must be >= 0, got {self.arrival_time_s}"
-            )
+            self.prompt_token_ids = check_token_ids(self.prompt_token_ids, "prompt_token_ids")
+            self.max_new_tokens = check_int(self.max_new_tokens, "max_new_tokens", 1, MAX_TOKENS)
+            if not isinstance(self.sampling, SamplingParams):
+                raise FieldTypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+            self.arrival_time_s = check_real(self.arrival_time_s, "arrival_time_s", 0.0)
+            if self.prompt_text is not None and not isinstance(self.prompt_text, str):
+                raise FieldTypeError(f"prompt_text must be a str or None, got {type(self.prompt_text).__name__}")
+            check_str(self.parent_request_id, "parent_request_id", allow_none=True)
+            self.priority = check_int(self.priority, "priority", None)
+            if self.num_speculative_tokens is not None:
+                self.num_speculative_tokens = check_int(self.num_speculative_tokens, "num_speculative_tokens", 0, 64)
+        except (TypeError, ValueError) as e:
+            raise type(e)(where + str(e)) from None
 
     # --- derived values ---
     @property

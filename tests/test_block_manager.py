@@ -119,9 +119,9 @@ def test_swap_out_and_in_round_trip():
     bm.allocate_slots(a, 3)
     gpu = list(bm.block_tables["a"])
     out = bm.swap_out("a")
-    assert [g for g, _ in out] == gpu and bm.num_free_blocks == 4 and len(bm.free_cpu_blocks) == 2
+    assert [g for g, _ in out] == gpu and bm.num_free_blocks == 4 and bm.num_free_cpu_blocks == 2
     back = bm.swap_in("a")
-    assert [c for c, _ in back] == [c for _, c in out] and len(bm.free_cpu_blocks) == 4
+    assert [c for c, _ in back] == [c for _, c in out] and bm.num_free_cpu_blocks == 4
     bm.check_invariants()
 
 
@@ -274,7 +274,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free_cpu_blocks.extend(self.bm.cpu_block_tables.pop(rid))
         self.bm.check_invariants()
         assert self.bm.num_free_blocks == self.bm.num_blocks
-        assert len(self.bm.free_cpu_blocks) == self.bm.num_cpu_blocks
+        assert self.bm.num_free_cpu_blocks == self.bm.num_cpu_blocks
 
 
 # 250 examples x up to 60 steps: about 12.5k operations per CI run (counted once: 10.2k at 200)

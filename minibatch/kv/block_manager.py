@@ -81,15 +81,21 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # free list, eviction order first: uncached blocks at the front, freed cached blocks at the
-        # back (least recently used first); an OrderedDict so a cache hit can take one out in O(1)
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Bookkeeping grows with the blocks used, not with num_blocks (a huge cache costs nothing
+        # until it fills): a KVBlock exists once its block was handed out, and the ids never
+        # handed out yet are the range [_next_fresh, num_blocks).
+        self.blocks: dict[int, KVBlock] = {}
+        self._next_fresh = 0
+        # released blocks, eviction order first: uncached ones at the front (reused before the
+        # never-used ids), cached ones at the back (least recently used first); an OrderedDict so
+        # a cache hit can take one out in O(1). Free = released + never used.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict()
         self.cached_blocks: dict[int, int] = {}  # block_hash -> block_id (full blocks, in use or free)
         self.block_tables: dict[str, list[int]] = {}  # request_id -> GPU block ids, position order
         self.num_hashed_blocks: dict[str, int] = {}  # request_id -> leading blocks already hashed
         self.num_cpu_blocks = num_cpu_blocks
-        self.free_cpu_blocks: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.free_cpu_blocks: list[int] = []  # CPU blocks given back (a stack); never-used ids come after
+        self._next_fresh_cpu = 0
         self.cpu_block_tables: dict[str, list[int]] = {}  # swapped-out request_id -> CPU block ids
         # prefix cache stats (vLLM's PrefixCacheStats: queries and hits, in tokens)
         self.num_prefix_query_tokens = 0
@@ -99,11 +105,19 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks with ref_cnt 0 (cached ones included: they are evicted on demand)."""
-        return len(self.free_blocks)
+        return len(self.free_blocks) + self.num_blocks - self._next_fresh
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.free_cpu_blocks) + self.num_cpu_blocks - self._next_fresh_cpu
+
+    def is_free(self, block_id: int) -> bool:
+        """Whether the GPU block has ref_cnt 0 (never used, or released)."""
+        return block_id >= self._next_fresh or block_id in self.free_blocks
 
     @property
     def num_slots(self) -> int:
@@ -114,9 +128,16 @@ class BlockManager:
 
     # ------------------------------------------------------------------ single blocks
     def _take_free_block(self) -> int:
-        if not self.free_blocks:
+        """The next block in eviction order: a released uncached block, else a never-used one,
+        else the least recently used cached block (its cache entry is evicted)."""
+        if self.free_blocks and (self._next_fresh == self.num_blocks
+                                 or self.blocks[next(iter(self.free_blocks))].block_hash is None):
+            block_id, _ = self.free_blocks.popitem(last=False)
+        elif self._next_fresh < self.num_blocks:
+            block_id, self._next_fresh = self._next_fresh, self._next_fresh + 1
+            self.blocks[block_id] = KVBlock(block_id)
+        else:
             raise RuntimeError("no free KV block")
-        block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:  # lazy eviction: its cached content is overwritten now
             if self.cached_blocks.get(block.block_hash) == block_id:
@@ -188,6 +209,14 @@ class BlockManager:
                 self.cached_blocks.setdefault(block.block_hash, block.block_id)  # first copy wins
             parent = block.block_hash
         self.num_hashed_blocks[rid] = max(done, num_full)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block hash (their KV may have been overwritten: the cache tensor
+        was handed to another engine). Blocks in use keep their place; call it with none held."""
+        for block_id in self.cached_blocks.values():
+            self.blocks[block_id].block_hash = self.blocks[block_id].token_ids = None
+        self.cached_blocks.clear()
+        self.num_hashed_blocks = {rid: 0 for rid in self.num_hashed_blocks}
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -290,15 +319,21 @@ class BlockManager:
 
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, request_id: str) -> bool:
-        return len(self.block_tables[request_id]) <= len(self.free_cpu_blocks)
+        return len(self.block_tables[request_id]) <= self.num_free_cpu_blocks
+
+    def _take_cpu_block(self) -> int:
+        if self.free_cpu_blocks:
+            return self.free_cpu_blocks.pop()
+        self._next_fresh_cpu += 1
+        return self._next_fresh_cpu - 1
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
         """Move a request's blocks to CPU blocks. Returns (gpu_block, cpu_block) copies to make
         before the GPU blocks are reused (the runner does them first thing in the step)."""
         if not self.can_swap_out(request_id):
-            raise RuntimeError(f"swap_out {request_id!r}: {len(self.free_cpu_blocks)} free CPU blocks")
+            raise RuntimeError(f"swap_out {request_id!r}: {self.num_free_cpu_blocks} free CPU blocks")
         gpu = self.block_tables[request_id]
-        cpu = [self.free_cpu_blocks.pop() for _ in gpu]
+        cpu = [self._take_cpu_block() for _ in gpu]
         self.free(request_id)
         self.cpu_block_tables[request_id] = cpu
         return list(zip(gpu, cpu))
@@ -336,15 +371,17 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if ref_cnt, the free list or the cache index disagree (tests)."""
-        holders = [0] * self.num_blocks
+        holders: dict[int, int] = {}
         for table in self.block_tables.values():
             for b in table:
-                holders[b] += 1
-        for block in self.blocks:
-            assert block.ref_cnt == holders[block.block_id], f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders[block.block_id]} tables"
-            assert (block.ref_cnt == 0) == (block.block_id in self.free_blocks), f"block {block.block_id} free-list mismatch"
+                holders[b] = holders.get(b, 0) + 1
+        assert all(b < self._next_fresh for b in holders), "a never-used block is held"
+        for block in self.blocks.values():
+            assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders.get(block.block_id, 0)} tables"
+            assert (block.ref_cnt == 0) == self.is_free(block.block_id), f"block {block.block_id} free-list mismatch"
+        assert len(self.blocks) == self._next_fresh, "a used block has no KVBlock"
         for h, b in self.cached_blocks.items():
             assert self.blocks[b].block_hash == h, f"cache index points at block {b} with another hash"
         cpu_held = [b for t in self.cpu_block_tables.values() for b in t]
         assert len(cpu_held) == len(set(cpu_held)), "a CPU block is held twice"
-        assert len(cpu_held) + len(self.free_cpu_blocks) == self.num_cpu_blocks, "CPU blocks leaked"
+        assert len(cpu_held) + self.num_free_cpu_blocks == self.num_cpu_blocks, "CPU blocks leaked"

@@ -14,6 +14,7 @@ Utilization of a batch's decode rows is avg(output_len) / max(output_len) (the s
 
 from __future__ import annotations
 
+from minibatch.checks import check_real
 from minibatch.request import Request, RequestStatus
 from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
 
@@ -35,8 +36,7 @@ class StaticScheduler(Scheduler):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not max_wait_s >= 0:
-            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
+        check_real(max_wait_s, "max_wait_s", 0.0)  # finite: an infinite wait never starts a partial batch
         self.batch_size = batch_size
         self.max_wait_s = max_wait_s
         self.batch: list[Request] = []  # members in row order; == running plus finished members

@@ -1,0 +1,127 @@
+"""Argument checks shared by every boundary (Request, SamplingParams, the run configuration).
+
+Each check raises one error whose message names the field and the allowed range, e.g.
+``ValueError: max_new_tokens must be an int in [1, 1048576], got 2.5``: a library caller gets
+a ``ValueError``/``TypeError`` naming what to fix, and the CLI turns it into one usage line.
+Bools are refused where a number is wanted (``True`` is an ``int`` to Python, not to a user).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from numbers import Real
+
+MAX_TOKENS = 1 << 20  # longest prompt / output / context any field may ask for (1,048,576 tokens)
+
+
+class FieldTypeError(TypeError, ValueError):
+    """A field of the wrong type. Both a TypeError and a ValueError, so a caller that catches
+    ValueError for any bad input (the CLI, the trace reader) catches this one too."""
+
+
+def _range_text(low, high, low_open: bool = False, high_open: bool = False) -> str:
+    if high is None:
+        return f"> {low}" if low_open else f">= {low}"
+    return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+def check_int(value, name: str, low: int | None = 0, high: int | None = None) -> int:
+    """``value`` as an int in [low, high] (None: unbounded on that side). Accepts any integer
+    type (numpy, 0-d tensors: ``operator.index``), never a bool or a float such as 2.0.
+
+    Raises:
+        FieldTypeError (a TypeError and ValueError): not an integer. ValueError: out of range. Both name ``name``.
+    """
+    allowed = f"an int {_range_text(low, high)}" if low is not None else "an int"
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        out = operator.index(value)
+    except TypeError:
+        raise FieldTypeError(f"{name} must be {allowed}, got {value!r}") from None
+    if (low is not None and out < low) or (high is not None and out > high):
+        raise ValueError(f"{name} must be {allowed}, got {out}")
+    return out
+
+
+def check_real(value, name: str, low: float | None = None, high: float | None = None, *,
+               low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a finite float in the range (bounds inclusive unless ``*_open``). NaN and
+    infinities are refused, and so are bools and strings.
+
+    Raises:
+        TypeError: not a real number. ValueError: NaN, infinite or out of range. Both name ``name``.
+    """
+    allowed = "a finite number" + ("" if low is None else f" {_range_text(low, high, low_open, high_open)}")
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise FieldTypeError(f"{name} must be {allowed}, got {value!r}")
+    out = float(value)
+    bad = not math.isfinite(out)
+    bad = bad or (low is not None and (out <= low if low_open else out < low))
+    bad = bad or (high is not None and (out >= high if high_open else out > high))
+    if bad:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return out
+
+
+def check_choice(value, name: str, choices) -> str:
+    """``value`` if it is one of ``choices``.
+
+    Raises:
+        ValueError: naming ``name`` and the choices.
+    """
+    if value not in tuple(choices):
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
+
+
+def check_str(value, name: str, allow_none: bool = False) -> str | None:
+    """``value`` if it is a non-empty str (or None when ``allow_none``).
+
+    Raises:
+        TypeError: not a str. ValueError: empty.
+    """
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, str):
+        raise FieldTypeError(f"{name} must be a non-empty string{' or None' if allow_none else ''}, got {value!r}")
+    if not value:
+        raise ValueError(f"{name} must be a non-empty string, got ''")
+    return value
+
+
+def check_token_ids(value, name: str, vocab_size: int | None = None) -> list[int]:
+    """A non-empty flat sequence of token ids as a list of ints, each in [0, vocab_size).
+
+    Raises:
+        TypeError: not a sequence (a str, a dict, a nested list) or an id that is not an int.
+        ValueError: empty, or an id out of range (the message gives its index).
+    """
+    if isinstance(value, (str, bytes, dict, set)) or not hasattr(value, "__iter__"):
+        raise FieldTypeError(f"{name} must be a list of token ids (ints), got {type(value).__name__}")
+    ids = list(value)
+    if not ids:
+        raise ValueError(f"{name} must hold >= 1 token id, got an empty list")
+    high = None if vocab_size is None else vocab_size - 1
+    return [check_int(t, f"{name}[{i}]", 0, high) for i, t in enumerate(ids)]
+
+
+def check_device(value, name: str = "device") -> str:
+    """``value`` if it names a torch device this machine has: "cpu", "cuda" or "cuda:N".
+
+    Raises:
+        ValueError: another string, or CUDA asked for where torch sees no GPU (or not that many).
+    """
+    import re
+
+    import torch
+
+    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ValueError(f"{name} must be cpu, cuda or cuda:N, got {value!r}")
+    if value.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(value.split(":")[1]) if ":" in value else 0
+        if index >= count:
+            raise ValueError(f"{name} {value!r}: this machine has {count} CUDA device(s) visible to torch")
+    return value
