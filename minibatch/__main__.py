@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # a write failed (disk full, permissions), a model could not be fetched
         print(f"{sub}: error: {' '.join(str(e).split())}", file=sys.stderr)
         code = 1
+    except MemoryError:
+        print(f"{sub}: error: out of memory (use fewer requests, shorter lengths or fewer KV slots)", file=sys.stderr)
+        code = 1
     raise SystemExit(code)
 
 

@@ -52,7 +52,7 @@ __all__ = ["plain_generation", "plain_generation_config", "run_hf_generate", "ru
 
 def _max_model_len(model) -> int | None:
     """The model's context limit, read as ModelRunner reads it (None: its config sets none)."""
-    from minibatch.runner.model_runner import NO_POSITION_LIMIT, config_max_model_len
+    from minibatch.runner.support import NO_POSITION_LIMIT, config_max_model_len
 
     max_len = config_max_model_len(model.config.get_text_config())
     return None if max_len == NO_POSITION_LIMIT else max_len

@@ -12,7 +12,14 @@ import math
 import operator
 from numbers import Real
 
-MAX_TOKENS = 1 << 20  # longest prompt / output / context any field may ask for (1,048,576 tokens)
+# Limits shared by the engine's and the run's configuration: beyond them a value is a typo, not an
+# experiment (and would exhaust memory or time before saying so).
+MAX_TOKENS = 1 << 20  # longest prompt / output / context / token budget (1,048,576 tokens)
+MAX_NUM_SEQS = 65_536  # batch_size, max_bs (vLLM's max_num_seqs)
+MAX_KV_SLOTS = 1 << 26  # n_slots: 67M token slots, far beyond any GPU's KV memory for these models
+MAX_BLOCK_SIZE = 4096
+MAX_SPEC_TOKENS = 64  # num_speculative_tokens, k
+MAX_SECONDS = 7 * 24 * 3600.0  # any waiting time or latency objective: a week
 
 
 class FieldTypeError(TypeError, ValueError):
@@ -105,6 +112,14 @@ def check_token_ids(value, name: str, vocab_size: int | None = None) -> list[int
         raise ValueError(f"{name} must hold >= 1 token id, got an empty list")
     high = None if vocab_size is None else vocab_size - 1
     return [check_int(t, f"{name}[{i}]", 0, high) for i, t in enumerate(ids)]
+
+
+def check_in_vocab(ids: list[int], vocab_size: int, name: str = "prompt_token_ids") -> None:
+    """Raise ValueError unless every id is below ``vocab_size`` (the model's embedding rows);
+    ``ids`` are ints >= 0 already (:func:`check_token_ids`)."""
+    bad = next((i for i, t in enumerate(ids) if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{name}[{bad}] must be in [0, {vocab_size}) (the model's vocab_size), got {ids[bad]}")
 
 
 def check_device(value, name: str = "device") -> str:

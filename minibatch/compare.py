@@ -23,15 +23,8 @@ from minibatch.request import Request, SamplingParams
 
 BASELINE_POLICIES = ("hf_generate", "hf_generate_batch")
 ARRIVALS = ("poisson", "zero", "gamma")
-# Limits of the run configuration: beyond them a run is a typo, not an experiment (and would
-# exhaust memory or time before saying so).
 MAX_NUM_REQUESTS = 1_000_000
-MAX_NUM_SEQS = 65_536  # batch_size, max_bs (vLLM's max_num_seqs)
-MAX_KV_SLOTS = 1 << 26  # n_slots: 67M token slots, far beyond any GPU's KV memory for these models
-MAX_BLOCK_SIZE = 4096
-MAX_SPEC_TOKENS = 64
-MAX_RATE = 1e6  # requests/s
-MAX_SECONDS = 7 * 24 * 3600.0  # any time option: a week
+MIN_RATE, MAX_RATE = 1e-6, 1e6  # requests/s (below MIN_RATE arrivals pass any sane trace length)
 ALL_POLICIES = ENGINE_POLICIES + BASELINE_POLICIES
 
 
@@ -81,7 +74,8 @@ class CompareConfig:
     def __post_init__(self):
         """Check every field (the CLI and the API share this): one ValueError/TypeError naming the
         field as its CLI option and the allowed range. Explicit bad values are never replaced."""
-        from minibatch.checks import (MAX_TOKENS, FieldTypeError, check_choice, check_device, check_int, check_real,
+        from minibatch.checks import (MAX_BLOCK_SIZE, MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_SPEC_TOKENS,
+                                      MAX_TOKENS, FieldTypeError, check_choice, check_device, check_int, check_real,
                                       check_str)
         from minibatch.models import check_model_name
         from minibatch.scheduler.queue_policy import QUEUE_POLICIES
@@ -107,7 +101,7 @@ class CompareConfig:
                 setattr(self, name, check_int(getattr(self, name), opt(name), low, high))
         if self.long_prompts > self.num_requests:
             raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], got {self.long_prompts}")
-        reals = {"rate": (0.0, MAX_RATE, True), "max_wait_s": (0.0, MAX_SECONDS, False),
+        reals = {"rate": (MIN_RATE, MAX_RATE, False), "max_wait_s": (0.0, MAX_SECONDS, False),
                  "output_scale": (0.0, 1000.0, True)}
         optional_reals = {"target_itl_ms": (0.0, MAX_SECONDS * 1000, True), "aging_s": (0.0, MAX_SECONDS, True),
                           "slo_ttft_s": (0.0, MAX_SECONDS, True), "slo_tpot_s": (0.0, MAX_SECONDS, True)}
@@ -305,7 +299,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     if too_long:  # fail before minutes of reference runs, never drop the requests silently
         raise ValueError(f"requests {too_long[:5]}{' ...' if len(too_long) > 5 else ''} need more than "
                          f"max_model_len = {runner.max_model_len} tokens (--max-prompt-len, --max-output-len)")
-    from minibatch.runner.model_runner import check_kv_fits
+    from minibatch.runner.kv_owner import check_kv_fits
 
     check_kv_fits(kv_slots(cfg, requests) * (2 if cfg.preemption_mode == "swap" else 1), runner.kv_bytes_per_token,
                   runner.device, "--n-slots (KV cache" + (" and as much CPU swap space)" if cfg.preemption_mode == "swap" else ")"))

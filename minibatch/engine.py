@@ -16,6 +16,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from minibatch.checks import check_in_vocab
 from minibatch.request import Request, RequestStatus
 from minibatch.scheduler.base import Scheduler, SchedulerOutput
 from minibatch.sim.clock import SimClock, WallClock
@@ -139,10 +140,10 @@ class Engine:
             raise TypeError(f"add_request takes a Request, got {type(request).__name__}")
         vocab_size = getattr(self.executor, "vocab_size", None)
         if vocab_size is not None:
-            bad = next((i for i, t in enumerate(request.prompt_token_ids) if t >= vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"request {request.request_id!r}: prompt_token_ids[{bad}] must be in "
-                                 f"[0, vocab_size = {vocab_size}), got {request.prompt_token_ids[bad]}")
+            try:
+                check_in_vocab(request.prompt_token_ids, vocab_size)
+            except ValueError as e:
+                raise ValueError(f"request {request.request_id!r}: {e}") from None
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} already ran; pass request.copy()")
         if request.request_id in self.requests:
@@ -171,11 +172,9 @@ class Engine:
         """Take the executor's KV cache for this engine before a step (``KVOwnership.claim``):
         refused while another engine holds KV in it; on a change of hands, the cache gets this
         engine's geometry and the prefix cache forgets blocks another engine may have overwritten."""
-        if not self.executor.claim(self):
-            return
         bm = getattr(self.scheduler, "block_manager", None)
-        if bm is not None:
-            self.executor.allocate_kv_cache(bm.num_blocks, bm.block_size, bm.num_cpu_blocks)
+        geometry = None if bm is None else (bm.num_blocks, bm.block_size, bm.num_cpu_blocks)
+        if self.executor.claim(self, geometry) and bm is not None:
             bm.reset_prefix_cache()
 
     def _admit_arrivals(self) -> None:
@@ -189,6 +188,8 @@ class Engine:
 
         Raises:
             RuntimeError: the executor is in use by another engine that holds KV in it.
+            ValueError: this engine's KV cache does not fit in the device's free memory (found
+                when the engine first claims the executor; nothing is admitted or changed).
         """
         if not self.has_unfinished():
             return None
@@ -232,13 +233,24 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             finished=[r.request_id for r in finished],
-            block_tables={rid: list(bt) for rid, bt in out.block_tables.items()},
+            block_tables=self._snapshot_block_tables(out.block_tables),
             preempted=list(out.preempted),
             draft_time_s=out.draft_time_s,
         )
         self.trace.append(record)
         self.scheduler.observe_step(record)
         return record
+
+    def _snapshot_block_tables(self, tables: dict[str, list[int]]) -> dict[str, list[int]]:
+        """A copy of this step's block tables for the record. A table unchanged since the previous
+        record is that record's list itself (shared, never mutated), so the trace's memory grows
+        with the blocks that change, not with steps x blocks held (Orca reserves whole outputs)."""
+        previous = self.trace[-1].block_tables if self.trace else {}
+        snapshot = {}
+        for rid, table in tables.items():
+            old = previous.get(rid)
+            snapshot[rid] = old if old == table else list(table)
+        return snapshot
 
     def _wait_for_next_event(self, out: SchedulerOutput) -> None:
         times = [t for t in (out.wake_time_s, self.pending[0][0] if self.pending else None) if t is not None]

@@ -66,7 +66,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         OSError: the folder cannot be made or written, the disk is full, ``path`` is a folder;
             the message names ``path``.
     """
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # through a symlink: replace its target, keep the link
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"

@@ -411,6 +411,8 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
     Model outputs: ``model(input_ids[B, T]).logits`` is ``[B, T, vocab]``.
     """
     check_model_name(name)
+    if name.startswith("~"):  # a local path written with ~, as check_model_name reads it
+        name = os.path.expanduser(name)
     if name == "smollm2-135m":
         model, tokenizer = _load_smollm2()
     elif name == "smollm2-135m-draft":

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from minibatch.checks import check_choice, check_int, check_real
+from minibatch.checks import (MAX_BLOCK_SIZE, MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_SPEC_TOKENS, MAX_TOKENS,
+                              FieldTypeError, check_choice, check_int, check_real)
 from minibatch.engine import Engine
 from minibatch.scheduler import (AdaptiveChunker, ChunkedPrefillScheduler, OrcaScheduler, PagedScheduler,
                                  PrefillFirstScheduler, StaticScheduler, make_queue_policy)
@@ -61,17 +62,14 @@ def make_engine(
     Raises:
         ValueError: an unknown policy or a bad argument (the message names it).
     """
-    check_choice(policy, "policy", ENGINE_POLICIES)
-    check_int(max_bs, "max_bs", 1)
-    check_int(n_slots, "n_slots", 1)
-    if block_size is not None:
-        check_int(block_size, "block_size", 1)
-    check_real(max_wait_s, "max_wait_s", 0.0)
-    if max_num_batched_tokens is not None:
-        check_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
+    _check_engine_args(policy, executor, max_bs=max_bs, n_slots=n_slots, block_size=block_size,
+                       max_wait_s=max_wait_s, preemption_mode=preemption_mode, watermark=watermark,
+                       reserve_new_tokens=reserve_new_tokens, max_num_batched_tokens=max_num_batched_tokens,
+                       target_itl_s=target_itl_s, max_num_prefills=max_num_prefills,
+                       num_speculative_tokens=num_speculative_tokens, adaptive_k=adaptive_k)
+    order = make_queue_policy(queue_policy, aging_s)
     if policy == "static":
         return Engine(StaticScheduler(batch_size=max_bs, max_wait_s=max_wait_s), executor, clock)
-    order = make_queue_policy(queue_policy, aging_s)
     if policy == "orca":
         scheduler = OrcaScheduler(max_bs=max_bs, n_slots=n_slots, block_size=1 if block_size is None else block_size,
                                   reserve_new_tokens=reserve_new_tokens, queue_policy=order)
@@ -96,11 +94,41 @@ def make_engine(
         scheduler = PAGED_POLICIES[policy](**kwargs)
     else:
         raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {policy!r}")
-    if max_num_prefills is not None and not policy.startswith("prefill_first"):
-        raise ValueError(f"max_num_prefills needs the prefill_first policy, got {policy!r}")
-    if target_itl_s is not None and not policy.startswith("chunked"):
-        raise ValueError(f"target_itl_s (adaptive chunk size) needs a chunked policy, got {policy!r}")
     return Engine(scheduler, executor, clock)  # the engine allocates the KV cache when it claims the executor
+
+
+def _check_engine_args(policy: str, executor, **args) -> None:
+    """make_engine's arguments, every one checked before anything is built (the schedulers check
+    theirs again): the same limits as the run configuration (``minibatch.checks``); an option the
+    policy does not use is refused rather than ignored.
+
+    Raises:
+        ValueError / FieldTypeError: naming the argument and its allowed range.
+    """
+    check_choice(policy, "policy", ENGINE_POLICIES)
+    if not callable(getattr(executor, "execute", None)):
+        raise FieldTypeError(f"executor must be a ModelRunner or SimExecutor (has execute()), got {type(executor).__name__}")
+    check_int(args["max_bs"], "max_bs", 1, MAX_NUM_SEQS)
+    check_int(args["n_slots"], "n_slots", 1, MAX_KV_SLOTS)
+    if args["block_size"] is not None:
+        check_int(args["block_size"], "block_size", 1, MAX_BLOCK_SIZE)
+    check_real(args["max_wait_s"], "max_wait_s", 0.0, MAX_SECONDS)
+    check_choice(args["preemption_mode"], "preemption_mode", ("recompute", "swap"))
+    check_real(args["watermark"], "watermark", 0.0, 1.0, high_open=True)
+    for name in ("reserve_new_tokens", "max_num_batched_tokens"):
+        if args[name] is not None:
+            check_int(args[name], name, 1, MAX_TOKENS)
+    check_int(args["num_speculative_tokens"], "num_speculative_tokens", 1, MAX_SPEC_TOKENS)
+    if not isinstance(args["adaptive_k"], bool):
+        raise FieldTypeError(f"adaptive_k must be a bool, got {args['adaptive_k']!r}")
+    if args["max_num_prefills"] is not None:
+        if not policy.startswith("prefill_first"):
+            raise ValueError(f"max_num_prefills needs the prefill_first policy, got {policy!r}")
+        check_int(args["max_num_prefills"], "max_num_prefills", 1, MAX_NUM_SEQS)
+    if args["target_itl_s"] is not None:
+        if not policy.startswith("chunked"):
+            raise ValueError(f"target_itl_s (adaptive chunk size) needs a chunked policy, got {policy!r}")
+        check_real(args["target_itl_s"], "target_itl_s", 0.0, MAX_SECONDS, low_open=True)
 
 
 def _speculative_executor(policy: str, executor, draft_runner, k: int, adaptive_k: bool):

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 100.0
+MAX_PRIORITY = 2**31 - 1  # |priority|: aging adds seconds / aging_s to it as a float
+MAX_ARRIVAL_S = 1e9  # ~31 years: past that, float seconds lose the step times' precision
 
 
 class RequestStatus(enum.Enum):
@@ -59,17 +61,17 @@ class SamplingParams:
     def __post_init__(self):
         from minibatch.checks import FieldTypeError, check_int, check_real
 
-        if not isinstance(self.temperature, bool) and isinstance(self.temperature, (int, float)) \
-                and 0 < self.temperature < MIN_TEMPERATURE:  # logits / 1e-40 overflow: treat as greedy
+        temperature = check_real(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
+        if 0 < temperature < MIN_TEMPERATURE:  # logits / 1e-40 overflow float32
             raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
                              f"got {self.temperature!r}")
-        check_real(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
-        check_int(self.top_k, "top_k (0 = off)", 0)
-        check_real(self.top_p, "top_p", 0.0, 1.0, low_open=True)
-        if self.seed is not None:
-            check_int(self.seed, "seed", 0, 2**63 - 1)
+        values = dict(temperature=temperature, top_k=check_int(self.top_k, "top_k (0 = off)", 0),
+                      top_p=check_real(self.top_p, "top_p", 0.0, 1.0, low_open=True),
+                      seed=None if self.seed is None else check_int(self.seed, "seed", 0, 2**63 - 1))
         if not isinstance(self.ignore_eos, bool):
             raise FieldTypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name, value in values.items():  # plain Python numbers from here on (numpy, 0-d tensors in)
+            object.__setattr__(self, name, value)
 
     @property
     def is_greedy(self) -> bool:
@@ -100,8 +102,8 @@ class Request:
         TypeError: a field of the wrong type: request_id not a str, token ids that are not ints
             (floats, bools, strings, nested lists), a float max_new_tokens, a non-int priority.
         ValueError: a field out of range: an empty prompt or an id < 0, max_new_tokens outside
-            [1, 2**20], arrival_time_s negative or not finite, num_speculative_tokens outside
-            [0, 64]. Ids >= the model's vocab_size are refused by ``Engine.add_request``.
+            [1, 2**20], arrival_time_s outside [0, 1e9], priority outside [-(2**31 - 1), 2**31 - 1],
+            num_speculative_tokens outside [0, 64]. Ids >= the model's vocab_size are refused by ``Engine.add_request``.
     """
 
     request_id: str
@@ -137,11 +139,11 @@ class Request:
             self.max_new_tokens = check_int(self.max_new_tokens, "max_new_tokens", 1, MAX_TOKENS)
             if not isinstance(self.sampling, SamplingParams):
                 raise FieldTypeError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
-            self.arrival_time_s = check_real(self.arrival_time_s, "arrival_time_s", 0.0)
+            self.arrival_time_s = check_real(self.arrival_time_s, "arrival_time_s", 0.0, MAX_ARRIVAL_S)
             if self.prompt_text is not None and not isinstance(self.prompt_text, str):
                 raise FieldTypeError(f"prompt_text must be a str or None, got {type(self.prompt_text).__name__}")
             check_str(self.parent_request_id, "parent_request_id", allow_none=True)
-            self.priority = check_int(self.priority, "priority", None)
+            self.priority = check_int(self.priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
             if self.num_speculative_tokens is not None:
                 self.num_speculative_tokens = check_int(self.num_speculative_tokens, "num_speculative_tokens", 0, 64)
         except (TypeError, ValueError) as e:

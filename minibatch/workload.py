@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minibatch.checks import check_in_vocab
 from minibatch.request import Request, SamplingParams
 
 TRACE_FORMAT = "minibatch-trace-v1"
@@ -360,18 +361,10 @@ TRACE_REQUEST_KEYS = ("request_id", "prompt_token_ids", "max_new_tokens", "sampl
 TRACE_REQUIRED_KEYS = ("request_id", "prompt_token_ids", "max_new_tokens")
 
 
-def _is_int(x) -> bool:
-    """A JSON integer: int, not bool (True is an int to Python, not a token id)."""
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_finite_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check_trace_request(row, vocab_size: int | None) -> None:
-    """Types and ranges a trace row must have (JSON-level: what Request cannot see or would
-    coerce). Raises ValueError naming the field and the allowed values."""
+def _check_trace_request(row) -> None:
+    """The shape of a trace row: an object with known keys, the required ones present, sampling an
+    object of SamplingParams fields. Types and ranges of the values are Request's and
+    SamplingParams' checks (one place each). Raises ValueError naming the field."""
     if not isinstance(row, dict):
         raise ValueError(f"must be an object with keys {', '.join(TRACE_REQUEST_KEYS)}; got {type(row).__name__}")
     unknown = [k for k in row if k not in TRACE_REQUEST_KEYS]
@@ -380,26 +373,6 @@ def _check_trace_request(row, vocab_size: int | None) -> None:
     missing = [k for k in TRACE_REQUIRED_KEYS if k not in row]
     if missing:
         raise ValueError(f"missing field {missing[0]!r} (required: {', '.join(TRACE_REQUIRED_KEYS)})")
-    rid = row["request_id"]
-    if not isinstance(rid, str) or not rid:
-        raise ValueError(f"request_id must be a non-empty string, got {reprlib.repr(rid)}")
-    ids = row["prompt_token_ids"]
-    if not isinstance(ids, list) or not ids:
-        raise ValueError(f"prompt_token_ids must be a non-empty list of ints, got {reprlib.repr(ids)}")
-    allowed = f"an int in [0, {vocab_size}) (the model's vocab_size)" if vocab_size is not None else "an int >= 0"
-    for j, t in enumerate(ids):
-        if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise ValueError(f"prompt_token_ids[{j}] must be {allowed}, got {reprlib.repr(t)}")
-    m = row["max_new_tokens"]
-    if not _is_int(m) or m < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {reprlib.repr(m)}")
-    t = row.get("arrival_time_s", 0.0)
-    if not _is_finite_number(t) or t < 0:
-        raise ValueError(f"arrival_time_s must be a finite number >= 0 (seconds), got {reprlib.repr(t)}")
-    if not _is_int(row.get("priority", 0)):
-        raise ValueError(f"priority must be an int, got {reprlib.repr(row['priority'])}")
-    if row.get("prompt_text") is not None and not isinstance(row["prompt_text"], str):
-        raise ValueError(f"prompt_text must be a string or null, got {reprlib.repr(row['prompt_text'])}")
     sampling = row.get("sampling", {})
     fields = [f.name for f in dataclasses.fields(SamplingParams)]
     if not isinstance(sampling, dict):
@@ -408,13 +381,6 @@ def _check_trace_request(row, vocab_size: int | None) -> None:
     unknown = [k for k in sampling if k not in fields]
     if unknown:
         raise ValueError(f"sampling: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(fields)})")
-    for key, ok, allowed in (("temperature", _is_finite_number, "a finite number >= 0"),
-                             ("top_k", _is_int, "an int >= 0"),
-                             ("top_p", _is_finite_number, "a number in (0, 1]"),
-                             ("seed", lambda x: x is None or _is_int(x), "an int or null"),
-                             ("ignore_eos", lambda x: isinstance(x, bool), "true or false")):
-        if key in sampling and not ok(sampling[key]):
-            raise ValueError(f"sampling.{key} must be {allowed}, got {reprlib.repr(sampling[key])}")
 
 
 def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]:
@@ -455,15 +421,25 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
     out, seen = [], {}
     for i, row in enumerate(rows):
         try:
-            _check_trace_request(row, vocab_size)
+            _check_trace_request(row)
             if row["request_id"] in seen:
                 raise ValueError(f"request_id {row['request_id']!r} repeats request {seen[row['request_id']]}'s "
                                  "(ids must be unique)")
             seen[row["request_id"]] = i
-            out.append(Request(row["request_id"], row["prompt_token_ids"], max_new_tokens=row["max_new_tokens"],
-                               sampling=SamplingParams(**row.get("sampling", {})),
-                               arrival_time_s=float(row.get("arrival_time_s", 0.0)),
-                               prompt_text=row.get("prompt_text"), priority=row.get("priority", 0)))
+            try:
+                sampling = SamplingParams(**row.get("sampling", {}))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"sampling.{e}") from None
+            try:
+                r = Request(row["request_id"], row["prompt_token_ids"], max_new_tokens=row["max_new_tokens"],
+                            sampling=sampling,
+                            arrival_time_s=row.get("arrival_time_s", 0.0),
+                            prompt_text=row.get("prompt_text"), priority=row.get("priority", 0))
+            except (TypeError, ValueError) as e:  # Request's own message, less its "request 'id': " prefix
+                raise ValueError(str(e).removeprefix(f"request {row['request_id']!r}: ")) from None
+            if vocab_size is not None:
+                check_in_vocab(r.prompt_token_ids, vocab_size)
+            out.append(r)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: request {i}: {e}") from None
     return out

@@ -22,7 +22,7 @@ from minibatch.models import load_model
 from minibatch.policies import make_engine
 from minibatch.runner import attention, support
 from minibatch.runner.batch import PackedSequence, pack_sequences
-from minibatch.runner.model_runner import NO_POSITION_LIMIT, config_max_model_len
+from minibatch.runner.support import NO_POSITION_LIMIT, config_max_model_len
 from minibatch.sim.clock import SimClock
 
 pytestmark = pytest.mark.usefixtures("one_thread")

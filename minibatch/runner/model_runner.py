@@ -13,6 +13,8 @@ The model itself is unmodified: we only register an attention function with tran
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from minibatch.models import eos_token_ids, pad_token_id, set_attention
@@ -20,86 +22,9 @@ from minibatch.request import Request
 from minibatch.runner import attention
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
 from minibatch.runner.sampler import Sampler
-from minibatch.runner.support import check_packed_support
+from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
+from minibatch.runner.support import check_packed_support, config_int, config_max_model_len
 from minibatch.scheduler.base import SchedulerOutput
-
-
-def check_kv_fits(num_slots: int, bytes_per_slot: int, device: torch.device, what: str) -> None:
-    """Raise ValueError unless ``num_slots`` KV token slots of ``bytes_per_slot`` bytes fit in
-    ``device``'s free memory (CUDA: ``mem_get_info``; CPU: available RAM), so an absurd size
-    gets a clear error instead of an out-of-memory kill."""
-    need = num_slots * bytes_per_slot
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    if need > free:
-        raise ValueError(f"{what}: {num_slots} token slots x {bytes_per_slot} bytes = {need / 2**30:.1f} GiB, "
-                         f"more than the {free / 2**30:.1f} GiB free on {device.type}: use fewer KV slots (--n-slots)")
-
-
-class KVOwnership:
-    """An executor's KV cache (and padded-batch state) belongs to one engine at a time.
-
-    ``claim(owner)`` is called by the engine before every step. Handing the executor to another
-    engine is refused while the current owner still holds KV in it (``owner.holds_kv``: running
-    or swapped requests), because both would write the same blocks. Returns True when the
-    ownership changed, so the new owner knows that anything it cached here earlier (its prefix
-    cache) may have been overwritten.
-    """
-
-    _owner = None  # weakref to the owning engine
-
-    def claim(self, owner) -> bool:
-        import weakref
-
-        current = self._owner() if self._owner is not None else None
-        if current is owner:
-            return False
-        if current is not None and current.holds_kv:
-            raise RuntimeError(f"{type(self).__name__} is in use by another engine that still holds KV cache "
-                               "(running or swapped requests): give each engine its own runner, or finish one first")
-        self._owner = weakref.ref(owner)
-        self.release_state()
-        return True
-
-    def release_state(self) -> None:
-        """Forget per-owner state when the executor changes hands (subclasses)."""
-
-
-# Config fields that hold a model's context limit (its position table or trained length), tried in
-# this order. A config with none of them (ALiBi, no position table) gets NO_POSITION_LIMIT: positions
-# then set no limit, KV memory does.
-MAX_MODEL_LEN_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
-                        "max_seq_len")
-NO_POSITION_LIMIT = 1 << 20
-
-
-def config_max_model_len(cfg) -> int:
-    """The context limit of a model config: the first of MAX_MODEL_LEN_FIELDS set to an int >= 1,
-    else NO_POSITION_LIMIT."""
-    for name in MAX_MODEL_LEN_FIELDS:
-        value = getattr(cfg, name, None)
-        if isinstance(value, int) and value >= 1:
-            return value
-    return NO_POSITION_LIMIT
-
-
-def _config_int(model, cfg, name: str, default: int | None = None) -> int:
-    """``cfg.<name>`` (an int >= 1), else ``default``; NotImplementedError naming the model class when
-    there is neither (not a transformer decoder with one attention geometry for all layers)."""
-    try:
-        value = getattr(cfg, name, None)
-    except Exception:  # noqa: BLE001 -- e.g. a per-layer field that has no single value
-        value = None
-    if isinstance(value, int) and value >= 1:
-        return value
-    if default is None:
-        raise NotImplementedError(f"{type(model).__name__} is not supported: its config has no single {name} "
-                                  "(the packed KV cache needs one attention geometry for all layers)")
-    return default
 
 
 class ModelRunner(KVOwnership):
@@ -138,10 +63,10 @@ class ModelRunner(KVOwnership):
         cfg = model.config.get_text_config()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.num_layers = _config_int(model, cfg, "num_hidden_layers")
-        self.num_heads = _config_int(model, cfg, "num_attention_heads")
-        self.num_kv_heads = _config_int(model, cfg, "num_key_value_heads", self.num_heads)
-        self.head_dim = _config_int(model, cfg, "head_dim", _config_int(model, cfg, "hidden_size") // self.num_heads)
+        self.num_layers = config_int(model, cfg, "num_hidden_layers")
+        self.num_heads = config_int(model, cfg, "num_attention_heads")
+        self.num_kv_heads = config_int(model, cfg, "num_key_value_heads", self.num_heads)
+        self.head_dim = config_int(model, cfg, "head_dim", config_int(model, cfg, "hidden_size") // self.num_heads)
         self.max_model_len = config_max_model_len(cfg)
         self.eos_token_ids = eos_token_ids(model)
         self.pad_token_id = pad_token_id(model)
@@ -160,6 +85,9 @@ class ModelRunner(KVOwnership):
             raise ValueError(f"attention_backend must be one of {attention.BACKENDS}, got {attention_backend!r}")
         attention.register()
         check_packed_support(model, self.num_layers, self.num_kv_heads, self.head_dim)  # once per model
+        # the padded layout's KV cache argument: "cache" from transformers 5.24 ("past_key_values"
+        # is deprecated there and warns), "past_key_values" before
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     # ------------------------------------------------------------------ KV memory
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
@@ -174,13 +102,19 @@ class ModelRunner(KVOwnership):
         cpu_shape = (self.num_layers, 2, num_cpu_blocks, block_size, self.num_kv_heads, self.head_dim)
         new_gpu = self.kv_cache is None or tuple(self.kv_cache.shape) != shape
         new_cpu = self.cpu_kv_cache is None or tuple(self.cpu_kv_cache.shape) != cpu_shape
+        # both sizes checked before anything is freed: a refused size leaves the caches as they were
+        nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+        if new_gpu:
+            check_kv_fits(num_blocks * block_size, self.kv_bytes_per_token, self.device,
+                          "KV cache (num_blocks x block_size, --n-slots)", freed_bytes=nbytes(self.kv_cache))
+        if new_cpu:
+            check_kv_fits(num_cpu_blocks * block_size, self.kv_bytes_per_token, torch.device("cpu"),
+                          "CPU swap space (num_cpu_blocks x block_size)", freed_bytes=nbytes(self.cpu_kv_cache))
         if new_gpu:
             self.kv_cache = None  # free the old one first
-            check_kv_fits(num_blocks * block_size, self.kv_bytes_per_token, self.device, "KV cache (num_blocks x block_size)")
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if new_cpu:
             self.cpu_kv_cache = None
-            check_kv_fits(num_cpu_blocks * block_size, self.kv_bytes_per_token, torch.device("cpu"), "CPU swap space (num_cpu_blocks x block_size)")
             self.cpu_kv_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
     def move_blocks(self, out: SchedulerOutput) -> None:
@@ -260,7 +194,7 @@ class ModelRunner(KVOwnership):
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # (B, T) real positions
         logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+            input_ids=ids, attention_mask=mask, position_ids=positions, **{self._cache_kwarg: cache}, use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]  # (B, vocab_size)
         self._static = {"mask": mask, "cache": cache}

@@ -1,4 +1,5 @@
-"""Does a model really run the packed attention? A behavioural check, once per model.
+"""Does a model really run the packed attention? A behavioural check, once per model, and the
+attention geometry and context limit its config gives (``config_int``, ``config_max_model_len``).
 
 ``models.set_attention`` asks transformers to use our attention; a model that does not dispatch
 through ``AttentionInterface`` keeps its own (transformers only logs it), a model whose layers
@@ -24,6 +25,39 @@ import torch
 from minibatch.models import attention_implementation
 from minibatch.runner import attention
 from minibatch.runner.batch import PackedSequence, pack_sequences
+
+# Config fields that hold a model's context limit (its position table or trained length), tried in
+# this order. A config with none of them (ALiBi, no position table) gets NO_POSITION_LIMIT: positions
+# then set no limit, KV memory does.
+MAX_MODEL_LEN_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx",
+                        "max_seq_len")
+NO_POSITION_LIMIT = 1 << 20
+
+
+def config_max_model_len(cfg) -> int:
+    """The context limit of a model config: the first of MAX_MODEL_LEN_FIELDS set to an int >= 1,
+    else NO_POSITION_LIMIT."""
+    for name in MAX_MODEL_LEN_FIELDS:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value >= 1:
+            return value
+    return NO_POSITION_LIMIT
+
+
+def config_int(model, cfg, name: str, default: int | None = None) -> int:
+    """``cfg.<name>`` (an int >= 1), else ``default``; NotImplementedError naming the model class when
+    there is neither (not a transformer decoder with one attention geometry for all layers)."""
+    try:
+        value = getattr(cfg, name, None)
+    except Exception:  # noqa: BLE001 -- e.g. a per-layer field that has no single value
+        value = None
+    if isinstance(value, int) and value >= 1:
+        return value
+    if default is None:
+        raise NotImplementedError(f"{type(model).__name__} is not supported: its config has no single {name} "
+                                  "(the packed KV cache needs one attention geometry for all layers)")
+    return default
+
 
 VERDICT_ATTR = "_minibatch_packed_support"  # on the model: "" = supported, else the refusal message
 ROW_LENS = (13, 9)  # the two rows' tokens (A, B)

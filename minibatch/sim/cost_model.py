@@ -332,6 +332,14 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x)
 
 
+MAX_STEP_S = 3600.0  # a stored step time or per-unit cost beyond an hour is a damaged profile
+
+
+def _is_cost(x, positive: bool = False) -> bool:
+    """A stored time: a finite number in [0, MAX_STEP_S] (> 0 when ``positive``)."""
+    return _is_number(x) and (x > 0 if positive else x >= 0) and x <= MAX_STEP_S
+
+
 def _brief(x, key: str | None = None) -> str:
     """A short description of ``x`` (of ``x[key]`` if key is given: "nothing" if absent) for
     messages; an object is described by its keys."""
@@ -346,7 +354,8 @@ def _brief(x, key: str | None = None) -> str:
 
 def _layout_problem(value) -> str | None:
     """What is wrong with a stored LayoutModel (None: nothing): {knots: ints >= 1, increasing,
-    >= 2 of them; curve_s: one finite number per knot; coef_s: a finite number per FEATURES name}."""
+    >= 2 of them; curve_s: one time in (0, MAX_STEP_S] per knot; coef_s: a time in [0, MAX_STEP_S]
+    per FEATURES name}: the NNLS fit makes them non-negative, so anything else is a damaged file."""
     keys = ("knots", "curve_s", "coef_s")
     if not isinstance(value, dict) or set(value) != set(keys):
         return f"must be an object with keys {', '.join(keys)}, got {_brief(value)}"
@@ -354,13 +363,15 @@ def _layout_problem(value) -> str | None:
     if not (isinstance(knots, list) and len(knots) >= 2 and all(_is_int(k) and k >= 1 for k in knots)
             and all(a < b for a, b in zip(knots, knots[1:]))):
         return f"knots must be >= 2 increasing ints >= 1 (tokens), got {_brief(knots)}"
-    if not (isinstance(curve, list) and len(curve) == len(knots) and all(_is_number(v) for v in curve)):
-        return f"curve_s must be {len(knots)} finite numbers (seconds, one per knot), got {_brief(curve)}"
+    if not (isinstance(curve, list) and len(curve) == len(knots) and all(_is_cost(v, positive=True) for v in curve)):
+        return (f"curve_s must be {len(knots)} numbers in (0, {MAX_STEP_S:g}] (seconds, one per knot), "
+                f"got {_brief(curve)}")
     if not (isinstance(coef, dict) and set(coef) == set(FEATURES)):
         return f"coef_s must be an object with keys {', '.join(FEATURES)}, got {_brief(coef)}"
-    bad = [k for k in FEATURES if not _is_number(coef[k])]
+    bad = [k for k in FEATURES if not _is_cost(coef[k])]
     if bad:
-        return f"coef_s[{bad[0]!r}] must be a finite number (seconds per unit), got {_brief(coef[bad[0]])}"
+        return (f"coef_s[{bad[0]!r}] must be a number in [0, {MAX_STEP_S:g}] (seconds per unit), "
+                f"got {_brief(coef[bad[0]])}")
     return None
 
 

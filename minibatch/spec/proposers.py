@@ -66,7 +66,7 @@ class NgramProposer:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         pass
 
-    def claim(self, owner) -> bool:
+    def claim(self, owner, kv_geometry: tuple[int, int, int] | None = None) -> bool:
         return False  # no KV cache of its own
 
     def move_blocks(self, out: SchedulerOutput) -> None:
@@ -102,9 +102,9 @@ class DraftModelProposer:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         self.runner.allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)
 
-    def claim(self, owner) -> bool:
+    def claim(self, owner, kv_geometry: tuple[int, int, int] | None = None) -> bool:
         """The draft runner's KV cache goes to ``owner``; if it changed hands, no draft KV is trusted."""
-        changed = self.runner.claim(owner)
+        changed = self.runner.claim(owner, kv_geometry)
         if changed:
             self.num_computed.clear()
         return changed

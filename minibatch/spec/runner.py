@@ -64,10 +64,10 @@ class SpeculativeRunner:
         self.target.allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)
         self.proposer.allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)
 
-    def claim(self, owner) -> bool:
+    def claim(self, owner, kv_geometry: tuple[int, int, int] | None = None) -> bool:
         """The target's and the draft's KV caches go to ``owner`` (see ``KVOwnership.claim``)."""
-        changed = self.target.claim(owner)
-        return self.proposer.claim(owner) or changed
+        changed = self.target.claim(owner, kv_geometry)
+        return self.proposer.claim(owner, kv_geometry) or changed
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
