@@ -66,13 +66,15 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         OSError: the folder cannot be made or written, the disk is full, ``path`` is a folder;
             the message names ``path``.
     """
-    path = Path(os.path.realpath(path))  # through a symlink: replace its target, keep the link
+    given = path = Path(path)
+    if path.is_symlink():  # write through the link: replace its target, keep the link
+        path = Path(os.path.realpath(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     except OSError as e:
-        raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from e
+        raise OSError(e.errno, f"cannot write {given}: {e.strerror}") from e
     try:
         try:
             view = memoryview(data)
@@ -89,10 +91,10 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise OSError(e.errno, f"cannot write {path}: {e.strerror}") from e
+            raise OSError(e.errno, f"cannot write {given}: {e.strerror}") from e
         raise
     _fsync_dir(path.parent)
-    return path
+    return given
 
 
 def _fsync_dir(folder: Path) -> None:
