@@ -1017,3 +1017,12 @@ def test_cache_that_looks_complete_but_fails_to_load_names_the_directory(fake_ca
     with pytest.raises(ValueError, match="delete that directory") as info:
         models._load_smollm2()
     assert str(entry) in str(info.value)
+
+
+def test_atomic_write_through_a_symlink_keeps_the_link(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    assert files.write_json(link, {"a": math.nan}) == link
+    assert link.is_symlink() and strict_loads(target.read_text()) == {"a": None}
