@@ -430,13 +430,16 @@ def test_cli_subprocess_exit_code_and_no_traceback(argv):
 def test_cli_subprocess_sigint_exits_130_without_traceback(tmp_path):
     """A real Ctrl-C (SIGINT) in the middle of a simulated run."""
     import signal
-    import time
 
     proc = subprocess.Popen([sys.executable, "-m", "minibatch", "simulate", "--profile",
                              "data/profiles/smollm2-135m-cpu.json", "--num-requests", "200000", "--rate", "1000",
                              "--no-progress", "--json", str(tmp_path / "s.json")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:  # the run has started once the trace is built
+        if line.startswith("trace:"):
+            break
+    time.sleep(1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
