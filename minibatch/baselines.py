@@ -67,13 +67,12 @@ def _fitting_batch(candidates: list[Request], max_len: int | None) -> list[Reque
     (``max_len`` None: no limit). Every request fits alone (``_check_requests``), so the prefix has
     at least one.
     """
-    if max_len is None:
-        return candidates
-    n = 1
-    while n < len(candidates) and (max(r.num_prompt_tokens for r in candidates[:n + 1])
-                                   + max(r.max_new_tokens for r in candidates[:n + 1])) <= max_len:
-        n += 1
-    return candidates[:n]
+    longest_prompt = longest_new = 0
+    for n, r in enumerate(candidates):
+        longest_prompt, longest_new = max(longest_prompt, r.num_prompt_tokens), max(longest_new, r.max_new_tokens)
+        if n and max_len is not None and longest_prompt + longest_new > max_len:
+            return candidates[:n]
+    return candidates
 
 
 def _check_requests(model, requests: list[Request]) -> None:

@@ -75,8 +75,7 @@ class CompareConfig:
         """Check every field (the CLI and the API share this): one ValueError/TypeError naming the
         field as its CLI option and the allowed range. Explicit bad values are never replaced."""
         from minibatch.checks import (MAX_BLOCK_SIZE, MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_SPEC_TOKENS,
-                                      MAX_TOKENS, FieldTypeError, check_choice, check_device, check_int, check_real,
-                                      check_str)
+                                      MAX_TOKENS, FieldTypeError, check_choice, check_device, check_int, check_real)
         from minibatch.models import check_model_name
         from minibatch.scheduler.queue_policy import QUEUE_POLICIES
 
@@ -118,10 +117,8 @@ class CompareConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_device(self.device, "--device")
-        check_str(self.model, "--model")
         check_model_name(self.model, "--model")
         if self.draft_model is not None:
-            check_str(self.draft_model, "--draft-model")
             check_model_name(self.draft_model, "--draft-model")
         for name in ("trace", "profile", "trace_out", "json_path", "figures_dir", "command"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, Path)):

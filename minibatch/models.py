@@ -389,15 +389,16 @@ def check_model_name(name: str, option: str = "model") -> None:
     if name in MODEL_NAMES:
         return
     path = Path(name).expanduser()
-    if not path.exists() and "/" not in name and os.sep not in name:
-        raise ValueError(f"{option}: unknown model {name!r}: {choices}")
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1 or not _HUB_ID.match(name):
-        if not path.exists():
+    if not path.exists():
+        if "/" not in name and os.sep not in name:
+            raise ValueError(f"{option}: unknown model {name!r}: {choices}")
+        if not _HUB_ID.match(name):  # a path (".", "/", "~", several parts), not "owner/name"
             raise ValueError(f"{option}: no such model directory {name!r} ({choices})")
-        if not path.is_dir():
-            raise ValueError(f"{option}: {name!r} is a file, not a model directory ({choices})")
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{option}: {name!r} is not a model directory (no config.json in it)")
+        return  # a hub id: only from_pretrained can tell whether it exists
+    if not path.is_dir():
+        raise ValueError(f"{option}: {name!r} is a file, not a model directory ({choices})")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{option}: {name!r} is not a model directory (no config.json in it)")
 
 
 def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,

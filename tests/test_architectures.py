@@ -27,10 +27,10 @@ from minibatch.sim.clock import SimClock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# The architectures the issue found exact (and those with a sliding window): the check must not refuse them.
+# Architectures known to be exact (and those with a sliding window): the check must not refuse them.
 MUST_BE_EXACT = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi", "phi3", "olmo2", "granite", "gpt_neox", "opt",
                  "gpt_bigcode", "gpt2", "mixtral", "starcoder2", "gemma3_text", "cohere2")
-# The issue's silently wrong or misleading ones, with the reason the refusal must give.
+# Models once silently wrong or refused with a misleading message, with the reason the refusal must give.
 MUST_BE_REFUSED = {
     "falcon": "does not dispatch through transformers' AttentionInterface",
     "bloom": "does not dispatch through transformers' AttentionInterface",
