@@ -1,4 +1,4 @@
-"""Scale experiments in simulation (issue 6): thousands of ShareGPT-length requests, no model.
+"""Scale experiments in simulation: thousands of ShareGPT-length requests, no model.
 
     python benchmarks/sim_scale.py --json data/sim/scale.json
 
@@ -14,7 +14,7 @@ Two clocks, each stated in the output:
 
 For each: a request-rate sweep (static batching bs 8/32/64 vs orca with the trace's true output
 length reserved (its best case) and with the maximum reserved (as published), paged, chunked), the offline
-table (every request at t = 0: the seed's table), and the capacity at a latency bound (the
+table (every request at t = 0: the often-quoted table), and the capacity at a latency bound (the
 Orca / vLLM "x times the throughput at the same latency" claims).
 """
 

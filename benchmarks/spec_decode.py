@@ -13,7 +13,7 @@
 3. input-grounded prompts (a summary, a code fix, an edit: the answer copies from the prompt):
    n-gram lookup vs the draft vs none.
 
-The acceptance criterion (issue 5): batch-1 decode with the committed draft >= 1.3x faster than
+The target: batch-1 decode with the committed draft >= 1.3x faster than
 without speculation, same prompts, same run. Warm-up runs come first so no run pays first-call costs.
 """
 

@@ -1,4 +1,4 @@
-"""Validate the calibrated simulator against measured runs on held-out traces (issue 6).
+"""Validate the calibrated simulator against measured runs on held-out traces.
 
     python -m minibatch calibrate --model smollm2-135m --threads 1 --draft-model smollm2-135m-draft
     python benchmarks/validate_sim.py --threads 1 --measured data/cpu/sim_validation_measured.json \

@@ -254,7 +254,7 @@ def kv_waste_fraction(trace: list[StepRecord]) -> float:
 
 
 def utilization_formula(output_lens: list[int]) -> float:
-    """The static batching seed formula: a batch runs max(output_len) generation steps and
+    """The static batching formula: a batch runs max(output_len) generation steps and
     request i produces a token in output_len[i] of them, so utilization = avg_len / max_len."""
     if not output_lens or min(output_lens) < 1:
         raise ValueError(f"output_lens must be a non-empty list of lengths >= 1, got {output_lens}")

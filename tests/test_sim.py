@@ -1,4 +1,4 @@
-"""The calibrated simulator (issue 6): step shapes, the fit, calibrate / simulate on the command
+"""The calibrated simulator: step shapes, the fit, calibrate / simulate on the command
 line, Chrome trace export and the step-through widget."""
 
 import json

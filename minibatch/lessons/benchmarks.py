@@ -7,7 +7,7 @@ of requests take seconds. Here:
   for static batching at several batch sizes and the continuous policies (the throughput-latency
   curves of Orca §6 and vLLM §6);
 * :func:`offline_table`: every request at t = 0, the most requests per second each setup serves
-  (the shape of the seed's table: static bs=64 44.2 req/s vs continuous 482 req/s);
+  (the shape of the often-quoted table: static bs=64 44.2 req/s vs continuous 482 req/s);
 * :func:`capacity_at`: the highest rate whose latency stays under a bound (how Orca and vLLM
   state their "x times the throughput at the same latency");
 * :func:`roofline_profile`: an *analytical* profile of a GPU (step time = max(bytes moved /
@@ -29,7 +29,7 @@ from minibatch.sim.cost_model import FEATURES, LayoutModel, Profile
 
 CLAIMS = {
     "seed_table": "static batching bs=64: 44.2 req/s vs continuous batching: 482 req/s (10.9x), "
-                  "the seed's table; its model, hardware and trace are not stated there",
+                  "the often-quoted table; its model, hardware and trace are not stated there",
     "orca": "Orca (OSDI'22 §6.2): 36.9x the throughput of NVIDIA FasterTransformer (request-level "
             "batching) at the same latency, GPT-3 175B on 16 A100s, synthetic trace",
     "vllm": "vLLM (SOSP'23 §6.2): 2-4x the throughput of Orca and FasterTransformer at the same "

@@ -35,7 +35,7 @@ GREEDY = SamplingParams(ignore_eos=True)  # every request runs to exactly max_ne
 LABELS = {"prefill_first": "prefill-first (vLLM v0)", "paged": "mixed, whole prefills (Orca-style)",
           "chunked": "chunked prefill (Sarathi-Serve)"}
 
-# The seed's figures (Sarathi-Serve's claim at its scale): chunking cut TPOT from 4187 ms to
+# Sarathi-Serve's figures (its claim, at its scale): chunking cut TPOT from 4187 ms to
 # 204 ms while throughput dropped 3%; batching prefills ("prefill micro-batching") improved
 # TTFT p50 3.1x and throughput 1.5x.
 SEED_CLAIMS = {"chunked_tpot_ms": (4187, 204), "chunked_throughput_change": -0.03,
@@ -273,7 +273,7 @@ def starvation_experiment(policy: str = "chunked", aging_s: float = 1.0, max_bs:
 
 # ---------------------------------------------------------------------- 5. prefill micro-batching
 def micro_batching_experiment(requests: list[Request], executor, clock_factory: Callable, **kwargs) -> list[dict]:
-    """Prefill-first with one prompt per prefill step vs as many as fit (the seed's "prefill
+    """Prefill-first with one prompt per prefill step vs as many as fit ("prefill
     micro-batching": several prompts' prefills in one packed forward). Rows as run_metrics."""
     rows, runs = [], {}
     for name, n in (("one prompt per step", 1), ("batched prefills", None)):

@@ -155,7 +155,7 @@ class ContiguousAllocator:
     # ------------------------------------------------------------------ compaction
     def compact(self, kv=None) -> int:
         """Slide every region to the left, in address order, so that free memory becomes one
-        extent at the end (the seed idea "compact_page_table"). Returns the number of token
+        extent at the end (compaction). Returns the number of token
         slots moved: the total length of the regions whose start changed.
 
             before:  [A A A][. .][E E][. . .][D D D D][.]

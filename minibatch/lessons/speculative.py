@@ -31,7 +31,7 @@ from minibatch.request import Request, SamplingParams
 from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpeculativeRunner
 from minibatch.scheduler import PagedScheduler
 
-# The seed's claims, at their scale: Leviathan et al. 2-3x on T5-XXL (11B) with a T5-small draft;
+# Published claims, at their scale: Leviathan et al. 2-3x on T5-XXL (11B) with a T5-small draft;
 # Chen et al. 2-2.5x on Chinchilla 70B with a 4B draft -- both at batch size 1 on accelerators.
 SEED_CLAIMS = {"leviathan_t5xxl_speedup": (2.0, 3.0), "chen_chinchilla_speedup": (2.0, 2.5)}
 

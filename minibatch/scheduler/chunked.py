@@ -21,7 +21,7 @@ hits take), so chunking needs no new runner code: ``num_new_tokens`` is simply s
 is left. Only the chunk that reaches the last prompt token samples a token.
 
 :class:`AdaptiveChunker` picks the budget per step from a fitted step-time model so that a step
-stays under a target ITL (the seed's AdaptiveChunker; Sarathi §4.3 chooses one budget offline
+stays under a target ITL (Sarathi §4.3 chooses one budget offline
 from profiled step times and a TBT SLO; here the choice is made every step, online).
 """
 

@@ -17,7 +17,7 @@ same order to pick preemption victims (the largest key goes first).
   after it (q: their priority), a finite set, so it cannot starve. With ``aging_s=None`` a low
   priority request waits as long as higher priority ones keep coming.
 
-Source: the seed's FCFS / SJF / priority schedulers; aging is the classic remedy for
+Source: the classic FCFS / SJF / priority schedulers; aging is the classic remedy for
 starvation in priority scheduling (e.g. Silberschatz, Operating System Concepts, §5.3).
 """
 

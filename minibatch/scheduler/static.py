@@ -9,7 +9,7 @@ batch runs as a padded (B, T) tensor until *every* member finishes:
 * a request that arrives while a batch runs waits for the whole batch (late-joining waste);
 * short prompts pay for the longest prompt's length (padding waste).
 
-Utilization of a batch's decode rows is avg(output_len) / max(output_len) (the seed's formula).
+Utilization of a batch's decode rows is avg(output_len) / max(output_len).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ class CostModel:
 
     num_tokens counts every token the forward computes, padding included (a padded (B, T)
     batch pays for its padding); batch_rows is the number of sequences in the forward.
-    The defaults are rough numbers for smollm2-135m on a 2-core CPU; a calibrated model (fit
-    from measured steps) comes in a later issue.
+    The defaults are rough numbers for smollm2-135m on a 2-core CPU; a calibrated model fit
+    from measured steps is a ``minibatch.sim.cost_model.Profile`` (``python -m minibatch calibrate``).
     """
 
     fixed_s: float = 0.030

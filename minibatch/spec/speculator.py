@@ -1,8 +1,7 @@
 """How many draft tokens each request gets (k), and what speculation achieved (stats).
 
 * :class:`FixedK`: every decoding request drafts k tokens.
-* :class:`AdaptiveK`: per request, from its own acceptance history (the seed's
-  AdaptiveSpeculator). With acceptance rate alpha (each draft token accepted independently with
+* :class:`AdaptiveK`: per request, from its own acceptance history. With acceptance rate alpha (each draft token accepted independently with
   probability alpha), a verification of k drafts emits on average
 
       E[tokens](k) = sum_{i=0..k} alpha^i = (1 - alpha^(k+1)) / (1 - alpha)
