@@ -27,7 +27,9 @@ import time
 import torch
 
 from minibatch import SimClock
-from minibatch.compare import CompareConfig, build_trace, environment, load_runner, write_json
+from minibatch.compare import CompareConfig, build_trace
+from minibatch.experiment import load_runner
+from minibatch.report import environment, write_json
 from minibatch.lessons import chunked_prefill as lesson
 
 
@@ -43,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-prompt-len", type=int, default=1536, help="tokens per long prompt")
     p.add_argument("--budgets", default="64,128,256,512", help="chunked token budgets (max_num_batched_tokens)")
     p.add_argument("--target-itl-ms", default="150", help="adaptive chunker targets, ms (comma-separated; '' = none)")
-    p.add_argument("--max-bs", type=int, default=32, help="most running requests (max_num_seqs)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most running requests (max_num_seqs)")
     p.add_argument("--n-slots", type=int, default=16384, help="KV token slots (large: no preemption)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-micro-batching", action="store_true")
@@ -88,13 +90,13 @@ def main(argv=None) -> dict:
                                                "long_prompts": args.long_prompts, "long_prompt_len": args.long_prompt_len,
                                                "prompt_tokens": sum(r.num_prompt_tokens for r in trace),
                                                "output_tokens": sum(r.max_new_tokens for r in trace)},
-              "max_bs": args.max_bs, "n_slots": args.n_slots, "seed_claims": lesson.SEED_CLAIMS}
+              "max_num_seqs": args.max_num_seqs, "n_slots": args.n_slots, "seed_claims": lesson.SEED_CLAIMS}
     print(f"trace: {len(trace)} requests ({args.long_prompts} x {args.long_prompt_len}-token prompts), "
           f"{result['trace']['prompt_tokens']} prompt + {result['trace']['output_tokens']} output tokens")
 
     t = time.perf_counter()
     rows = lesson.budget_sweep(trace, runner, clock, budgets, baselines=("prefill_first", "paged"),
-                               target_itl_s=targets, max_bs=args.max_bs, n_slots=args.n_slots)
+                               target_itl_s=targets, max_num_seqs=args.max_num_seqs, n_slots=args.n_slots)
     lesson.print_table(rows)
     result["long_prompt"] = {"rows": rows, "acceptance": acceptance(rows), "run_time_s": time.perf_counter() - t}
     for a in result["long_prompt"]["acceptance"]:
@@ -106,7 +108,7 @@ def main(argv=None) -> dict:
         t = time.perf_counter()
         plain = [r for r in build_trace(CompareConfig(**{**cfg.__dict__, "long_prompts": 0}), tokenizer,
                                         model.config.vocab_size)]
-        mb = lesson.micro_batching_experiment(plain, runner, clock, max_bs=args.max_bs, n_slots=args.n_slots)
+        mb = lesson.micro_batching_experiment(plain, runner, clock, max_num_seqs=args.max_num_seqs, n_slots=args.n_slots)
         lesson.print_table(mb)
         one, batched = mb
         result["micro_batching"] = {"rows": mb, "run_time_s": time.perf_counter() - t,

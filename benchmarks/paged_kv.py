@@ -25,7 +25,9 @@ import time
 
 import torch
 
-from minibatch.compare import CompareConfig, build_trace, environment, load_runner, write_json
+from minibatch.compare import CompareConfig, build_trace
+from minibatch.experiment import load_runner
+from minibatch.report import environment, write_json
 from minibatch.lessons import paged_kv
 from minibatch.request import Request
 from minibatch.workload import demo_prompts
@@ -43,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="orca_max's reservation per request (default: the trace's max output length, 256)")
     p.add_argument("--preemption-n-slots", type=int, default=None, help="KV slots for recompute vs swap (default 400)")
     p.add_argument("--block-size", type=int, default=16, help="paged KV block size, tokens")
-    p.add_argument("--max-bs", type=int, default=32, help="most running requests (Orca's max_bs, vLLM's max_num_seqs)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most running requests (Orca's max_num_seqs, vLLM's max_num_seqs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None,
@@ -94,7 +96,7 @@ def main(argv=None) -> dict:
 
     result = {"command": args.command, "environment": environment(), "model": args.model, "device": args.device,
               "clock": args.clock, "quick": args.quick, "seed": args.seed, "block_size": args.block_size,
-              "max_bs": args.max_bs, "vllm_claim": paged_kv.VLLM_CLAIM,
+              "max_num_seqs": args.max_num_seqs, "vllm_claim": paged_kv.VLLM_CLAIM,
               "trace": {"num_requests": len(requests), "num_prompt_tokens": sum(r.num_prompt_tokens for r in requests),
                         "num_output_tokens": sum(r.max_new_tokens for r in requests), "longest_request_tokens": longest,
                         "max_output_len": cfg.max_output_len, "rate_per_s": cfg.rate},
@@ -108,7 +110,7 @@ def main(argv=None) -> dict:
     rows = []
     for n_slots in n_slots_list:
         row = paged_kv.reservation_vs_paged(
-            requests, runner, clock, n_slots, max_bs=args.max_bs, block_size=args.block_size,
+            requests, runner, clock, n_slots, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
             orca_max_new_tokens=orca_max_new if n_slots == max(n_slots_list) else None)
         rows.append(row)
         for name, m in row["policies"].items():
@@ -125,7 +127,7 @@ def main(argv=None) -> dict:
         user_ids = [ids[:64] for ids in user_ids]
     prefix = paged_kv.prefix_caching_experiment(runner, clock, system_ids, user_ids,
                                                 max_new_tokens=4 if args.quick else 16, gap_s=0.5,
-                                                block_size=args.block_size, n_slots=4096, max_bs=args.max_bs)
+                                                block_size=args.block_size, n_slots=4096, max_num_seqs=args.max_num_seqs)
     prefix["run_time_s"] = round(time.perf_counter() - t, 1)
     result["prefix_caching"] = prefix
     for name, m in prefix["policies"].items():
@@ -146,7 +148,7 @@ def main(argv=None) -> dict:
 
     print(f"\n4. preemption at n_slots {preempt_n_slots}: recompute vs swap")
     t = time.perf_counter()
-    pre = paged_kv.preemption_experiment(requests, runner, clock, preempt_n_slots, max_bs=args.max_bs,
+    pre = paged_kv.preemption_experiment(requests, runner, clock, preempt_n_slots, max_num_seqs=args.max_num_seqs,
                                          block_size=args.block_size)
     pre["run_time_s"] = round(time.perf_counter() - t, 1)
     result["preemption"] = pre

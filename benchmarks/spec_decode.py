@@ -5,7 +5,7 @@
 
 1. k sweep at batch 1: --num-prompts held-out ShareGPT prompts (``minibatch.sharegpt.select_prompts``:
    the draft never trained on them), greedy, up to --max-new-tokens each, run one at a time
-   (max_bs 1) with no speculation, the draft at each --ks, AdaptiveK and n-gram lookup. Reports
+   (max_num_seqs 1) with no speculation, the draft at each --ks, AdaptiveK and n-gram lookup. Reports
    output and decode throughput, TPOT, acceptance rate, mean acceptance length, per-position
    acceptance, draft / verify time; checks every run produced the same tokens.
 2. batch sweep: the same prompts with --batch-sizes requests decoding together, no speculation vs
@@ -25,10 +25,11 @@ import time
 
 import torch
 
-from minibatch.compare import default_draft, environment, load_draft_runner, write_json
+from minibatch.compare import default_draft, load_draft_runner
+from minibatch.report import environment, write_json
 from minibatch.lessons import speculative as lesson
 from minibatch.request import Request, SamplingParams
-from minibatch.sim.clock import WallClock
+from minibatch.clock import WallClock
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,9 +102,9 @@ def main(argv=None) -> dict:
     for B in [int(b) for b in args.batch_sizes.split(",")]:
         from minibatch.spec import DraftModelProposer, FixedK
 
-        base, out_a, _ = lesson.run_spec("no speculation", reqs, target_runner, WallClock(), max_bs=B)
+        base, out_a, _ = lesson.run_spec("no speculation", reqs, target_runner, WallClock(), max_num_seqs=B)
         spec, out_b, _ = lesson.run_spec(f"draft k={args.batch_k}", reqs, target_runner, WallClock(),
-                                         DraftModelProposer(draft_runner), FixedK(args.batch_k), max_bs=B)
+                                         DraftModelProposer(draft_runner), FixedK(args.batch_k), max_num_seqs=B)
         batch_rows.append({"batch_size": B, "k": args.batch_k, "plain": base, "spec": spec,
                            "speedup": spec["output_throughput_tok_s"] / base["output_throughput_tok_s"],
                            "same_outputs": [r.output_token_ids for r in out_a] == [r.output_token_ids for r in out_b]})

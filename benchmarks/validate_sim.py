@@ -23,8 +23,9 @@ import argparse
 import sys
 import time
 
-from minibatch.compare import (CompareConfig, _warm_up, build_trace, environment, load_draft_runner, load_runner,
-                               write_json)
+from minibatch.compare import CompareConfig, build_trace, load_draft_runner
+from minibatch.experiment import load_runner, warm_up
+from minibatch.report import environment, write_json
 from minibatch.files import read_json
 from minibatch.sim.cost_model import Profile
 from minibatch.sim.validate import compare_runs, measure_policy, simulate_measured
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
         if "spec" in policies:
             draft_runner = load_draft_runner("smollm2-135m-draft" if args.model == "smollm2-135m" else args.model,
                                              args.model, model, tokenizer)
-        _warm_up(runner, draft_runner)
+        warm_up(runner, draft_runner)
     result = {"command": "python " + " ".join(sys.argv), "measured_command": measured["command"],
               "environment": measured["environment"], "profile": profile_path,
               "profile_command": profile.meta.get("command"), "model": measured["model"], "traces": {}}

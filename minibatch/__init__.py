@@ -17,16 +17,18 @@ if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from minibatch.engine import Engine, StepEntry, StepRecord, TokenEvent
-from minibatch.policies import ENGINE_POLICIES, make_engine
+from minibatch.config import EngineConfig
+from minibatch.policies import POLICIES, PolicySpec, get_policy, make_engine, register_policy
 from minibatch.request import Request, RequestStatus, SamplingParams
-from minibatch.runner import ModelRunner, SimExecutor
+from minibatch.runner import ModelRunner
+from minibatch.sim.executor import SimExecutor
 from minibatch.scheduler import OrcaScheduler, PagedScheduler, StaticScheduler
-from minibatch.sim.clock import CostModel, SimClock, WallClock, make_clock
+from minibatch.clock import CostModel, SimClock, StepShape, WallClock, make_clock
 from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpeculativeRunner
 
 __all__ = [
-    "Engine", "StepEntry", "StepRecord", "TokenEvent", "ENGINE_POLICIES", "make_engine",
+    "Engine", "StepEntry", "StepRecord", "TokenEvent", "EngineConfig", "POLICIES", "PolicySpec", "get_policy", "make_engine", "register_policy",
     "Request", "RequestStatus", "SamplingParams", "ModelRunner", "SimExecutor",
-    "OrcaScheduler", "PagedScheduler", "StaticScheduler", "CostModel", "SimClock", "WallClock", "make_clock",
+    "OrcaScheduler", "PagedScheduler", "StaticScheduler", "CostModel", "SimClock", "StepShape", "WallClock", "make_clock",
     "AdaptiveK", "DraftModelProposer", "FixedK", "NgramProposer", "SpeculativeRunner",
 ]

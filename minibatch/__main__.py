@@ -8,12 +8,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
-from minibatch.compare import ALL_POLICIES, CompareConfig, run_compare
-from minibatch.policies import ENGINE_POLICIES
-
-SIM_DEFAULT_POLICIES = ("static", "orca", "paged", "prefill_first", "chunked")
+from minibatch.compare import SIM_DEFAULT_POLICIES, CompareConfig, opt, run_compare
+from minibatch.policies import POLICIES, load_policy_module
 
 
 class _Parser(argparse.ArgumentParser):
@@ -24,69 +23,44 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
-def add_run_args(p: argparse.ArgumentParser, d: CompareConfig, model: bool = True) -> None:
-    """The trace, policy and output options compare and simulate share; model: add compare's
-    model-only options too (--model, --clock, --draft-model, ...)."""
-    if model:
-        p.add_argument("--model", default=d.model,
-                       help="smollm2-135m (offline default), tiny-random-llama, tiny-random-gpt2, a local dir or a hub id")
-    p.add_argument("--num-requests", type=int, default=d.num_requests, help="requests in the generated trace")
-    p.add_argument("--rate", type=float, default=d.rate, help="arrival rate, requests/s")
-    p.add_argument("--arrival", default=d.arrival, choices=["poisson", "zero", "gamma"], help="arrival process")
-    p.add_argument("--trace", default=None, help="a trace JSON (minibatch.workload.save_trace) instead of a generated one")
-    p.add_argument("--policies", default=",".join(d.policies if model else SIM_DEFAULT_POLICIES),
-                   help=f"comma-separated subset of {','.join(ALL_POLICIES if model else ENGINE_POLICIES)}")
-    if model:
-        p.add_argument("--clock", default=d.clock, choices=["wall", "sim"],
-                       help="wall: measured; sim: cost-model step times (HF baselines are always wall)")
-        p.add_argument("--device", default=d.device, help="where the model runs: cpu, cuda or cuda:N")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="requests per batch for static and hf_generate")
-    p.add_argument("--max-bs", type=int, default=d.max_bs, help="orca: most requests per iteration (KV memory limits it too)")
-    p.add_argument("--max-wait-s", type=float, default=d.max_wait_s, help="static batching: longest wait for a full batch")
-    p.add_argument("--max-prompt-len", type=int, default=d.max_prompt_len, help="clip ShareGPT prompt lengths (tokens)")
-    p.add_argument("--max-output-len", type=int, default=d.max_output_len, help="clip ShareGPT output lengths (tokens)")
-    p.add_argument("--output-scale", type=float, default=d.output_scale,
-                   help="multiply ShareGPT output lengths by this before clipping (keeps their spread)")
-    p.add_argument("--n-slots", type=int, default=None, help="KV token slots (default: batch-size x longest request, the memory a padded static batch needs)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="paged policies: KV block size in tokens")
-    p.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"],
-                   help="paged policies: what happens to a request preempted when KV blocks run out")
-    p.add_argument("--orca-reservation", default=d.orca_reservation, choices=["oracle", "max"],
-                   help="orca: reserve prompt + the trace's output length (oracle, its best case) or "
-                        "prompt + --max-output-len (max: a server that cannot know when EOS comes)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="chunked policies: token budget per step (default 512; the other policies have no budget)")
-    p.add_argument("--target-itl-ms", type=float, default=None,
-                   help="chunked: adaptive chunk size, choosing each step's budget to aim at this step time (ms)")
-    p.add_argument("--policy-order", default=d.policy_order, choices=["fcfs", "sjf", "priority"],
-                   help="queue policy of every iteration-level scheduler")
-    p.add_argument("--aging-s", type=float, default=d.aging_s,
-                   help="priority order: seconds of waiting worth one priority level")
-    p.add_argument("--long-prompts", type=int, default=d.long_prompts,
-                   help="the long-prompt trace: this many requests (spread over the trace) get --long-prompt-len tokens")
-    p.add_argument("--long-prompt-len", type=int, default=d.long_prompt_len, help="tokens in each long prompt")
-    if model:
-        p.add_argument("--draft-model", default=None,
-                       help="spec: the draft model (default: smollm2-135m-draft for smollm2-135m, else the target itself)")
-    p.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
-                   help="spec policies: draft tokens per step, k (with --adaptive-k: the largest k)")
-    p.add_argument("--adaptive-k", action="store_true", help="spec policies: choose k per request from its acceptance rate")
-    if model:
-        p.add_argument("--attention-backend", default=d.attention_backend, choices=["torch", "triton"],
-                       help="our packed attention: torch reference or Triton kernels (interpreted, slow, on CPU)")
-    p.add_argument("--slo-ttft-s", type=float, default=d.slo_ttft_s, help="goodput: TTFT objective, seconds")
-    p.add_argument("--slo-tpot-s", type=float, default=d.slo_tpot_s, help="goodput: TPOT objective, seconds")
-    if model:
-        p.add_argument("--no-reference", action="store_true", help="skip the per-request HF generate check")
-    p.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
-    if model:
-        p.add_argument("--figures-dir", default=d.figures_dir, help="where PNG figures go ('' = none)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--trace-out", default=None,
-                   help="write each policy's schedule as a Chrome trace JSON (Perfetto, chrome://tracing) into this folder")
-    p.add_argument("--profile", default=d.profile, required=not model,
-                   help="a calibrated cost model (python -m minibatch calibrate)" + ("" if not model else " for --clock sim"))
+def add_config_options(p: argparse.ArgumentParser, command: str) -> None:
+    """One option per CompareConfig field offered to ``command`` ("model": compare, "sim":
+    simulate), with the field's help and default; the values are checked by CompareConfig itself."""
+    for f in dataclasses.fields(CompareConfig):
+        m = f.metadata
+        if m.get("cli") not in ("all", command):
+            continue
+        default = SIM_DEFAULT_POLICIES if command == "sim" and f.name == "policies" else f.default
+        flag = m["flag"] or opt(f.name)
+        if m["kind"] == "bool":
+            p.add_argument(flag, dest=f.name, action="store_false" if default else "store_true", help=m["help"])
+            continue
+        kind = {"int": int, "real": float}.get(m["kind"], str)
+        shown = ",".join(default) if f.name == "policies" else default
+        metavar = "{" + ",".join(m["choices"]) + "}" if m["kind"] == "choice" else f.name.upper()
+        p.add_argument(flag, dest=f.name, type=kind, default=shown, metavar=metavar,
+                       help=f"{m['help']} (default: {shown})" if shown not in (None, "") else m["help"])
+    p.add_argument("--policy-module", action="append", default=[], metavar="FILE.py",
+                   help="a Python file that registers policies (register_policy); repeatable")
+
+
+def config_from_args(args, command: str, argv_text: str) -> CompareConfig:
+    """The CompareConfig of parsed ``args``: every field the command offers; simulate runs on the
+    simulated clock with no reference check. Plug-in policy modules are loaded first."""
+    for path in args.policy_module:
+        load_policy_module(path)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(CompareConfig)
+              if f.metadata.get("cli") and hasattr(args, f.name)}
+    names = tuple(x.strip() for x in values["policies"].split(",") if x.strip())
+    if names == ("all",) and command == "sim":
+        names = tuple(POLICIES)
+    values["policies"] = names
+    if command == "sim":
+        values.update(clock="sim", check_reference=False, figures_dir=None)
+    for name in ("figures_dir", "reference_cache"):
+        if values.get(name) == "":
+            values[name] = None
+    return CompareConfig(**values, command=argv_text)
 
 
 def parse_acceptance_rate(text: str | None) -> float | list[float] | None:
@@ -112,15 +86,14 @@ def parse_acceptance_rate(text: str | None) -> float | list[float] | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="minibatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compare", help="run one trace through static, orca, paged, chunked prefill and the Hugging Face baselines")
-    d = CompareConfig()
-    add_run_args(c, d)
+    c = sub.add_parser("compare", help="run one trace through our policies and the Hugging Face peer, on the real model")
+    add_config_options(c, "model")
     s = sub.add_parser("simulate", help="run a trace through our schedulers with no model, on a calibrated clock")
-    add_run_args(s, d, model=False)
+    add_config_options(s, "sim")
     s.add_argument("--acceptance-rate", default=None,
                    help="spec policies: acceptance rate, or comma-separated per-position rates")
     k = sub.add_parser("calibrate", help="measure step times of a model on this machine and fit the simulator's cost model")
-    k.add_argument("--model", default=d.model, help="as in compare")
+    k.add_argument("--model", default=CompareConfig.model, help="as in compare")
     k.add_argument("--device", default="cpu", help="cpu or cuda")
     k.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     k.add_argument("--draft-model", default=None, help="also calibrate this draft model (spec policies in simulation)")
@@ -165,34 +138,18 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
 
     command = " ".join(["python -m minibatch"] + (argv if argv is not None else sys.argv[1:]))
     if args.command in ("compare", "simulate"):
-        model = args.command == "compare"
-        cfg = CompareConfig(
-            num_requests=args.num_requests, rate=args.rate, arrival=args.arrival,
-            trace=args.trace, policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-            seed=args.seed, batch_size=args.batch_size, max_bs=args.max_bs, max_wait_s=args.max_wait_s,
-            max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len,
-            output_scale=args.output_scale, n_slots=args.n_slots, block_size=args.block_size,
-            preemption_mode=args.preemption_mode,
-            orca_reservation=args.orca_reservation, max_num_batched_tokens=args.max_num_batched_tokens,
-            target_itl_ms=args.target_itl_ms, policy_order=args.policy_order, aging_s=args.aging_s,
-            long_prompts=args.long_prompts, long_prompt_len=args.long_prompt_len,
-            num_speculative_tokens=args.num_speculative_tokens, adaptive_k=args.adaptive_k,
-            slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_s, json_path=args.json_path,
-            progress=not args.no_progress, profile=args.profile, trace_out=args.trace_out, command=command,
-            **(dict(model=args.model, clock=args.clock, device=args.device, attention_backend=args.attention_backend,
-                    draft_model=args.draft_model, check_reference=not args.no_reference,
-                    figures_dir=args.figures_dir or None) if model else
-               dict(clock="sim", check_reference=False, figures_dir=None)),
-        )
-        if model:
+        cfg = config_from_args(args, "model" if args.command == "compare" else "sim", command)
+        if args.command == "compare":
             run_compare(cfg)
         else:
             from minibatch.sim.cost_model import Profile
             from minibatch.sim.simulator import run_simulation
 
             acceptance = parse_acceptance_rate(args.acceptance_rate)
-            Profile.load(args.profile)  # a bad profile is reported before the run
-            run_simulation(cfg, args.profile, acceptance)
+            if cfg.profile is None:
+                raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
+            Profile.load(cfg.profile)  # a bad profile is reported before the run
+            run_simulation(cfg, cfg.profile, acceptance)
         return 0
     # calibrate
     from minibatch.models import check_model_name

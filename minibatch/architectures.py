@@ -145,10 +145,10 @@ def check_architecture(model_type: str, policies=POLICIES) -> SupportResult:
     """Build the tiny ``model_type``, load it into a ModelRunner and, unless refused, run
     ``support_requests`` under each policy (simulated clock) against HF ``generate`` (greedy,
     each request alone)."""
-    from minibatch.compare import reference_outputs
+    from minibatch.reference import reference_outputs
     from minibatch.policies import make_engine
     from minibatch.runner.model_runner import ModelRunner
-    from minibatch.sim.clock import SimClock
+    from minibatch.clock import SimClock
 
     model = build_tiny_model(model_type)
     result = SupportResult(model_type, type(model).__name__)

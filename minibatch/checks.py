@@ -15,7 +15,7 @@ from numbers import Real
 # Limits shared by the engine's and the run's configuration: beyond them a value is a typo, not an
 # experiment (and would exhaust memory or time before saying so).
 MAX_TOKENS = 1 << 20  # longest prompt / output / context / token budget (1,048,576 tokens)
-MAX_NUM_SEQS = 65_536  # batch_size, max_bs (vLLM's max_num_seqs)
+MAX_NUM_SEQS = 65_536  # batch_size, max_num_seqs (vLLM's max_num_seqs)
 MAX_KV_SLOTS = 1 << 26  # n_slots: 67M token slots, far beyond any GPU's KV memory for these models
 MAX_BLOCK_SIZE = 4096
 MAX_SPEC_TOKENS = 64  # num_speculative_tokens, k

@@ -12,19 +12,21 @@ The engine only stamps events on requests (first scheduled, each token, finish) 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 from typing import Iterator
 
 from minibatch.checks import check_in_vocab
+from minibatch.clock import SimClock, WallClock
 from minibatch.request import Request, RequestStatus
-from minibatch.scheduler.base import Scheduler, SchedulerOutput
-from minibatch.sim.clock import SimClock, WallClock
+from minibatch.scheduler.base import Scheduler
+from minibatch.scheduler.output import PACKED, SchedulerOutput, StepResult
 
 
 @dataclass
 class StepEntry:
-    """One batch row of a step: which request, in which batch slot (row, not KV slot), doing what.
+    """One batch row of a step: which request, in which batch row, doing what.
 
     phase: "prefill" | "decode" | "padding" (a finished member of a static batch whose row still
     computes a token: its last one, fed again). num_computed_tokens is the value *before* this step.
@@ -32,16 +34,18 @@ class StepEntry:
     reach the prompt's end, and for padding).
     num_spec_tokens, num_accepted_tokens: speculative decoding: draft tokens verified in this row
     (num_new_tokens = 1 + num_spec_tokens) and how many were accepted.
+    token_ids: the tokens the request got this step (after one that finished it: none).
     """
 
     request_id: str
-    slot: int
+    row: int
     phase: str
     num_new_tokens: int
     num_computed_tokens: int
     sampled: bool = True
     num_spec_tokens: int = 0
     num_accepted_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
 
     @property
     def is_chunk(self) -> bool:
@@ -53,8 +57,15 @@ class StepEntry:
 class StepRecord:
     """What happened in one step; the list of these is the schedule trace.
 
-    Times are seconds on the engine clock. num_kv_slots_used counts KV slots holding computed
-    tokens, num_kv_slots_reserved the slots set aside (Orca reserves prompt + max_new_tokens).
+    Built by the engine from the step's plan, its result and its clock (:meth:`of`); everything
+    plots, metrics, the simulator's fit and the clocks read. Times are seconds on the engine
+    clock. num_kv_slots_used counts KV slots holding computed tokens, num_kv_slots_reserved the
+    slots set aside (Orca reserves prompt + max_new_tokens).
+
+    layout: "packed" or "padded" (static batching's (B, T) batch). num_blocks_swapped_out,
+    num_blocks_swapped_in, num_blocks_copied: KV blocks moved before the forward (swap preemption,
+    copy-on-write). draft_forwards: (rows, tokens, context tokens) of each draft-model forward the
+    step ran (speculative decoding), draft_time_s their share of the step.
     """
 
     step: int
@@ -62,19 +73,56 @@ class StepRecord:
     end_s: float
     entries: list[StepEntry]
     num_padding_tokens: int
-    num_idle_slots: int
+    num_idle_rows: int
     num_kv_slots_used: int
     num_kv_slots_reserved: int
     num_waiting: int
     num_running: int
     finished: list[str] = field(default_factory=list)
-    block_tables: dict[str, list[int]] = field(default_factory=dict)  # request_id -> KV block ids this step
+    block_tables: dict[str, tuple[int, ...]] = field(default_factory=dict)  # request_id -> KV block ids
     preempted: list[str] = field(default_factory=list)  # request_ids preempted this step
-    draft_time_s: float = 0.0  # speculative decoding: part of the step spent proposing drafts
+    draft_time_s: float = 0.0
+    layout: str = PACKED
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    num_blocks_copied: int = 0
+    draft_forwards: tuple[tuple[int, int, int], ...] = ()
+
+    @classmethod
+    def of(cls, step: int, plan: SchedulerOutput, result: StepResult, outputs_before: list[int],
+           finished: list[Request], scheduler: Scheduler, start_s: float,
+           previous: "StepRecord | None" = None) -> "StepRecord":
+        """The record of a step just updated: ``outputs_before`` holds each scheduled request's
+        num_output_tokens before the update. Its times are the clock's to fill (end_s = start_s,
+        draft_time_s = the executor's measured drafting); num_waiting counts the scheduler's queue
+        now. A block table unchanged since ``previous`` is that record's tuple (shared), so a
+        trace's memory grows with the blocks that change, not with steps x blocks held."""
+        entries = [StepEntry(s.request_id, s.row, s.phase, s.num_new_tokens, s.num_computed_tokens,
+                             s.request_id in result.sampled, s.num_spec_tokens,
+                             result.num_accepted.get(s.request_id, 0),
+                             tuple(s.request.output_token_ids[before:]))
+                   for s, before in zip(plan.scheduled, outputs_before)]
+        entries += [StepEntry(s.request_id, s.row, "padding", 1, s.num_computed_tokens, False) for s in plan.padded]
+        old = previous.block_tables if previous is not None else {}
+        return cls(
+            step=step, start_s=start_s, end_s=start_s, entries=entries,
+            num_padding_tokens=plan.num_padding_tokens, num_idle_rows=plan.num_idle_rows,
+            num_kv_slots_used=scheduler.num_kv_slots_used, num_kv_slots_reserved=scheduler.num_kv_slots_reserved,
+            num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
+            finished=[r.request_id for r in finished],
+            block_tables={rid: old[rid] if old.get(rid) == t else t for rid, t in plan.block_tables.items()},
+            preempted=list(plan.preempted), draft_time_s=result.draft_time_s, layout=plan.layout,
+            num_blocks_swapped_out=len(plan.blocks_to_swap_out), num_blocks_swapped_in=len(plan.blocks_to_swap_in),
+            num_blocks_copied=len(plan.blocks_to_copy), draft_forwards=tuple(result.draft_forwards),
+        )
 
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
+
+    @property
+    def num_blocks_moved(self) -> int:
+        return self.num_blocks_swapped_out + self.num_blocks_swapped_in + self.num_blocks_copied
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -104,9 +152,9 @@ class Engine:
 
     Args:
         scheduler: a :class:`~minibatch.scheduler.base.Scheduler` (static, orca, ...).
-        executor: has ``execute(SchedulerOutput) -> {request_id: token_id}``, ``eos_token_ids``,
-            ``max_model_len``, ``vocab_size``, ``free(request_ids)``, ``claim(engine)`` and
-            ``allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)``; a ``ModelRunner``,
+        executor: has ``execute(SchedulerOutput) -> StepResult``, ``eos_token_ids``,
+            ``max_model_len``, ``vocab_size``, ``free(request_ids)``, ``claim(engine, kv_geometry)``,
+            ``observe_step(record)`` and ``allocate_kv_cache(num_blocks, block_size, num_cpu_blocks)``; a ``ModelRunner``,
             ``SpeculativeRunner`` or ``SimExecutor``. Several engines may share one executor one
             after another (each claims its KV cache before a step), never interleaved while one
             still holds KV in it.
@@ -196,61 +244,33 @@ class Engine:
         self._claim_executor()
         self._admit_arrivals()
         start_s = self.clock.now_s
-        self.clock.start_step()  # the wall clock times scheduling too, not only the forward
-        out = self.scheduler.schedule(start_s)
-        if out.is_empty:
-            self._wait_for_next_event(out)
+        self.clock.start_step()  # the wall clock times scheduling and the update too, not only the forward
+        plan = self.scheduler.schedule(start_s).freeze()
+        if plan.is_empty:
+            self._wait_for_next_event(plan)
             return None
-        sampled = self.executor.execute(out)          # the forward pass (or the simulator)
-        self.clock.end_step(out)                      # measured or cost-model step time
-        entries = [
-            StepEntry(s.request_id, s.slot, s.phase, s.num_new_tokens, s.request.num_computed_tokens,
-                      s.request_id in sampled, len(s.spec_token_ids),
-                      len(sampled[s.request_id]) - 1 if s.spec_token_ids and s.request_id in sampled else 0)
-            for s in out.scheduled
-        ] + [StepEntry(s.request_id, s.slot, "padding", 1, s.request.num_computed_tokens, False) for s in out.padded]
-        num_outputs = {s.request_id: s.request.num_output_tokens for s in out.scheduled}
-        finished = self.scheduler.update(out, sampled)
+        result = self.executor.execute(plan)            # the forward pass (or the simulator)
+        outputs_before = [s.request.num_output_tokens for s in plan.scheduled]
+        finished = self.scheduler.update(plan, result)
         self.executor.free([r.request_id for r in finished])
+        record = StepRecord.of(len(self.trace), plan, result, outputs_before, finished, self.scheduler, start_s,
+                               self.trace[-1] if self.trace else None)
+        duration_s, draft_time_s = self.clock.end_step(record)  # measured, or priced by the cost model
         end_s = self.clock.now_s
-        for s in out.scheduled:                       # stamp events
-            r = s.request
+        for e in record.entries:                        # stamp events
+            r = self.requests[e.request_id]
             if r.first_scheduled_time_s is None:
                 r.first_scheduled_time_s = start_s
-            r.token_times_s += [end_s] * (r.num_output_tokens - num_outputs[s.request_id])  # > 1 when drafts are accepted
+            r.token_times_s += [end_s] * len(e.token_ids)  # > 1 when drafts are accepted
         for r in finished:
             r.finish_time_s = end_s
         self._admit_arrivals()  # requests that arrived during the step count as waiting in its record
-        record = StepRecord(
-            step=len(self.trace),
-            start_s=start_s,
-            end_s=end_s,
-            entries=entries,
-            num_padding_tokens=out.num_padding_tokens,
-            num_idle_slots=out.num_idle_slots,
-            num_kv_slots_used=self.scheduler.num_kv_slots_used,
-            num_kv_slots_reserved=self.scheduler.num_kv_slots_reserved,
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            finished=[r.request_id for r in finished],
-            block_tables=self._snapshot_block_tables(out.block_tables),
-            preempted=list(out.preempted),
-            draft_time_s=out.draft_time_s,
-        )
+        record = dataclasses.replace(record, end_s=end_s, draft_time_s=draft_time_s,
+                                     num_waiting=len(self.scheduler.waiting))
         self.trace.append(record)
         self.scheduler.observe_step(record)
+        self.executor.observe_step(record)
         return record
-
-    def _snapshot_block_tables(self, tables: dict[str, list[int]]) -> dict[str, list[int]]:
-        """A copy of this step's block tables for the record. A table unchanged since the previous
-        record is that record's list itself (shared, never mutated), so the trace's memory grows
-        with the blocks that change, not with steps x blocks held (Orca reserves whole outputs)."""
-        previous = self.trace[-1].block_tables if self.trace else {}
-        snapshot = {}
-        for rid, table in tables.items():
-            old = previous.get(rid)
-            snapshot[rid] = old if old == table else list(table)
-        return snapshot
 
     def _wait_for_next_event(self, out: SchedulerOutput) -> None:
         times = [t for t in (out.wake_time_s, self.pending[0][0] if self.pending else None) if t is not None]
@@ -266,17 +286,10 @@ class Engine:
             self.add_request(r)
         while self.has_unfinished():
             record = self.step()
-            if record is None:
-                continue
-            for e in record.entries:
-                if e.phase == "padding":
-                    continue
-                r = self.requests[e.request_id]
-                n = len(r.token_times_s) - next((i + 1 for i in range(len(r.token_times_s) - 1, -1, -1)
-                                                 if r.token_times_s[i] != record.end_s), 0)  # tokens this step
-                for j in range(r.num_output_tokens - n, r.num_output_tokens):
-                    yield TokenEvent(e.request_id, r.output_token_ids[j], record.end_s,
-                                     r.is_finished and j == r.num_output_tokens - 1)
+            for e in record.entries if record is not None else ():
+                done = e.request_id in record.finished
+                for j, token_id in enumerate(e.token_ids):
+                    yield TokenEvent(e.request_id, token_id, record.end_s, done and j == len(e.token_ids) - 1)
 
     def generate(self, requests: list[Request], progress: bool = False) -> list[Request]:
         """Offline: run ``requests`` to completion; returns them (same order) with outputs filled.

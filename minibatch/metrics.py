@@ -236,7 +236,7 @@ def slot_utilization(trace: list[StepRecord]) -> float:
     """Busy batch rows / (busy + padding + idle rows), summed over steps. Padding rows are
     static batching's early-finished waste; idle rows are slots no request fills."""
     busy = sum(_num_busy_rows(r) for r in trace)
-    total = sum(len(r.entries) + r.num_idle_slots for r in trace)
+    total = sum(len(r.entries) + r.num_idle_rows for r in trace)
     return busy / total if total else 0.0
 
 

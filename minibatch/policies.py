@@ -1,148 +1,189 @@
-"""Build an Engine for a named scheduling policy, with matching KV geometry on the executor."""
+"""The policy table: every scheduling policy is one row, and ``make_engine`` builds any row.
+
+    static          request-level batching, padded (B, T) batches      (the baseline; Orca §3.1)
+    orca            iteration-level batching, KV reserved at admission  (Orca, OSDI'22)
+    paged           on-demand KV blocks, preemption                      (vLLM, SOSP'23)
+    paged_prefix    paged + prefix caching
+    prefill_first   paged; a step is all prefill or all decode          (vLLM v0)
+    chunked         stall-free batching with chunked prefill            (Sarathi-Serve, OSDI'24)
+    chunked_prefix  chunked + prefix caching
+    spec            paged + speculative decoding with a draft model     (Leviathan et al. 2023)
+    spec_ngram      paged + speculative decoding with n-gram lookup     (prompt lookup decoding)
+
+A new idea is a scheduler subclass plus one :func:`register_policy` call, in the researcher's own
+file (``python -m minibatch compare --policy-module my_policy.py --policies mine,paged``).
+"""
 
 from __future__ import annotations
 
-from minibatch.checks import (MAX_BLOCK_SIZE, MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_SPEC_TOKENS, MAX_TOKENS,
-                              FieldTypeError, check_choice, check_int, check_real)
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from minibatch.checks import FieldTypeError, check_choice
+from minibatch.config import EngineConfig
 from minibatch.engine import Engine
-from minibatch.scheduler import (AdaptiveChunker, ChunkedPrefillScheduler, OrcaScheduler, PagedScheduler,
-                                 PrefillFirstScheduler, StaticScheduler, make_queue_policy)
+from minibatch.scheduler import (ChunkedPrefillScheduler, OrcaScheduler, PagedScheduler, PrefillFirstScheduler,
+                                 Scheduler, StaticScheduler)
 
-ENGINE_POLICIES = ("static", "orca", "paged", "paged_prefix", "prefill_first", "chunked", "chunked_prefix",
-                   "spec", "spec_ngram")
-PAGED_POLICIES = {"paged": PagedScheduler, "paged_prefix": PagedScheduler, "prefill_first": PrefillFirstScheduler,
-                  "chunked": ChunkedPrefillScheduler, "chunked_prefix": ChunkedPrefillScheduler,
-                  "spec": PagedScheduler, "spec_ngram": PagedScheduler}
-SPEC_POLICIES = ("spec", "spec_ngram")
-DEFAULT_CHUNKED_BUDGET = 512
+SPEC_OPTIONS = frozenset({"num_speculative_tokens", "adaptive_k"})
+# Options every policy accepts, ignored where they do not apply (static batching has no KV cache to
+# size), so one set of options can be looped over policies; any other option is refused by a
+# policy that does not use it.
+SHARED_OPTIONS = StaticScheduler.options | PagedScheduler.options
+PROPOSERS = ("draft", "ngram")
 
 
-def make_engine(
-    policy: str,
-    executor,
-    clock=None,
-    *,
-    max_bs: int = 8,
-    n_slots: int = 4096,
-    block_size: int | None = None,
-    max_wait_s: float = 1.0,
-    preemption_mode: str = "recompute",
-    watermark: float = 0.01,
-    reserve_new_tokens: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    target_itl_s: float | None = None,
-    queue_policy: str = "fcfs",
-    aging_s: float | None = 1.0,
-    max_num_prefills: int | None = None,
-    draft_runner=None,
-    num_speculative_tokens: int = 4,
-    adaptive_k: bool = False,
-) -> Engine:
-    """An Engine running ``policy`` on ``executor`` (a ModelRunner or SimExecutor).
+@dataclass(frozen=True)
+class PolicySpec:
+    """One row of the policy table.
 
-    policy: "static" (batch_size = max_bs, padded), "orca" (iteration-level, max_bs requests,
-    n_slots KV token slots reserved per request at admission), "paged" (vLLM-style on-demand
-    blocks over the same n_slots, preempting by ``preemption_mode`` "recompute" or "swap"),
-    "prefill_first" (paged; a step is all prefill or all decode, vLLM v0), "chunked" (paged;
-    Sarathi-Serve stall-free batching with chunked prefill); "*_prefix" adds prefix caching.
-    block_size: slots per KV block; default 1 for orca (Orca's per-token slots) and 16 for paged.
-    reserve_new_tokens: orca only: reserve prompt + max(max_new_tokens, this) ("Orca (Max)").
-    max_num_batched_tokens: the token budget per step (paged policies); default None (no limit),
-        512 for chunked.
-    target_itl_s: chunked only: choose the budget per step with an :class:`AdaptiveChunker`
-        aiming at this step time (seconds) instead of a fixed budget.
-    queue_policy, aging_s: "fcfs", "sjf" or "priority" (aging_s seconds of waiting = one
-        priority level; None = no aging) for every iteration-level policy.
-    max_num_prefills: prefill_first only: most prompts prefilled per step (None: no limit).
-    "spec" / "spec_ngram": paged, with speculative decoding (``minibatch.spec``): drafts from
-        ``draft_runner`` (a ModelRunner on a draft model with the target's tokenizer) or from
-        n-gram prompt lookup; ``executor`` (a ModelRunner) is wrapped in a SpeculativeRunner.
-        num_speculative_tokens: k (>= 1), or with ``adaptive_k`` the largest k AdaptiveK picks.
+    scheduler: the Scheduler subclass (its ``from_config`` builds it, its ``options`` are the
+        EngineConfig fields it reads, its ``layout`` is "packed" or "padded").
+    enable_prefix_caching: reuse cached prompt blocks (paged schedulers).
+    proposer: speculative decoding: "draft" (a draft model, ``draft_runner``) or "ngram" (prompt
+        lookup); None: none.
+    description: one line for ``--help`` and tables.
+    """
+
+    name: str
+    scheduler: type
+    enable_prefix_caching: bool = False
+    proposer: str | None = None
+    description: str = ""
+
+    @property
+    def layout(self) -> str:
+        return self.scheduler.layout
+
+    @property
+    def options(self) -> frozenset[str]:
+        """The EngineConfig fields this policy uses."""
+        return self.scheduler.options | (SPEC_OPTIONS if self.proposer else frozenset())
+
+    def config(self, config: EngineConfig) -> EngineConfig:
+        """``config`` with the row's own settings (prefix caching, lookahead slots for a draft model)."""
+        lookahead = config.num_speculative_tokens if self.proposer == "draft" else 0
+        return dataclasses.replace(config.engine_config(), enable_prefix_caching=self.enable_prefix_caching,
+                                   num_lookahead_tokens=lookahead)
+
+
+POLICIES: dict[str, PolicySpec] = {}
+
+
+def register_policy(name: str, scheduler: type, *, enable_prefix_caching: bool = False, proposer: str | None = None,
+                    description: str = "", replace: bool = False) -> PolicySpec:
+    """Add a row to the policy table (see :class:`PolicySpec`); returns it.
 
     Raises:
-        ValueError: an unknown policy or a bad argument (the message names it).
+        ValueError: a name that is not lowercase letters, digits and "_", or is taken (unless
+            ``replace``); a proposer other than "draft" / "ngram".
+        FieldTypeError: scheduler is not a Scheduler subclass.
     """
-    _check_engine_args(policy, executor, max_bs=max_bs, n_slots=n_slots, block_size=block_size,
-                       max_wait_s=max_wait_s, preemption_mode=preemption_mode, watermark=watermark,
-                       reserve_new_tokens=reserve_new_tokens, max_num_batched_tokens=max_num_batched_tokens,
-                       target_itl_s=target_itl_s, max_num_prefills=max_num_prefills,
-                       num_speculative_tokens=num_speculative_tokens, adaptive_k=adaptive_k)
-    order = make_queue_policy(queue_policy, aging_s)
-    if policy == "static":
-        return Engine(StaticScheduler(batch_size=max_bs, max_wait_s=max_wait_s), executor, clock)
-    if policy == "orca":
-        scheduler = OrcaScheduler(max_bs=max_bs, n_slots=n_slots, block_size=1 if block_size is None else block_size,
-                                  reserve_new_tokens=reserve_new_tokens, queue_policy=order)
-    elif policy in PAGED_POLICIES:
-        block_size = 16 if block_size is None else block_size
-        if n_slots < block_size:
-            raise ValueError(f"n_slots must be >= block_size ({block_size}), got {n_slots}")
-        kwargs = dict(max_bs=max_bs, num_blocks=n_slots // block_size, block_size=block_size,
-                      enable_prefix_caching=policy.endswith("_prefix"), preemption_mode=preemption_mode,
-                      watermark=watermark, queue_policy=order)
-        if policy.startswith("chunked"):
-            kwargs["max_num_batched_tokens"] = (DEFAULT_CHUNKED_BUDGET if max_num_batched_tokens is None
-                                                else max_num_batched_tokens)
-            kwargs["chunker"] = AdaptiveChunker(target_itl_s) if target_itl_s is not None else None
-        else:
-            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
-        if policy.startswith("prefill_first"):
-            kwargs["max_num_prefills"] = max_num_prefills
-        if policy in SPEC_POLICIES:
-            executor, kwargs["speculator"] = _speculative_executor(policy, executor, draft_runner,
-                                                                   num_speculative_tokens, adaptive_k)
-        scheduler = PAGED_POLICIES[policy](**kwargs)
-    else:
-        raise ValueError(f"policy must be one of {ENGINE_POLICIES}, got {policy!r}")
-    return Engine(scheduler, executor, clock)  # the engine allocates the KV cache when it claims the executor
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"policy name must be lowercase letters, digits and '_', starting with a letter, got {name!r}")
+    if name in POLICIES and not replace:
+        raise ValueError(f"policy {name!r} is already registered (pass replace=True to redefine it)")
+    if not (isinstance(scheduler, type) and issubclass(scheduler, Scheduler)):
+        raise FieldTypeError(f"scheduler must be a Scheduler subclass, got {scheduler!r}")
+    if proposer is not None:
+        check_choice(proposer, "proposer", PROPOSERS)
+        if not issubclass(scheduler, PagedScheduler):
+            raise ValueError(f"policy {name!r}: speculative decoding needs a PagedScheduler subclass")
+    POLICIES[name] = PolicySpec(name, scheduler, enable_prefix_caching, proposer, description)
+    return POLICIES[name]
 
 
-def _check_engine_args(policy: str, executor, **args) -> None:
-    """make_engine's arguments, every one checked before anything is built (the schedulers check
-    theirs again): the same limits as the run configuration (``minibatch.checks``); an option the
-    policy does not use is refused rather than ignored.
+register_policy("static", StaticScheduler, description="request-level batching, padded batches")
+register_policy("orca", OrcaScheduler, description="iteration-level batching, KV reserved at admission")
+register_policy("paged", PagedScheduler, description="paged KV blocks on demand, preemption (vLLM)")
+register_policy("paged_prefix", PagedScheduler, enable_prefix_caching=True, description="paged + prefix caching")
+register_policy("prefill_first", PrefillFirstScheduler, description="paged; steps all prefill or all decode")
+register_policy("chunked", ChunkedPrefillScheduler, description="stall-free batching, chunked prefill (Sarathi)")
+register_policy("chunked_prefix", ChunkedPrefillScheduler, enable_prefix_caching=True,
+                description="chunked + prefix caching")
+register_policy("spec", PagedScheduler, proposer="draft", description="paged + speculative decoding, draft model")
+register_policy("spec_ngram", PagedScheduler, proposer="ngram", description="paged + speculative decoding, n-gram")
+BUILTIN_POLICIES = tuple(POLICIES)
+
+
+def load_policy_module(path: str) -> list[str]:
+    """Run the Python file ``path`` (a researcher's policy: a scheduler subclass and a
+    ``register_policy`` call); returns the names of the policies it registered.
 
     Raises:
-        ValueError / FieldTypeError: naming the argument and its allowed range.
+        ValueError: no such .py file, the file fails to import (its error in one line), or it
+            registers no policy.
     """
-    check_choice(policy, "policy", ENGINE_POLICIES)
+    import importlib.util
+    from pathlib import Path
+
+    file = Path(path)
+    if file.suffix != ".py" or not file.is_file():
+        raise ValueError(f"--policy-module: no such Python file {str(path)!r}")
+    before = dict(POLICIES)
+    spec = importlib.util.spec_from_file_location(f"minibatch_policy_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a plug-in's own bug: one line naming the file
+        raise ValueError(f"--policy-module {path}: {type(e).__name__}: {e}") from None
+    added = [name for name in POLICIES if before.get(name) is not POLICIES[name]]
+    if not added:
+        raise ValueError(f"--policy-module {path}: registers no policy (call minibatch.register_policy)")
+    return added
+
+
+def get_policy(name: str) -> PolicySpec:
+    """The row named ``name``. Raises ValueError naming the registered policies."""
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {','.join(POLICIES)}, got {name!r}")
+    return POLICIES[name]
+
+
+def make_engine(policy: str, executor, clock=None, *, config: EngineConfig | None = None, draft_runner=None,
+                **options) -> Engine:
+    """An Engine running ``policy`` (a row of the policy table) on ``executor`` (a ModelRunner or
+    SimExecutor), on ``clock`` (default: a SimClock).
+
+    config: an EngineConfig (or a subclass such as CompareConfig) whose fields the policy does not
+        use are ignored; options: EngineConfig fields by name: the policy's own, SHARED_OPTIONS, or
+        any set to None (not set).
+    draft_runner: "spec" (a draft model): a ModelRunner on the draft model with the target's tokenizer.
+    Speculative policies wrap a ModelRunner in a SpeculativeRunner; a SimExecutor gets the
+    speculator instead (it makes up drafts and accepts them at its acceptance_rate).
+
+    Raises:
+        ValueError / FieldTypeError: an unknown policy, an option out of range or one the policy
+            does not use, a missing draft_runner (the message names it).
+    """
+    spec = get_policy(policy)
+    unused = sorted(name for name, value in options.items()
+                    if value is not None and name not in spec.options | SHARED_OPTIONS)
+    if unused:
+        users = [p for p, row in POLICIES.items() if unused[0] in row.options]
+        known = unused[0] in EngineConfig.engine_fields()
+        raise ValueError(f"{unused[0]} does not apply to policy {policy!r}" +
+                         (f" (it applies to {','.join(users)})" if known else
+                          f"; its options are {','.join(sorted(spec.options))}"))
     if not callable(getattr(executor, "execute", None)):
         raise FieldTypeError(f"executor must be a ModelRunner or SimExecutor (has execute()), got {type(executor).__name__}")
-    check_int(args["max_bs"], "max_bs", 1, MAX_NUM_SEQS)
-    check_int(args["n_slots"], "n_slots", 1, MAX_KV_SLOTS)
-    if args["block_size"] is not None:
-        check_int(args["block_size"], "block_size", 1, MAX_BLOCK_SIZE)
-    check_real(args["max_wait_s"], "max_wait_s", 0.0, MAX_SECONDS)
-    check_choice(args["preemption_mode"], "preemption_mode", ("recompute", "swap"))
-    check_real(args["watermark"], "watermark", 0.0, 1.0, high_open=True)
-    for name in ("reserve_new_tokens", "max_num_batched_tokens"):
-        if args[name] is not None:
-            check_int(args[name], name, 1, MAX_TOKENS)
-    check_int(args["num_speculative_tokens"], "num_speculative_tokens", 1, MAX_SPEC_TOKENS)
-    if not isinstance(args["adaptive_k"], bool):
-        raise FieldTypeError(f"adaptive_k must be a bool, got {args['adaptive_k']!r}")
-    if args["max_num_prefills"] is not None:
-        if not policy.startswith("prefill_first"):
-            raise ValueError(f"max_num_prefills needs the prefill_first policy, got {policy!r}")
-        check_int(args["max_num_prefills"], "max_num_prefills", 1, MAX_NUM_SEQS)
-    if args["target_itl_s"] is not None:
-        if not policy.startswith("chunked"):
-            raise ValueError(f"target_itl_s (adaptive chunk size) needs a chunked policy, got {policy!r}")
-        check_real(args["target_itl_s"], "target_itl_s", 0.0, MAX_SECONDS, low_open=True)
+    cfg = spec.config(dataclasses.replace((config or EngineConfig()).engine_config(), **options))
+    if spec.proposer:
+        executor = _speculative_executor(spec, executor, draft_runner, cfg)
+    return Engine(spec.scheduler.from_config(cfg), executor, clock)  # the KV cache is allocated at the first step
 
 
-def _speculative_executor(policy: str, executor, draft_runner, k: int, adaptive_k: bool):
-    from minibatch.runner.model_runner import SimExecutor
+def _speculative_executor(spec: PolicySpec, executor, draft_runner, cfg: EngineConfig):
     from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpeculativeRunner
 
-    if k < 1:
-        raise ValueError(f"num_speculative_tokens must be >= 1, got {k}")
-    speculator = AdaptiveK(max_k=k) if adaptive_k else FixedK(k)
-    if isinstance(executor, SimExecutor):  # simulation: the executor makes up drafts and accepts them
+    speculator = AdaptiveK(max_k=cfg.num_speculative_tokens) if cfg.adaptive_k else FixedK(cfg.num_speculative_tokens)
+    if getattr(executor, "simulates_drafts", False):  # a SimExecutor makes up drafts and accepts them
         if executor.acceptance_rate is None:
-            raise ValueError(f"policy {policy!r} on a SimExecutor needs SimExecutor(acceptance_rate=...)")
-        return executor, speculator
-    if policy == "spec" and draft_runner is None:
-        raise ValueError("policy 'spec' needs draft_runner (a ModelRunner on the draft model)")
-    proposer = DraftModelProposer(draft_runner) if policy == "spec" else NgramProposer()
-    return SpeculativeRunner(executor, proposer, speculator), speculator
+            raise ValueError(f"policy {spec.name!r} on a SimExecutor needs SimExecutor(acceptance_rate=...)")
+        executor.speculator = speculator
+        return executor
+    if spec.proposer == "draft" and draft_runner is None:
+        raise ValueError(f"policy {spec.name!r} needs draft_runner (a ModelRunner on the draft model)")
+    proposer = DraftModelProposer(draft_runner) if spec.proposer == "draft" else NgramProposer()
+    return SpeculativeRunner(executor, proposer, speculator)

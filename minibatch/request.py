@@ -123,6 +123,9 @@ class Request:
     finish_reason: str | None = None  # "stop" (EOS) | "length" (max_new_tokens)
     eos_token_ids: tuple[int, ...] = ()  # filled by the engine from the model unless ignore_eos
     num_preemptions: int = 0
+    # speculative decoding (vLLM v1): drafts for the next step, and (drafted, accepted) per verification
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_history: list[tuple[int, int]] = field(default_factory=list)
 
     # --- event stamps, seconds on the engine clock ---
     first_scheduled_time_s: float | None = None
@@ -182,6 +185,11 @@ class Request:
         return self.num_computed_tokens < self.num_prompt_tokens
 
     @property
+    def num_tokens_with_spec(self) -> int:
+        """num_tokens plus the stored drafts: what the next step may compute up to (vLLM v1)."""
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
     def first_token_time_s(self) -> float | None:
         return self.token_times_s[0] if self.token_times_s else None
 
@@ -205,6 +213,8 @@ class Request:
         self.token_times_s = []
         self.finish_time_s = None
         self.num_preemptions = 0
+        self.spec_token_ids = []
+        self.spec_history = []
 
     def copy(self) -> "Request":
         """A fresh request with the same inputs and no state."""

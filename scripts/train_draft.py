@@ -55,7 +55,7 @@ def cmd_teacher(args) -> None:
                 continue
             part = items[shard * args.shard_size:(shard + 1) * args.shard_size]
             reqs = [Request(f"{split}{i}", ids, args.max_new_tokens, SamplingParams()) for i, ids in part]
-            engine = make_engine("paged", runner, max_bs=args.max_bs, n_slots=args.max_bs * 512)
+            engine = make_engine("paged", runner, max_num_seqs=args.max_num_seqs, n_slots=args.max_num_seqs * 512)
             t0 = time.perf_counter()
             engine.generate(reqs)
             dt = time.perf_counter() - t0
@@ -286,7 +286,7 @@ def main() -> None:
     t.add_argument("--num-train", type=int, default=1536)
     t.add_argument("--max-prompt-len", type=int, default=256)
     t.add_argument("--max-new-tokens", type=int, default=160)
-    t.add_argument("--max-bs", type=int, default=32)
+    t.add_argument("--max-num-seqs", type=int, default=32)
     t.add_argument("--shard-size", type=int, default=64)
     for name in ("train", "eval"):
         p = sub.add_parser(name)

@@ -24,7 +24,7 @@ MAX_NEW = [8, 3, 12, 6, 10, 5, 9, 20]
 def paged_setup(request):
     """(model, ModelRunner, prompts, HF generate's greedy outputs by request_id "r0".."r7")."""
     from minibatch import ModelRunner, Request, SamplingParams
-    from minibatch.compare import reference_outputs
+    from minibatch.reference import reference_outputs
     from minibatch.models import load_model
 
     model, tok = load_model(request.param)
@@ -34,3 +34,13 @@ def paged_setup(request):
                for i, n in enumerate(PROMPT_LENS)]
     reqs = [Request(f"r{i}", p, n, SamplingParams(ignore_eos=True)) for i, (p, n) in enumerate(zip(prompts, MAX_NEW))]
     return model, ModelRunner(model, tok), prompts, reference_outputs(model, reqs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reference_cache_in_tmp(tmp_path_factory):
+    """compare's cached HF generate outputs go to a temporary folder, not the user's cache."""
+    folder = tmp_path_factory.mktemp("reference-cache")
+    patch = pytest.MonkeyPatch()
+    patch.setattr("minibatch.reference.default_cache_dir", lambda: folder)
+    yield folder
+    patch.undo()

@@ -77,9 +77,9 @@ def record_dict(rec) -> dict:
     """A StepRecord in the golden format (the fields the schedule is made of, rounded times)."""
     return {
         "step": rec.step, "start_s": round(rec.start_s, 9), "end_s": round(rec.end_s, 9),
-        "entries": [[e.request_id, getattr(e, "row", getattr(e, "slot", None)), e.phase, e.num_new_tokens, e.num_computed_tokens, e.sampled,
+        "entries": [[e.request_id, e.row, e.phase, e.num_new_tokens, e.num_computed_tokens, e.sampled,
                      e.num_spec_tokens, e.num_accepted_tokens] for e in rec.entries],
-        "num_padding_tokens": rec.num_padding_tokens, "num_idle_rows": getattr(rec, "num_idle_rows", getattr(rec, "num_idle_slots", None)),
+        "num_padding_tokens": rec.num_padding_tokens, "num_idle_rows": rec.num_idle_rows,
         "num_kv_slots_used": rec.num_kv_slots_used, "num_kv_slots_reserved": rec.num_kv_slots_reserved,
         "num_waiting": rec.num_waiting, "num_running": rec.num_running, "finished": list(rec.finished),
         "block_tables": {k: list(v) for k, v in rec.block_tables.items()}, "preempted": list(rec.preempted),
@@ -88,25 +88,23 @@ def record_dict(rec) -> dict:
 
 
 def run_case(trace: str, policy: str, options: dict, executor) -> dict:
+    from minibatch.clock import SimClock
+    from minibatch.config import EngineConfig
     from minibatch.policies import make_engine
-    from minibatch.sim.clock import SimClock
 
     requests = make_requests(trace, executor.vocab_size or 200)
     import inspect
     if "max_num_seqs" not in inspect.signature(make_engine).parameters:  # TEMP: before the rename
         options = dict(options)
-        options["max_bs"] = options.pop("max_num_seqs")
-    engine = make_engine(policy, executor, SimClock(), n_slots=n_slots(trace), **options)
+        options["max_num_seqs"] = options.pop("max_num_seqs")
+    engine = make_engine(policy, executor, SimClock(), config=EngineConfig(n_slots=n_slots(trace)), **options)
     engine.generate(requests)
     return {"steps": [record_dict(r) for r in engine.trace],
             "outputs": {r.request_id: r.output_token_ids for r in requests}}
 
 
 def sim_executor(sim_options: dict):
-    try:
-        from minibatch.sim.executor import SimExecutor
-    except ImportError:  # TEMP: before the move
-        from minibatch.runner.model_runner import SimExecutor
+    from minibatch.sim.executor import SimExecutor
 
     return SimExecutor(vocab_size=200, **sim_options)
 

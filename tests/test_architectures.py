@@ -17,13 +17,13 @@ from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotar
 from minibatch import ModelRunner, Request, SamplingParams
 from minibatch.architectures import ARCHITECTURES, POLICIES, SLIDING_WINDOW, build_tiny_model, check_architecture
 from minibatch.baselines import run_hf_generate
-from minibatch.compare import reference_outputs
+from minibatch.reference import reference_outputs
 from minibatch.models import load_model
 from minibatch.policies import make_engine
 from minibatch.runner import attention, support
 from minibatch.runner.batch import PackedSequence, pack_sequences
 from minibatch.runner.support import NO_POSITION_LIMIT, config_max_model_len
-from minibatch.sim.clock import SimClock
+from minibatch.clock import SimClock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

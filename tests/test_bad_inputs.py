@@ -25,7 +25,9 @@ import torch
 
 from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecutor, files, make_engine, models
 from minibatch.__main__ import main
-from minibatch.compare import CompareConfig, build_trace, reference_outputs, write_json as compare_write_json
+from minibatch.compare import CompareConfig, build_trace
+from minibatch.reference import reference_outputs
+from minibatch.report import write_json as compare_write_json
 from minibatch.kv import BlockManager
 from minibatch.models import load_model
 from minibatch.sim.cost_model import LayoutModel, Profile
@@ -141,7 +143,7 @@ def tiny(one_thread):
 @pytest.mark.parametrize("bad_ids", [[600], [511, 512], [-1 + 513 * 1000]])
 def test_out_of_vocab_request_is_refused_and_the_others_finish(tiny, policy, bad_ids):
     model, runner, prompts, refs = tiny
-    engine = make_engine(policy, runner, SimClock(), n_slots=512, max_bs=4)
+    engine = make_engine(policy, runner, SimClock(), n_slots=512, max_num_seqs=4)
     good = [Request(f"r{i}", p, 6, GREEDY) for i, p in enumerate(prompts)]
     engine.add_request(good[0])
     with pytest.raises(ValueError, match=r"prompt_token_ids\[\d\] must be in \[0, 512\) \(the model's vocab_size\)"):
@@ -198,17 +200,17 @@ def test_step_with_nothing_queued_is_a_no_op(policy):
     ("paged", dict(max_num_batched_tokens=-3), "max_num_batched_tokens"),
     ("paged", dict(n_slots=0), "n_slots"),
     ("paged", dict(n_slots=8, block_size=16), "n_slots"),
-    ("orca", dict(max_bs=0), "max_bs"),
-    ("static", dict(max_bs=0), "max_bs"),
+    ("orca", dict(max_num_seqs=0), "max_num_seqs"),
+    ("static", dict(max_num_seqs=0), "max_num_seqs"),
     ("static", dict(max_wait_s=math.inf), "max_wait_s"),
     ("static", dict(max_wait_s=-1), "max_wait_s"),
-    ("paged", dict(max_bs=2.5), "max_bs"),
+    ("paged", dict(max_num_seqs=2.5), "max_num_seqs"),
     ("paged", dict(watermark=1.0), "watermark"),
     ("paged", dict(preemption_mode="drop"), "preemption_mode"),
     ("chunked", dict(target_itl_s=math.nan), "target_itl_s"),
     ("paged", dict(target_itl_s=0.05), "target_itl_s"),
     ("orca", dict(max_num_prefills=2), "max_num_prefills"),
-    ("paged", dict(queue_policy="lifo"), "queue policy"),
+    ("paged", dict(queue_policy="lifo"), "queue_policy"),
     ("paged", dict(aging_s=0, queue_policy="priority"), "aging_s"),
     ("spec_ngram", dict(num_speculative_tokens=0), "num_speculative_tokens"),
     ("fancy", {}, "policy"),
@@ -270,7 +272,7 @@ def test_block_manager_bookkeeping_grows_with_use_not_size():
 
 
 def test_huge_simulated_kv_cache_runs():
-    engine = make_engine("orca", SimExecutor(), SimClock(), n_slots=2**26, max_bs=4)
+    engine = make_engine("orca", SimExecutor(), SimClock(), n_slots=2**26, max_num_seqs=4)
     out = engine.generate([Request(f"r{i}", [1, 2, 3], 5, GREEDY) for i in range(3)])
     assert all(r.num_output_tokens == 5 for r in out)
 
@@ -287,24 +289,24 @@ def test_kv_cache_larger_than_memory_is_a_clear_error(tiny):
     ("num_requests", 0, "--num-requests"), ("num_requests", 10**9, "--num-requests"),
     ("num_requests", 2.5, "--num-requests"), ("rate", 0, "--rate"), ("rate", math.inf, "--rate"),
     ("rate", math.nan, "--rate"), ("rate", "fast", "--rate"), ("seed", -1, "--seed"), ("seed", 2**40, "--seed"),
-    ("batch_size", 0, "--batch-size"), ("max_bs", 10**9, "--max-bs"), ("max_wait_s", math.inf, "--max-wait-s"),
+    ("batch_size", 0, "--batch-size"), ("max_num_seqs", 10**9, "--max-num-seqs"), ("max_wait_s", math.inf, "--max-wait-s"),
     ("max_wait_s", -0.5, "--max-wait-s"), ("max_prompt_len", 0, "--max-prompt-len"),
     ("max_output_len", 10**9, "--max-output-len"), ("output_scale", 0, "--output-scale"),
     ("n_slots", 0, "--n-slots"), ("n_slots", 10**9, "--n-slots"), ("n_slots", 1.5, "--n-slots"),
     ("block_size", 0, "--block-size"), ("block_size", 10**6, "--block-size"),
-    ("max_num_batched_tokens", 0, "--max-num-batched-tokens"), ("target_itl_ms", 0, "--target-itl-ms"),
-    ("target_itl_ms", math.inf, "--target-itl-ms"), ("aging_s", -1, "--aging-s"),
+    ("max_num_batched_tokens", 0, "--max-num-batched-tokens"), ("target_itl_s", 0, "--target-itl-s"),
+    ("target_itl_s", math.inf, "--target-itl-s"), ("aging_s", -1, "--aging-s"),
     ("long_prompts", -1, "--long-prompts"), ("long_prompt_len", 0, "--long-prompt-len"),
     ("num_speculative_tokens", 0, "--num-speculative-tokens"), ("num_speculative_tokens", 10**6, "--num-speculative-tokens"),
     ("slo_ttft_s", 0, "--slo-ttft-s"), ("slo_tpot_s", math.nan, "--slo-tpot-s"), ("slo_ttft_s", math.inf, "--slo-ttft-s"),
     ("arrival", "uniform", "--arrival"), ("clock", "sundial", "--clock"), ("device", "tpu", "--device"),
     ("device", "cuda:7", "--device"), ("preemption_mode", "drop", "--preemption-mode"),
-    ("attention_backend", "cuda", "--attention-backend"), ("policy_order", "lifo", "--policy-order"),
+    ("attention_backend", "cuda", "--attention-backend"), ("queue_policy", "lifo", "--queue-policy"),
     ("orca_reservation", "psychic", "--orca-reservation"), ("policies", (), "--policies"),
     ("policies", "orca", "--policies"), ("model", "no-such-model", "--model"), ("model", "./no/such/dir", "--model"),
     ("model", "/", "--model"), ("model", 5, "--model"), ("draft_model", "nope", "--draft-model"),
     ("trace", "/no/such/trace.json", "--trace"), ("profile", "/no/such/profile.json", "--profile"),
-    ("adaptive_k", "yes", "adaptive_k"),
+    ("adaptive_k", "yes", "--adaptive-k"),
 ])
 def test_run_config_field(field, value, option):
     with pytest.raises(ValueError, match=option):
@@ -338,7 +340,7 @@ def run_cli(argv, capsys):
     (["compare", "--seed", "1.5"], "--seed"),
     (["compare", "--block-size", "0"], "--block-size must be"),
     (["compare", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be"),
-    (["compare", "--target-itl-ms", "nan"], "--target-itl-ms must be"),
+    (["compare", "--target-itl-s", "nan"], "--target-itl-s must be"),
     (["compare", "--max-wait-s", "inf"], "--max-wait-s must be"),
     (["compare", "--max-wait-s", "-1"], "--max-wait-s must be"),
     (["compare", "--slo-ttft-s", "0"], "--slo-ttft-s must be"),

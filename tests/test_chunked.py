@@ -9,7 +9,7 @@ import pytest
 
 from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecutor, make_engine
 from minibatch.scheduler import AdaptiveChunker, ChunkedPrefillScheduler, PrefillFirstScheduler
-from minibatch.sim.clock import CostModel
+from minibatch.clock import CostModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,7 +29,7 @@ def make_requests(prompts, gap_s=0.01):
 
 def run(executor, prompts, policy, gap_s=0.01, **kwargs):
     reqs = make_requests(prompts, gap_s)
-    engine = make_engine(policy, executor, SimClock(), **{"max_bs": 8, **kwargs})
+    engine = make_engine(policy, executor, SimClock(), **{"max_num_seqs": 8, **kwargs})
     engine.generate(reqs)
     bm = engine.scheduler.block_manager
     bm.check_invariants()
@@ -94,7 +94,7 @@ def long_prompt_trace(n_short=6, long_len=300, short_len=20, out_len=30):
 
 def test_chunked_decodes_never_stall_and_budget_is_split():
     budget = 64
-    engine = make_engine("chunked", SimExecutor(), SimClock(), max_bs=16, n_slots=4096, max_num_batched_tokens=budget)
+    engine = make_engine("chunked", SimExecutor(), SimClock(), max_num_seqs=16, n_slots=4096, max_num_batched_tokens=budget)
     engine.generate(long_prompt_trace())
     long_steps = 0
     for rec in engine.trace:
@@ -116,7 +116,7 @@ def test_prefill_first_stalls_decodes_chunked_does_not():
     cost = CostModel()
     results = {}
     for policy, budget in (("prefill_first", None), ("chunked", 64)):
-        engine = make_engine(policy, SimExecutor(), SimClock(cost), max_bs=16, n_slots=4096,
+        engine = make_engine(policy, SimExecutor(), SimClock(cost), max_num_seqs=16, n_slots=4096,
                              max_num_batched_tokens=budget)
         reqs = engine.generate(long_prompt_trace())
         results[policy] = max(b - a for r in reqs for a, b in zip(r.token_times_s, r.token_times_s[1:]))
@@ -153,7 +153,7 @@ def test_adaptive_chunker_fits_the_clock_and_meets_the_target():
     the coefficients and every step with a prefill chunk stays within the target."""
     cost = CostModel(fixed_s=0.02, per_seq_s=0.0, per_token_s=0.001, per_context_token_s=0.0)
     chunker = AdaptiveChunker(target_itl_s=0.1, prior=(0.05, 0.004, 0.004), min_chunk=4)
-    sched = ChunkedPrefillScheduler(max_bs=16, num_blocks=512, block_size=16, chunker=chunker)
+    sched = ChunkedPrefillScheduler(max_num_seqs=16, num_blocks=512, block_size=16, chunker=chunker)
     from minibatch.engine import Engine
     engine = Engine(sched, SimExecutor(), SimClock(cost))
     reqs = long_prompt_trace(long_len=2000) + [Request("long2", [9] * 1500, 4, GREEDY, arrival_time_s=3.0)]

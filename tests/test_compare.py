@@ -18,7 +18,7 @@ def test_compare_tiny_writes_json_and_figures(tmp_path, capsys):
                "--policies", "static,orca,hf_generate", "--json", str(out), "--figures-dir", str(tmp_path / "fig")])
     assert rc == 0
     result = json.loads(out.read_text())
-    assert result["model"] == "tiny-random-llama" and result["num_requests"] == 6
+    assert result["config"]["model"] == "tiny-random-llama" and result["num_requests"] == 6
     assert set(result["policies"]) == {"static", "orca", "hf_generate"}
     for entry in result["policies"].values():
         assert KEYS <= set(entry)
@@ -39,6 +39,7 @@ def test_sim_clock_run_is_deterministic(tmp_path):
         results.append(json.loads((tmp_path / f"{i}.json").read_text()))
     for r in results:
         r.pop("command")
+        r["config"].pop("command"), r["config"].pop("json_path")
         for entry in r["policies"].values():
             entry.pop("run_time_s")
     assert results[0] == results[1]
@@ -51,7 +52,7 @@ def test_compare_paged_policies(tmp_path, capsys):
           "--policies", "orca,paged,paged_prefix", "--orca-reservation", "max", "--preemption-mode", "swap",
           "--json", str(out), "--figures-dir", str(tmp_path / "fig")])
     result = json.loads(out.read_text())
-    assert result["orca_reservation"] == "max" and result["preemption_mode"] == "swap"
+    assert result["config"]["orca_reservation"] == "max" and result["config"]["preemption_mode"] == "swap"
     p = result["policies"]
     assert all(entry["matches_reference"] is True for entry in p.values())
     assert p["paged"]["kv_waste_fraction"] < p["orca"]["kv_waste_fraction"]
@@ -66,10 +67,10 @@ def test_compare_chunked_on_the_long_prompt_trace(tmp_path, capsys, order):
     out = tmp_path / "r.json"
     main(["compare", "--model", "tiny-random-llama", "--num-requests", "8", "--clock", "sim", "--rate", "20",
           "--max-output-len", "12", "--max-prompt-len", "24", "--no-progress", "--long-prompts", "2",
-          "--long-prompt-len", "200", "--max-num-batched-tokens", "32", "--policy-order", order,
+          "--long-prompt-len", "200", "--max-num-batched-tokens", "32", "--queue-policy", order,
           "--policies", "prefill_first,chunked,chunked_prefix", "--json", str(out), "--figures-dir", ""])
     result = json.loads(out.read_text())
-    assert result["max_num_batched_tokens"] == 32 and result["policy_order"] == order
+    assert result["config"]["max_num_batched_tokens"] == 32 and result["config"]["queue_policy"] == order
     p = result["policies"]
     assert all(entry["matches_reference"] is True for entry in p.values())
     assert p["chunked"]["itl_p99_s"] < p["prefill_first"]["itl_p99_s"]  # the 200-token prefills no longer stall
@@ -85,8 +86,8 @@ def test_compare_speculative_policies(tmp_path, capsys, adaptive):
           "--policies", "paged,spec,spec_ngram", "--json", str(out), "--figures-dir", ""]
          + (["--adaptive-k"] if adaptive else []))
     result = json.loads(out.read_text())
-    assert result["draft_model"] == "tiny-random-llama" and result["num_speculative_tokens"] == 3
-    assert result["adaptive_k"] is adaptive
+    assert result["config"]["draft_model"] == "tiny-random-llama" and result["config"]["num_speculative_tokens"] == 3
+    assert result["config"]["adaptive_k"] is adaptive
     p = result["policies"]
     assert all(entry["matches_reference"] is True for entry in p.values())
     st = p["spec"]["spec_decoding"]
@@ -103,13 +104,13 @@ def test_compare_speculative_policies(tmp_path, capsys, adaptive):
     (["--num-requests", "0"], "--num-requests"),
     (["--rate", "-1"], "--rate"),
     (["--clock", "sundial"], "--clock"),
-    (["--max-bs", "0"], "--max-bs"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--block-size", "0"], "--block-size"),
     (["--preemption-mode", "drop"], "--preemption-mode"),
     (["--orca-reservation", "psychic"], "--orca-reservation"),
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
-    (["--target-itl-ms", "-3"], "--target-itl-ms"),
-    (["--policy-order", "lifo"], "--policy-order"),
+    (["--target-itl-s", "-3"], "--target-itl-s"),
+    (["--queue-policy", "lifo"], "--queue-policy"),
     (["--aging-s", "0"], "--aging-s"),
     (["--long-prompts", "99"], "--long-prompts"),
     (["--long-prompt-len", "0"], "--long-prompt-len"),

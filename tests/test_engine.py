@@ -42,11 +42,11 @@ def make_requests(prompts, arrival_gap_s=0.02, sampling=GREEDY):
 
 
 @pytest.mark.parametrize("policy", ["static", "orca"])
-@pytest.mark.parametrize("max_bs", [1, 3, 8])
-def test_greedy_matches_hf_generate(setup, policy, max_bs):
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8])
+def test_greedy_matches_hf_generate(setup, policy, max_num_seqs):
     runner, prompts, refs = setup
     reqs = make_requests(prompts)
-    engine = make_engine(policy, runner, SimClock(), max_bs=max_bs, n_slots=128)
+    engine = make_engine(policy, runner, SimClock(), max_num_seqs=max_num_seqs, n_slots=128)
     engine.generate(reqs)
     for r, ref in zip(reqs, refs):
         assert r.output_token_ids == ref, r.request_id
@@ -56,7 +56,7 @@ def test_greedy_matches_hf_generate(setup, policy, max_bs):
 def test_orca_with_blocks_matches(setup):
     runner, prompts, refs = setup
     reqs = make_requests(prompts)
-    make_engine("orca", runner, SimClock(), max_bs=4, n_slots=256, block_size=16).generate(reqs)
+    make_engine("orca", runner, SimClock(), max_num_seqs=4, n_slots=256, block_size=16).generate(reqs)
     assert [r.output_token_ids for r in reqs] == refs
 
 
@@ -64,7 +64,7 @@ def test_concurrent_requests_decode_in_the_same_steps(setup):
     """Phase 12: 3 concurrent requests produce tokens in the same steps, not one after another."""
     runner, prompts, _ = setup
     reqs = [Request(f"c{i}", prompts[i], 6, GREEDY) for i in range(3)]
-    engine = make_engine("orca", runner, SimClock(), max_bs=8)
+    engine = make_engine("orca", runner, SimClock(), max_num_seqs=8)
     engine.generate(reqs)
     assert len(engine.trace) == 6  # one prefill step (all three micro-batched) + 5 decode steps
     assert reqs[0].token_times_s == reqs[1].token_times_s == reqs[2].token_times_s
@@ -78,7 +78,7 @@ def test_late_arrival_joins_mid_generation(setup):
     for policy, joins in [("orca", True), ("static", False)]:
         long = Request("long", prompts[0], 20, GREEDY, arrival_time_s=0.0)
         late = Request("late", prompts[1], 3, GREEDY, arrival_time_s=0.1)
-        engine = make_engine(policy, runner, SimClock(), max_bs=4, max_wait_s=0.0)
+        engine = make_engine(policy, runner, SimClock(), max_num_seqs=4, max_wait_s=0.0)
         engine.generate([long, late])
         assert (late.first_scheduled_time_s < long.finish_time_s) is joins, policy
         assert late.first_scheduled_time_s >= late.arrival_time_s
@@ -103,7 +103,7 @@ def test_sampling_is_seeded_per_request(setup):
     make_engine("orca", runner, SimClock()).generate([one])
     batch = make_requests(prompts, sampling=sp)
     batch[2] = Request("x", prompts[2], 10, sp, arrival_time_s=0.04)
-    make_engine("orca", runner, SimClock(), max_bs=8).generate(batch)
+    make_engine("orca", runner, SimClock(), max_num_seqs=8).generate(batch)
     assert batch[2].output_token_ids == one.output_token_ids
 
 
@@ -123,7 +123,7 @@ def test_eos_finishes_with_stop(setup):
 def test_stream_yields_every_token_in_order(setup):
     runner, prompts, _ = setup
     reqs = make_requests(prompts)
-    engine = make_engine("orca", runner, SimClock(), max_bs=3)
+    engine = make_engine("orca", runner, SimClock(), max_num_seqs=3)
     events = list(engine.stream(reqs))
     for r in reqs:
         mine = [e for e in events if e.request_id == r.request_id]
@@ -148,7 +148,7 @@ def sim_requests(n=40, seed=0):
 
 def test_orca_invariants():
     reqs = sim_requests()
-    sched = OrcaScheduler(max_bs=5, n_slots=120)
+    sched = OrcaScheduler(max_num_seqs=5, n_slots=120)
     engine = Engine(sched, SimExecutor(), SimClock())
     engine.generate(reqs)
     by_id = {r.request_id: r for r in reqs}
@@ -156,7 +156,7 @@ def test_orca_invariants():
     for rec in engine.trace:
         assert len(rec.entries) <= 5
         assert rec.num_kv_slots_reserved <= 120
-        slots = [e.slot for e in rec.entries]
+        slots = [e.row for e in rec.entries]
         assert len(set(slots)) == len(slots)
         for e in rec.entries:
             assert rec.start_s >= by_id[e.request_id].arrival_time_s  # never before arrival
@@ -179,14 +179,14 @@ def test_static_batches_are_closed():
             members = ids
             assert len(ids) <= 4
         assert ids == members
-        assert rec.num_idle_slots == 4 - len(ids)
+        assert rec.num_idle_rows == 4 - len(ids)
     assert all(r.num_output_tokens == r.max_new_tokens for r in reqs)
 
 
 def test_sim_clock_is_deterministic():
     def run():
         reqs = sim_requests()
-        e = make_engine("orca", SimExecutor(), SimClock(), max_bs=4, n_slots=200)
+        e = make_engine("orca", SimExecutor(), SimClock(), max_num_seqs=4, n_slots=200)
         e.generate(reqs)
         return [(r.token_times_s, r.finish_time_s) for r in reqs]
 
@@ -210,7 +210,7 @@ def test_bad_input_is_rejected_with_a_clear_error():
 
 def test_orca_max_reservation_reserves_the_cap():
     """reserve_new_tokens: vLLM's "Orca (Max)": prompt + the cap, whatever the request's own length."""
-    sched = OrcaScheduler(max_bs=8, n_slots=100, reserve_new_tokens=40)
+    sched = OrcaScheduler(max_num_seqs=8, n_slots=100, reserve_new_tokens=40)
     engine = Engine(sched, SimExecutor(), SimClock())
     reqs = [Request(f"r{i}", [1] * 10, 5, GREEDY) for i in range(3)]
     for r in reqs:

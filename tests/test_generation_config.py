@@ -12,11 +12,13 @@ import torch
 from minibatch import ModelRunner, Request, SamplingParams
 from minibatch.baselines import (plain_generation, plain_generation_config, run_hf_generate,
                                  run_hf_generate_batch)
-from minibatch.compare import ALL_POLICIES, CompareConfig, reference_outputs, run_compare
+from minibatch.compare import CompareConfig, run_compare
+from minibatch.experiment import all_policies
+from minibatch.reference import reference_outputs
 from minibatch.models import attention_implementation, load_model
 from minibatch.policies import make_engine
 from minibatch.runner.sampler import filter_logits
-from minibatch.sim.clock import SimClock
+from minibatch.clock import SimClock
 
 MAX_NEW = 10
 
@@ -134,6 +136,6 @@ def test_run_compare_matches_reference_for_every_policy(quirky, tmp_path):
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     result = run_compare(CompareConfig(model=str(tmp_path), num_requests=4, arrival="zero", clock="sim",
-                                       max_prompt_len=16, max_output_len=10, policies=ALL_POLICIES,
+                                       max_prompt_len=16, max_output_len=10, policies=all_policies(),
                                        figures_dir=None, progress=False))
-    assert {p: e["matches_reference"] for p, e in result["policies"].items()} == {p: True for p in ALL_POLICIES}
+    assert {p: e["matches_reference"] for p, e in result["policies"].items()} == {p: True for p in all_policies()}

@@ -25,7 +25,7 @@ def close_figures():
 
 def record(step: int, block_tables: dict[str, list[int]]) -> StepRecord:
     return StepRecord(step=step, start_s=0.1 * step, end_s=0.1 * (step + 1), entries=[], num_padding_tokens=0,
-                      num_idle_slots=0, num_kv_slots_used=0, num_kv_slots_reserved=0, num_waiting=0,
+                      num_idle_rows=0, num_kv_slots_used=0, num_kv_slots_reserved=0, num_waiting=0,
                       num_running=len(block_tables), block_tables=block_tables)
 
 

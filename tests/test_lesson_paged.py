@@ -47,7 +47,7 @@ def sharegpt_trace(n=40):
 # ------------------------------------------------------------------ reservation vs paged
 def test_paged_wastes_less_and_runs_more_than_orca_in_the_same_memory():
     reqs = sharegpt_trace()
-    row = reservation_vs_paged(reqs, SimExecutor(), SimClock, 4096, max_bs=64, orca_max_new_tokens=1024)
+    row = reservation_vs_paged(reqs, SimExecutor(), SimClock, 4096, max_num_seqs=64, orca_max_new_tokens=1024)
     p = row["policies"]
     assert set(p) == {"orca", "paged", "paged_prefix", "orca_max"} and row["same_outputs"]
     assert p["paged"]["kv_waste_fraction"] < 0.05 < p["orca"]["kv_waste_fraction"] < p["orca_max"]["kv_waste_fraction"]
@@ -61,7 +61,7 @@ def test_paged_wastes_less_and_runs_more_than_orca_in_the_same_memory():
 
 def test_expected_paged_waste_is_exact_without_preemption():
     reqs = sharegpt_trace(20)
-    row = reservation_vs_paged(reqs, SimExecutor(), SimClock, 1 << 16, max_bs=64, policies=("paged",))
+    row = reservation_vs_paged(reqs, SimExecutor(), SimClock, 1 << 16, max_num_seqs=64, policies=("paged",))
     assert row["policies"]["paged"]["num_preemptions"] == 0
     assert row["policies"]["paged"]["kv_waste_fraction"] == pytest.approx(expected_kv_waste(reqs, "paged", 16), abs=1e-12)
 
@@ -189,7 +189,7 @@ def test_kernel_check_matches_the_references():
 
 
 def test_figures_draw_what_they_say(runner):
-    sweep = paged_kv.waste_sweep(sharegpt_trace(12), SimExecutor(), SimClock, [2048, 4096], max_bs=32,
+    sweep = paged_kv.waste_sweep(sharegpt_trace(12), SimExecutor(), SimClock, [2048, 4096], max_num_seqs=32,
                                  policies=("orca", "paged"), orca_max_new_tokens=1024)
     fig = paged_kv.plot_waste_sweep(sweep)
     ax_waste, ax_running = fig.axes
@@ -197,7 +197,7 @@ def test_figures_draw_what_they_say(runner):
     plt.close(fig)
     reqs = [Request(f"r{i}", list(range(3, 3 + p)), n, GREEDY, arrival_time_s=0.0)
             for i, (p, n) in enumerate([(10, 10), (6, 18), (13, 7)])]
-    engine = make_engine("paged", runner, SimClock(), max_bs=8, n_slots=32, block_size=4)
+    engine = make_engine("paged", runner, SimClock(), max_num_seqs=8, n_slots=32, block_size=4)
     engine.generate(reqs)
     preempting = [s.step for s in engine.trace if s.preempted]
     assert preempting
@@ -208,7 +208,7 @@ def test_figures_draw_what_they_say(runner):
 
 def test_slot_mapping_check_accepts_the_formula_and_rejects_mistakes(runner):
     reqs = [Request(f"r{i}", list(range(3, 3 + p)), n, GREEDY) for i, (p, n) in enumerate([(10, 6), (7, 9)])]
-    engine = make_engine("paged", runner, SimClock(), max_bs=8, n_slots=32, block_size=4)
+    engine = make_engine("paged", runner, SimClock(), max_num_seqs=8, n_slots=32, block_size=4)
     engine.generate(reqs)
     assert library_slot_mapping([7, 2, 5], 0, 10, 4) == [28, 29, 30, 31, 8, 9, 10, 11, 20, 21]
 

@@ -108,8 +108,8 @@ def test_unfinished_request_is_named(three_requests):
         summarize([])
 
 
-def record(step, entries, num_padding_tokens, num_idle_slots, used=0, reserved=0):
-    return StepRecord(step, float(step), float(step + 1), entries, num_padding_tokens, num_idle_slots,
+def record(step, entries, num_padding_tokens, num_idle_rows, used=0, reserved=0):
+    return StepRecord(step, float(step), float(step + 1), entries, num_padding_tokens, num_idle_rows,
                       used, reserved, num_waiting=0, num_running=len(entries))
 
 
@@ -149,7 +149,7 @@ def test_utilization_formula():
 
 
 def run_policy(policy, output_lens, **kw):
-    engine = make_engine(policy, SimExecutor(), SimClock(), max_bs=len(output_lens), **kw)
+    engine = make_engine(policy, SimExecutor(), SimClock(), max_num_seqs=len(output_lens), **kw)
     requests = [Request(f"req-{i}", [3 + i] * (4 + i), max_new_tokens=n, sampling=SamplingParams(ignore_eos=True))
                 for i, n in enumerate(output_lens)]
     return engine.generate(requests), engine.trace

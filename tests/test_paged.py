@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minibatch import ModelRunner, OrcaScheduler, PagedScheduler, Request, SamplingParams, SimClock, SimExecutor, make_engine
-from minibatch.compare import reference_outputs
+from minibatch.reference import reference_outputs
 from minibatch.engine import Engine
 from minibatch.models import load_model
 from minibatch.request import RequestStatus, fork_requests
@@ -26,7 +26,7 @@ def make_requests(prompts, sampling=GREEDY, gap_s=0.01):
 
 def run(runner, prompts, policy="paged", gap_s=0.01, **kwargs):
     reqs = make_requests(prompts, gap_s=gap_s)
-    engine = make_engine(policy, runner, SimClock(), **{"max_bs": 8, **kwargs})
+    engine = make_engine(policy, runner, SimClock(), **{"max_num_seqs": 8, **kwargs})
     engine.generate(reqs)
     bm = engine.scheduler.block_manager
     bm.check_invariants()
@@ -87,14 +87,14 @@ def test_fork_copy_on_write_greedy_and_memory(setup):
     parent = Request("p", prompt, 6, GREEDY)
     group = fork_requests(parent, 4)
     ref = reference_outputs(model, [Request("x", prompt, 6, GREEDY)])["x"]
-    engine = make_engine("paged", runner, SimClock(), max_bs=8, n_slots=1024, block_size=4)
+    engine = make_engine("paged", runner, SimClock(), max_num_seqs=8, n_slots=1024, block_size=4)
     engine.generate(group)
     assert all(r.output_token_ids == ref for r in group)
     peak_shared = max(s.num_kv_slots_reserved for s in engine.trace)
     copies = [r.copy() for r in group]
     for r in copies:
         r.parent_request_id = None
-    engine = make_engine("paged", runner, SimClock(), max_bs=8, n_slots=1024, block_size=4)
+    engine = make_engine("paged", runner, SimClock(), max_num_seqs=8, n_slots=1024, block_size=4)
     engine.generate(copies)
     peak_alone = max(s.num_kv_slots_reserved for s in engine.trace)
     # 3 children share the parent's 12 full prompt blocks (the 13th, partial, is copied on write)
@@ -107,11 +107,11 @@ def test_fork_sampling_equals_independent_requests(setup):
     _, runner, prompts, _ = setup
     sampling = SamplingParams(temperature=1.0, seed=5, ignore_eos=True)
     group = fork_requests(Request("p", prompts[1], 12, sampling), 3)
-    make_engine("paged", runner, SimClock(), max_bs=8, n_slots=1024, block_size=4).generate(group)
+    make_engine("paged", runner, SimClock(), max_num_seqs=8, n_slots=1024, block_size=4).generate(group)
     alone = [r.copy() for r in group]
     for r in alone:
         r.parent_request_id = None
-        make_engine("paged", runner, SimClock(), max_bs=8, n_slots=1024, block_size=4).generate([r])
+        make_engine("paged", runner, SimClock(), max_num_seqs=8, n_slots=1024, block_size=4).generate([r])
     assert [r.output_token_ids for r in group] == [r.output_token_ids for r in alone]
     assert len({tuple(r.output_token_ids) for r in group}) > 1  # the samples really differ
 
@@ -129,7 +129,7 @@ def sim_requests(n=60, seed=0):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_no_request_lost_or_duplicated_under_pressure(mode):
     reqs = sim_requests()
-    sched = PagedScheduler(max_bs=16, num_blocks=24, block_size=8, preemption_mode=mode, num_cpu_blocks=10)
+    sched = PagedScheduler(max_num_seqs=16, num_blocks=24, block_size=8, preemption_mode=mode, num_cpu_blocks=10)
     engine = Engine(sched, SimExecutor(), SimClock())
     for r in reqs:
         engine.add_request(r)
@@ -153,8 +153,8 @@ def test_paged_admits_more_than_orca_in_the_same_memory():
         engine.generate(sim_requests(seed=1))
         return max(s.num_running for s in engine.trace), engine.trace
 
-    orca_peak, orca_trace = peak_running(OrcaScheduler(max_bs=64, n_slots=512, block_size=8))
-    paged_peak, paged_trace = peak_running(PagedScheduler(max_bs=64, num_blocks=64, block_size=8))
+    orca_peak, orca_trace = peak_running(OrcaScheduler(max_num_seqs=64, n_slots=512, block_size=8))
+    paged_peak, paged_trace = peak_running(PagedScheduler(max_num_seqs=64, num_blocks=64, block_size=8))
     assert paged_peak > orca_peak
     from minibatch.metrics import kv_waste_fraction
 
@@ -162,7 +162,7 @@ def test_paged_admits_more_than_orca_in_the_same_memory():
 
 
 def test_internal_fragmentation_is_below_one_block_per_request():
-    engine = Engine(PagedScheduler(max_bs=64, num_blocks=4096, block_size=16), SimExecutor(), SimClock())
+    engine = Engine(PagedScheduler(max_num_seqs=64, num_blocks=4096, block_size=16), SimExecutor(), SimClock())
     engine.generate(sim_requests())
     for s in engine.trace:
         assert 0 <= s.num_kv_slots_reserved - s.num_kv_slots_used <= 15 * s.num_running
@@ -171,8 +171,8 @@ def test_internal_fragmentation_is_below_one_block_per_request():
 def test_bad_input_is_rejected_with_a_clear_error():
     with pytest.raises(ValueError, match="preemption_mode"):
         PagedScheduler(preemption_mode="drop")
-    with pytest.raises(ValueError, match="max_bs"):
-        PagedScheduler(max_bs=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        PagedScheduler(max_num_seqs=0)
     engine = Engine(PagedScheduler(num_blocks=4, block_size=4, watermark=0.0), SimExecutor(), SimClock())
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request(Request("big", [1] * 10, 7))  # 17 tokens need 5 blocks of 4

@@ -12,8 +12,8 @@ GREEDY = SamplingParams(ignore_eos=True)
 ITERATION_LEVEL = ["orca", "paged", "prefill_first", "chunked"]
 
 
-def engine_for(policy, queue_policy, aging_s=1.0, max_bs=1):
-    return make_engine(policy, SimExecutor(), SimClock(), max_bs=max_bs, n_slots=4096,
+def engine_for(policy, queue_policy, aging_s=1.0, max_num_seqs=1):
+    return make_engine(policy, SimExecutor(), SimClock(), max_num_seqs=max_num_seqs, n_slots=4096,
                        queue_policy=queue_policy, aging_s=aging_s)
 
 
@@ -24,7 +24,7 @@ def admission_order(engine, reqs):
 
 @pytest.mark.parametrize("policy", ITERATION_LEVEL)
 def test_orders(policy):
-    # all arrive at 0; with max_bs=1 admission order is the queue order
+    # all arrive at 0; with max_num_seqs=1 admission order is the queue order
     lens = {"a": (30, 9), "b": (5, 2), "c": (12, 4), "d": (5, 1)}
     prio = {"a": 1, "b": 2, "c": 0, "d": 1}
 
@@ -85,7 +85,7 @@ def test_preemption_victim_follows_the_queue_policy():
     with priority, the low-priority one, even though it arrived first."""
     reqs = [Request("low", [3] * 8, 40, GREEDY, arrival_time_s=0.0, priority=5),
             Request("high", [4] * 8, 40, GREEDY, arrival_time_s=0.01, priority=0)]
-    engine = make_engine("paged", SimExecutor(), SimClock(), max_bs=4, n_slots=64, block_size=4,
+    engine = make_engine("paged", SimExecutor(), SimClock(), max_num_seqs=4, n_slots=64, block_size=4,
                          queue_policy="priority", aging_s=None, watermark=0.0)
     engine.generate(reqs)
     victims = [rid for rec in engine.trace for rid in rec.preempted]

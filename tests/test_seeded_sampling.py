@@ -17,7 +17,7 @@ from minibatch.engine import Engine
 from minibatch.lessons.speculative import chi_square_pvalue
 from minibatch.policies import make_engine
 from minibatch.scheduler import PagedScheduler
-from minibatch.sim.clock import SimClock
+from minibatch.clock import SimClock
 from minibatch.spec import FixedK, NgramProposer, SpeculativeRunner, greedy_verify, sample_verify
 
 from test_spec import _exact_joint, _small_vocab_models
@@ -52,7 +52,7 @@ def _preemptions(engine: Engine) -> int:
 def test_non_speculative_policies_agree(models):
     runner, _ = models
     ref, _ = _run("orca", runner)
-    for policy, kw in [("static", dict(max_bs=4)), ("paged", {}), ("chunked", dict(max_num_batched_tokens=8)),
+    for policy, kw in [("static", dict(max_num_seqs=4)), ("paged", {}), ("chunked", dict(max_num_batched_tokens=8)),
                        ("paged", dict(PRESSURE)), ("paged", dict(PRESSURE, preemption_mode="swap")),
                        ("chunked", dict(PRESSURE, max_num_batched_tokens=8))]:
         out, engine = _run(policy, runner, **kw)
@@ -122,7 +122,7 @@ def test_spec_ngram_samples_the_target_distribution(models):
     runner, _ = models
     prompt, n = [1, 3, 0, 4, 2, 3, 1], 6000  # every token occurs: n-gram lookup always drafts
     spec = SpeculativeRunner(runner, NgramProposer(), FixedK(2))
-    sched = PagedScheduler(max_bs=1024, num_blocks=2048, block_size=8, speculator=spec.speculator)
+    sched = PagedScheduler(max_num_seqs=1024, num_blocks=2048, block_size=8)  # n-gram drafts need no lookahead slots
     spec.allocate_kv_cache(2048, 8)
     reqs = [Request(f"s{i}", prompt, 3, SamplingParams(temperature=1.0, seed=i, ignore_eos=True)) for i in range(n)]
     Engine(sched, spec).generate(reqs)

@@ -11,11 +11,11 @@ from minibatch.__main__ import main, parse_acceptance_rate
 from minibatch.engine import Engine
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
-from minibatch.runner.model_runner import SimExecutor
+from minibatch.sim.executor import SimExecutor
 from minibatch.scheduler import PagedScheduler, StaticScheduler
-from minibatch.sim.clock import SimClock
-from minibatch.sim.cost_model import (LayoutModel, Profile, StepShape, fit_layout, hat_basis, shape_of_output,
-                                      shape_of_record)
+from minibatch.clock import SimClock
+from minibatch.clock import StepShape
+from minibatch.sim.cost_model import LayoutModel, Profile, fit_layout, hat_basis
 from minibatch.viz.chrome_trace import chrome_trace, write_chrome_trace
 from minibatch.workload import make_trace
 
@@ -24,55 +24,43 @@ GREEDY = SamplingParams(ignore_eos=True)
 
 
 # ---------------------------------------------------------------------- step shapes
-class RecordingClock(SimClock):
-    """A SimClock that keeps the shape of every planned step (to compare with the record's)."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def end_step(self, out):
-        self.shapes.append(shape_of_output(out))
-        return super().end_step(out)
-
-
 @pytest.mark.parametrize("policy,kwargs", [
-    ("static", dict(max_bs=3)), ("orca", {}), ("paged", dict(block_size=4)),
+    ("static", dict(max_num_seqs=3)), ("orca", {}), ("paged", dict(block_size=4)),
     ("chunked", dict(block_size=4, max_num_batched_tokens=16)), ("spec", dict(block_size=4)),
 ])
-def test_shape_of_record_equals_shape_of_output(policy, kwargs):
-    """What the clock prices before the update is what the record shows after it."""
+def test_clock_prices_the_record_shape(policy, kwargs):
+    """The simulated clock prices StepShape.of(record): each record's duration is the cost model's
+    time for its shape plus its draft forwards'; the layout comes from the record."""
     reqs = [Request(f"r{i}", list(range(3, 3 + p)), o, GREEDY, arrival_time_s=0.01 * i)
             for i, (p, o) in enumerate([(5, 4), (30, 2), (9, 7), (2, 5), (17, 3)])]
-    clock = RecordingClock()
+    clock = SimClock()
     ex = SimExecutor(acceptance_rate=0.5) if policy == "spec" else SimExecutor()
     engine = make_engine(policy, ex, clock, n_slots=256, **kwargs)
     engine.generate(reqs)
-    padded = policy == "static"
-    assert [shape_of_record(r, padded) for r in engine.trace] == clock.shapes
+    shapes = [StepShape.of(r) for r in engine.trace]
+    for rec, shape in zip(engine.trace, shapes):
+        draft = sum(clock.draft_cost_model.forward_time_s(*f) for f in rec.draft_forwards)
+        assert rec.duration_s == pytest.approx(clock.cost_model.step_time_s(shape) + draft, rel=1e-12)
+        assert shape.padded == (policy == "static")
     if policy == "chunked":
-        assert any(s.logits < len(r.entries) for s, r in zip(clock.shapes, engine.trace))  # a chunk computes no logits
+        assert any(s.logits < len(r.entries) for s, r in zip(shapes, engine.trace))  # a chunk computes no logits
     if policy == "spec":
-        assert any(s.logits > len(r.entries) for s, r in zip(clock.shapes, engine.trace))  # 1 + k logits per verify
+        assert any(s.logits > len(r.entries) for s, r in zip(shapes, engine.trace))  # 1 + k logits per verify
+        assert any(r.draft_forwards for r in engine.trace)
 
 
 def test_shape_hand_computed():
     """One prefill of 5 tokens (new 5, cached 0), a chunk of 4 after 8 cached (no logits), and two
     decodes with 10 and 20 cached tokens: N = 11, logits 3, two attention calls over 5*5 + 4*12
     pairs, decode attention 2 rows x 21 (the longer context, its new token included)."""
-    reqs = [Request("a", [3] * 5, 2, GREEDY), Request("b", [3] * 20, 2, GREEDY),
-            Request("c", [3] * 10, 2, GREEDY), Request("d", [3] * 20, 2, GREEDY)]
-    reqs[1].num_computed_tokens = 8
-    reqs[2].num_computed_tokens = 10
-    reqs[2].output_token_ids = [7]
-    reqs[3].num_computed_tokens = 20
-    reqs[3].output_token_ids = [7]
-    from minibatch.scheduler.base import ScheduledRequest, SchedulerOutput
+    from minibatch.engine import StepEntry, StepRecord
 
-    out = SchedulerOutput(scheduled=[ScheduledRequest(reqs[0], 5, "prefill", 0), ScheduledRequest(reqs[1], 4, "prefill", 1),
-                                     ScheduledRequest(reqs[2], 1, "decode", 2), ScheduledRequest(reqs[3], 1, "decode", 3)])
-    assert shape_of_output(out) == StepShape(num_tokens=11, logits=3, prefill_rows=2, prefill_attention=25 + 48,
-                                             decode_attention=2 * 21)
+    entries = [StepEntry("a", 0, "prefill", 5, 0), StepEntry("b", 1, "prefill", 4, 8, sampled=False),
+               StepEntry("c", 2, "decode", 1, 10), StepEntry("d", 3, "decode", 1, 20)]
+    rec = StepRecord(0, 0.0, 1.0, entries, num_padding_tokens=0, num_idle_rows=0, num_kv_slots_used=0,
+                     num_kv_slots_reserved=0, num_waiting=0, num_running=4)
+    assert StepShape.of(rec) == StepShape(num_tokens=11, logits=3, prefill_rows=2, prefill_attention=25 + 48,
+                                          decode_attention=2 * 21, rows=4, context=5 + 12 + 11 + 21)
 
 
 # ---------------------------------------------------------------------- the fit
@@ -158,7 +146,7 @@ def test_simulate_cli_runs_thousands_of_requests(tiny_profile, tmp_path, capsys)
                  "--policies", "static,paged,chunked", "--json", str(out), "--no-progress",
                  "--trace-out", str(tmp_path / "traces")]) == 0
     result = json.loads(out.read_text())
-    assert result["clock"] == "sim" and result["num_requests"] == 1000
+    assert result["config"]["clock"] == "sim" and result["num_requests"] == 1000
     for name, entry in result["policies"].items():
         assert entry["num_requests"] == 1000 if "num_requests" in entry else True
         assert entry["output_throughput_tok_s"] > 0
@@ -252,7 +240,7 @@ def assert_valid_chrome_trace(data: dict) -> None:
 def test_chrome_trace_is_valid(tmp_path, policy):
     reqs = make_trace(12, rate_per_s=20, max_prompt_len=64, max_output_len=16, output_scale=0.25, seed=5)
     ex = SimExecutor(acceptance_rate=0.5) if policy == "spec" else SimExecutor()
-    kwargs = dict(max_bs=4, n_slots=320, block_size=8) if policy != "static" else dict(max_bs=4)
+    kwargs = dict(max_num_seqs=4, n_slots=320, block_size=8) if policy != "static" else dict(max_num_seqs=4)
     if policy == "chunked":
         kwargs["max_num_batched_tokens"] = 32
     engine = make_engine(policy, ex, SimClock(), **kwargs)
@@ -261,7 +249,7 @@ def test_chrome_trace_is_valid(tmp_path, policy):
     data = json.loads(path.read_text())
     assert_valid_chrome_trace(data)
     names = {e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert {r.request_id for r in reqs} <= names and "slot 0" in names
+    assert {r.request_id for r in reqs} <= names and "row 0" in names
     x = [e for e in data["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
     assert len(x) == sum(len(r.entries) for r in engine.trace)  # every batch row of every step
     assert sum(e["name"] == "finished" for e in data["traceEvents"]) == len(reqs)
@@ -275,7 +263,7 @@ def test_step_figure_and_widget():
     from minibatch.viz.step_widget import num_blocks_of, step_figure, step_widget
 
     reqs = [Request(f"r{i}", [3] * (5 + 7 * i), 4 + i, GREEDY) for i in range(5)]
-    engine = Engine(PagedScheduler(max_bs=3, num_blocks=12, block_size=4), SimExecutor())
+    engine = Engine(PagedScheduler(max_num_seqs=3, num_blocks=12, block_size=4), SimExecutor())
     engine.generate(reqs)
     assert num_blocks_of(engine.trace) <= 12
     fig = step_figure(engine.trace, 2, num_blocks=12)

@@ -127,7 +127,7 @@ def test_engine_sampled_spec_matches_target_distribution(one_thread, sampler, ok
     prompt, n, temp = [1, 3, 4], 20_000, 1.0
     spec = SpeculativeRunner(ModelRunner(target), DraftModelProposer(ModelRunner(draft, vocab_subset=subset)), FixedK(2))
     spec.rejection_sampler = sampler
-    sched = PagedScheduler(max_bs=1024, num_blocks=1024, block_size=8, speculator=spec.speculator)
+    sched = PagedScheduler(max_num_seqs=1024, num_blocks=1024, block_size=8, num_lookahead_tokens=2)
     spec.allocate_kv_cache(1024, 8)
     reqs = [Request(f"s{i}", prompt, 4, SamplingParams(temperature=temp, seed=i, ignore_eos=True)) for i in range(n)]
     Engine(sched, spec).generate(reqs)
@@ -140,11 +140,13 @@ def test_engine_sampled_spec_matches_target_distribution(one_thread, sampler, ok
 
 
 # ----------------------------------------------------------------------------- greedy equivalence in the engine
-def _engine(model, proposer, speculator, num_blocks=64, block_size=4, max_bs=4, chunked=False, **kw):
+def _engine(model, proposer, speculator, num_blocks=64, block_size=4, max_num_seqs=4, chunked=False, **kw):
     spec = SpeculativeRunner(ModelRunner(model), proposer, speculator)
     cls = ChunkedPrefillScheduler if chunked else PagedScheduler
     extra = {"max_num_batched_tokens": 16} if chunked else {}
-    sched = cls(max_bs=max_bs, num_blocks=num_blocks, block_size=block_size, speculator=speculator, **extra, **kw)
+    lookahead = speculator.max_k if proposer.writes_kv else 0  # slots for the draft's KV of the next drafts
+    sched = cls(max_num_seqs=max_num_seqs, num_blocks=num_blocks, block_size=block_size, num_lookahead_tokens=lookahead,
+                **extra, **kw)
     spec.allocate_kv_cache(sched.block_manager.num_blocks, block_size, sched.block_manager.num_cpu_blocks)
     return Engine(sched, spec), spec, sched
 
@@ -157,7 +159,7 @@ _LONG_REFS: dict = {}
 
 
 def _long_refs(model, prompts):
-    from minibatch.compare import reference_outputs
+    from minibatch.reference import reference_outputs
 
     key = model.config.model_type
     if key not in _LONG_REFS:
@@ -176,7 +178,7 @@ def test_greedy_spec_equals_hf_generate(one_thread, paged_setup, proposer_kind, 
     speculator = {"fixed1": FixedK(1), "fixed4": FixedK(4), "adaptive": AdaptiveK(max_k=5)}[k_policy]
     kw, max_new = {}, MAX_NEW
     if pressure in ("recompute", "swap"):  # 3x longer outputs in 120 KV slots (the longest request needs 119)
-        kw, max_new = dict(num_blocks=30, max_bs=8, preemption_mode=pressure), [3 * n for n in MAX_NEW]
+        kw, max_new = dict(num_blocks=30, max_num_seqs=8, preemption_mode=pressure), [3 * n for n in MAX_NEW]
         refs = _long_refs(model, prompts)
     engine, spec, sched = _engine(model, proposer, speculator, chunked=pressure == "chunked", **kw)
     reqs = engine.generate(_requests(prompts, max_new))
@@ -194,7 +196,7 @@ def test_greedy_spec_equals_hf_generate(one_thread, paged_setup, proposer_kind, 
 def test_batch_one_and_mixed_requests(one_thread, paged_setup):
     """Batch 1, and a batch where some requests never speculate (k = 0) next to ones that do."""
     model, runner, prompts, refs = paged_setup
-    engine, spec, _ = _engine(model, DraftModelProposer(ModelRunner(perturbed(model, 0.004))), FixedK(3), max_bs=1)
+    engine, spec, _ = _engine(model, DraftModelProposer(ModelRunner(perturbed(model, 0.004))), FixedK(3), max_num_seqs=1)
     assert {r.request_id: r.output_token_ids for r in engine.generate(_requests(prompts))} == refs
     engine, spec, _ = _engine(model, DraftModelProposer(ModelRunner(perturbed(model, 0.004))), FixedK(3))
     reqs = _requests(prompts)
@@ -252,9 +254,8 @@ def test_eos_inside_accepted_drafts():
 def test_adaptive_k_follows_acceptance():
     ak = AdaptiveK(max_k=8, draft_cost_ratio=0.1)
     good, bad = Request("g", [1], 50), Request("b", [1], 50)
-    for _ in range(20):
-        ak.observe("g", 8, 8)
-        ak.observe("b", 8, 0)
+    good.spec_history = [(8, 8)] * 60  # (drafted, accepted) per verification, stored by the scheduler's update
+    bad.spec_history = [(8, 0)] * 60
     assert ak.num_spec_tokens(good) == 8 and ak.num_spec_tokens(bad) == 0
     # a verify forward costing 1.8 decodes (a CPU): a 30% acceptance rate no longer pays
     assert best_k(0.3, 0.05, 8, verify_cost_ratio=1.0) >= 1 and best_k(0.3, 0.05, 8, verify_cost_ratio=1.8) == 0
@@ -305,12 +306,33 @@ def test_simulated_speedup_shrinks_with_batch_size():
 
 
 def test_sim_executor_acceptance_rate():
-    from minibatch.runner.model_runner import SimExecutor
+    from minibatch.sim.executor import SimExecutor
 
-    ex = SimExecutor(acceptance_rate=0.6, seed=1)
-    sched = PagedScheduler(max_bs=16, num_blocks=512, speculator=FixedK(4))
+    ex = SimExecutor(acceptance_rate=0.6, seed=1, speculator=FixedK(4))
+    sched = PagedScheduler(max_num_seqs=16, num_blocks=512, num_lookahead_tokens=4)
     Engine(sched, ex).generate([Request(f"r{i}", [5] * 8, 200, SamplingParams(ignore_eos=True)) for i in range(16)])
     # i.i.d. acceptance, stop at the first rejection: P(position i accepted) = 0.6^(i+1)
     assert ex.stats.acceptance_rate_per_pos == pytest.approx([0.6, 0.36, 0.216, 0.1296], abs=0.03)
     with pytest.raises(ValueError, match="acceptance_rate"):
         SimExecutor(acceptance_rate=1.5)
+
+
+@pytest.mark.parametrize("p", [0.3, 0.6, 0.9])
+def test_adaptive_k_learns_alpha_in_simulation(p):
+    """Drafts accepted with a constant per-token probability p (Leviathan's alpha) on a SimExecutor:
+    after 1000+ draft tokens AdaptiveK's alpha estimate is within 0.05 of p, and the k it picks for
+    a request is the k its own cost model says is best for p. The feedback reaches it through the
+    step records and the requests' spec_history, as with a real model."""
+    from minibatch.sim.executor import SimExecutor
+
+    ak = AdaptiveK(max_k=8, draft_cost_ratio=0.05)
+    ex = SimExecutor(acceptance_rate=p, seed=7)
+    engine = make_engine("spec", ex, num_speculative_tokens=8, adaptive_k=True, n_slots=1 << 16, max_num_seqs=16)
+    ex.speculator = ak
+    reqs = [Request(f"r{i}", [5] * 8, 400, SamplingParams(ignore_eos=True)) for i in range(8)]
+    engine.generate(reqs)
+    assert ex.stats.num_draft_tokens >= 1000
+    assert ak.alpha() == pytest.approx(p, abs=0.05)
+    assert ak.num_spec_tokens(Request("new", [5], 100)) == best_k(p, 0.05, 8)
+    # vLLM's acceptance rate (accepted / drafted) is a different quantity, below alpha
+    assert ex.stats.acceptance_rate < ak.alpha()

@@ -30,7 +30,7 @@ def runs():
                        output_range=(1, 12), seed=3)
     out = {}
     for policy in ("static", "orca"):
-        engine = make_engine(policy, SimExecutor(), SimClock(), max_bs=3, max_wait_s=0.1)
+        engine = make_engine(policy, SimExecutor(), SimClock(), max_num_seqs=3, max_wait_s=0.1)
         out[policy] = (engine.generate([r.copy() for r in trace]), engine.trace)
     return out
 
@@ -47,8 +47,8 @@ def test_gantt_slot_rows_match_trace(runs, policy, x):
     cells = drawn_cells(ax)
     for phase in ("prefill", "decode", "padding"):
         assert cells.get(phase, 0) == sum(e.phase == phase for r in trace for e in r.entries)
-    assert cells["idle"] == sum(r.num_idle_slots for r in trace)
-    assert len(ax.get_yticklabels()) == 3  # max_bs slots
+    assert cells["idle"] == sum(r.num_idle_rows for r in trace)
+    assert len(ax.get_yticklabels()) == 3  # max_num_seqs slots
     assert cells.get("padding", 0) > 0 if policy == "static" else "padding" not in cells
 
 

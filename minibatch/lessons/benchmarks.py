@@ -23,8 +23,8 @@ import numpy as np
 from minibatch.metrics import summarize
 from minibatch.policies import make_engine
 from minibatch.request import Request
-from minibatch.runner.model_runner import SimExecutor
-from minibatch.sim.clock import SimClock
+from minibatch.sim.executor import SimExecutor
+from minibatch.clock import SimClock
 from minibatch.sim.cost_model import FEATURES, LayoutModel, Profile
 
 CLAIMS = {
@@ -40,20 +40,20 @@ CLAIMS = {
 # (FasterTransformer's); orca reserves prompt + max_new_tokens per request ("Orca (Max)" when the
 # reservation is the server's length limit); paged and chunked allocate blocks on demand.
 DEFAULT_SETUPS = {
-    "static bs=8": ("static", dict(max_bs=8)),
-    "static bs=32": ("static", dict(max_bs=32)),
-    "static bs=64": ("static", dict(max_bs=64)),
+    "static bs=8": ("static", dict(max_num_seqs=8)),
+    "static bs=32": ("static", dict(max_num_seqs=32)),
+    "static bs=64": ("static", dict(max_num_seqs=64)),
     "orca": ("orca", {}),
     "paged": ("paged", {}),
     "chunked": ("chunked", dict(max_num_batched_tokens=512)),
 }
 
 
-def run_sim(profile: Profile, policy: str, requests: list[Request], *, max_bs: int = 256, n_slots: int = 65536,
+def run_sim(profile: Profile, policy: str, requests: list[Request], *, max_num_seqs: int = 256, n_slots: int = 65536,
             max_wait_s: float = 0.5, **kwargs):
     """Fresh copies of ``requests`` under ``policy`` on ``profile``'s clock; returns (requests, engine)."""
     reqs = [r.copy() for r in requests]
-    engine = make_engine(policy, SimExecutor(), SimClock(profile, profile), max_bs=max_bs, n_slots=n_slots,
+    engine = make_engine(policy, SimExecutor(), SimClock(profile, profile), max_num_seqs=max_num_seqs, n_slots=n_slots,
                          max_wait_s=max_wait_s, **kwargs)
     engine.generate(reqs)
     return reqs, engine

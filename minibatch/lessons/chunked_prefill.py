@@ -28,8 +28,8 @@ from minibatch.engine import Engine, StepRecord
 from minibatch.metrics import summarize
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
-from minibatch.runner.model_runner import SimExecutor
-from minibatch.sim.clock import SimClock
+from minibatch.sim.executor import SimExecutor
+from minibatch.clock import SimClock
 
 GREEDY = SamplingParams(ignore_eos=True)  # every request runs to exactly max_new_tokens
 LABELS = {"prefill_first": "prefill-first (vLLM v0)", "paged": "mixed, whole prefills (Orca-style)",
@@ -43,13 +43,13 @@ SEED_CLAIMS = {"chunked_tpot_ms": (4187, 204), "chunked_throughput_change": -0.0
 
 
 # ---------------------------------------------------------------------- running one policy
-def run_policy(policy: str, requests: list[Request], executor, clock, *, n_slots: int = 16384, max_bs: int = 32,
+def run_policy(policy: str, requests: list[Request], executor, clock, *, n_slots: int = 16384, max_num_seqs: int = 32,
                block_size: int = 16, **kwargs) -> tuple[list[Request], Engine]:
     """Run fresh copies of ``requests`` to completion under ``policy`` (a make_engine name);
     kwargs go to :func:`~minibatch.policies.make_engine` (max_num_batched_tokens, target_itl_s,
     queue_policy, aging_s, max_num_prefills, ...)."""
     reqs = [r.copy() for r in requests]
-    engine = make_engine(policy, executor, clock, n_slots=n_slots, max_bs=max_bs, block_size=block_size, **kwargs)
+    engine = make_engine(policy, executor, clock, n_slots=n_slots, max_num_seqs=max_num_seqs, block_size=block_size, **kwargs)
     engine.generate(reqs)
     return reqs, engine
 
@@ -252,7 +252,7 @@ def starvation_trace(num_stream: int = 150, gap_s: float = 0.05, low_priority: i
     return sorted(reqs, key=lambda r: r.arrival_time_s)
 
 
-def starvation_experiment(policy: str = "chunked", aging_s: float = 1.0, max_bs: int = 1, **trace_kwargs) -> list[dict]:
+def starvation_experiment(policy: str = "chunked", aging_s: float = 1.0, max_num_seqs: int = 1, **trace_kwargs) -> list[dict]:
     """Under a stream of short requests (:func:`starvation_trace`, SimExecutor, SimClock), how
     long does request "low" wait (first scheduled - arrival, seconds) with each queue policy?
     It has low priority and, for the SJF row, a long prompt (40 tokens) instead."""
@@ -262,7 +262,7 @@ def starvation_experiment(policy: str = "chunked", aging_s: float = 1.0, max_bs:
             ("sjf (low has a long prompt)", "sjf", None, starvation_trace(low_priority=0, low_prompt_len=40)),
             ("priority, no aging", "priority", None, starvation_trace(**trace_kwargs)),
             (f"priority, aging {aging_s:g} s/level", "priority", aging_s, starvation_trace(**trace_kwargs))):
-        reqs, _ = run_policy(policy, trace, SimExecutor(), SimClock(), max_bs=max_bs, queue_policy=order, aging_s=aging)
+        reqs, _ = run_policy(policy, trace, SimExecutor(), SimClock(), max_num_seqs=max_num_seqs, queue_policy=order, aging_s=aging)
         low = next(r for r in reqs if r.request_id == "low")
         rows.append({"queue_policy": name, "low_wait_s": low.first_scheduled_time_s - low.arrival_time_s,
                      "overtaken_by": sum(r.arrival_time_s > low.arrival_time_s
@@ -302,7 +302,7 @@ def check_stall_free_plan(fn: Callable, budgets=(1, 7, 16, 64), seed: int = 0) -
         trace = make_trace(12, arrival="poisson", rate_per_s=20, lengths="uniform", prompt_range=(3, 90),
                            output_range=(2, 12), seed=seed + budget)
         reqs = {r.request_id: r for r in trace}
-        _, engine = run_policy("chunked", trace, SimExecutor(), SimClock(), max_num_batched_tokens=budget, max_bs=8)
+        _, engine = run_policy("chunked", trace, SimExecutor(), SimClock(), max_num_batched_tokens=budget, max_num_seqs=8)
         for rec in engine.trace:
             decodes = [e for e in rec.entries if e.phase == "decode"]
             prefills = [e for e in rec.entries if e.phase == "prefill"]

@@ -2,7 +2,7 @@
 
 Orca (Yu et al., OSDI'22) runs the scheduler again after every *iteration* (step; §3,
 iteration-level scheduling), and Algorithm 1 (§4.2) picks each step's batch: every running
-request, then waiting requests in arrival order while the batch holds fewer than ``max_bs``
+request, then waiting requests in arrival order while the batch holds fewer than ``max_num_seqs``
 requests and their KV reservations fit, ``n_rsrv + prompt + max_new_tokens <= n_slots``.
 
 Everything here reads the schedule trace (the list of :class:`~minibatch.engine.StepRecord`)
@@ -66,12 +66,12 @@ def entry_label(entry: StepEntry) -> str:
 STEP_COLUMNS = f"{'step':>4} {'time_s':>6}  {'batch (P=prefill, D=decode)':<28} {'n_rsrv/n_slots':>14}  {'waiting (why)':<26} finished"
 
 
-def format_step(record: StepRecord, state: ScheduleState, max_bs: int, n_slots: int) -> str:
+def format_step(record: StepRecord, state: ScheduleState, max_num_seqs: int, n_slots: int) -> str:
     """One row of the step table (see ``STEP_COLUMNS``).
 
     n_rsrv is the reservation of this step's batch (Algorithm 1's n_rsrv after Select). The
     waiting column lists requests still waiting after admission and why the first one was not
-    admitted: "max_bs" (the batch is full) or "n_rsrv + its reservation > n_slots".
+    admitted: "max_num_seqs" (the batch is full) or "n_rsrv + its reservation > n_slots".
     """
     batch_ids = {e.request_id for e in record.entries}
     n_rsrv = state.n_rsrv + sum(r.max_num_tokens for r in state.waiting if r.request_id in batch_ids)
@@ -79,7 +79,7 @@ def format_step(record: StepRecord, state: ScheduleState, max_bs: int, n_slots: 
     why = ""
     if left:
         head = left[0]
-        why = " (max_bs)" if len(record.entries) >= max_bs else f" ({n_rsrv}+{head.max_num_tokens}>{n_slots})"
+        why = " (max_num_seqs)" if len(record.entries) >= max_num_seqs else f" ({n_rsrv}+{head.max_num_tokens}>{n_slots})"
     waiting = " ".join(r.request_id for r in left) + why
     batch = ", ".join(entry_label(e) for e in record.entries)
     return (f"{record.step:>4} {record.start_s:>6.3f}  {batch:<28} {f'{n_rsrv}/{n_slots}':>14}  "
@@ -105,8 +105,8 @@ SelectFn = Callable[[list[Request], list[Request], int, int, int], tuple[list[Re
 
 
 def check_select(select: SelectFn, trace: list[StepRecord], requests: list[Request],
-                 max_bs: int, n_slots: int) -> list[tuple[int, list[str], list[str]]]:
-    """Replay an Orca ``trace`` through a student's ``select(running, waiting, n_rsrv, max_bs, n_slots)``.
+                 max_num_seqs: int, n_slots: int) -> list[tuple[int, list[str], list[str]]]:
+    """Replay an Orca ``trace`` through a student's ``select(running, waiting, n_rsrv, max_num_seqs, n_slots)``.
 
     At every step the function gets the scheduler's inputs (see :func:`schedule_states`) and
     must return ``(batch, n_rsrv)``: the batch the OrcaScheduler ran, in order, and the slots it
@@ -119,7 +119,7 @@ def check_select(select: SelectFn, trace: list[StepRecord], requests: list[Reque
     mismatches = []
     for state, record in zip(schedule_states(trace, requests), trace):
         expected = [e.request_id for e in record.entries]
-        result = select(list(state.running), list(state.waiting), state.n_rsrv, max_bs, n_slots)
+        result = select(list(state.running), list(state.waiting), state.n_rsrv, max_num_seqs, n_slots)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(f"select() must return (batch, n_rsrv), got {result!r}")
         batch, n_rsrv = result

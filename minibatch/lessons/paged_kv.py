@@ -43,26 +43,8 @@ VLLM_CLAIM = {"existing_systems_waste": (1 - 0.382, 1 - 0.204), "vllm_waste": 1 
               "source": "Kwon et al., SOSP'23, Section 1 and Figure 2"}
 
 
-class BlockMoveCounter:
-    """Wraps an executor (ModelRunner or SimExecutor) and counts the KV blocks each step asks it
-    to move: copy-on-write copies, swap-outs and swap-ins (the StepRecord does not keep them)."""
-
-    def __init__(self, executor):
-        self.executor = executor
-        self.num_blocks_copied = self.num_blocks_swapped_out = self.num_blocks_swapped_in = 0
-
-    def execute(self, out):
-        self.num_blocks_copied += len(out.blocks_to_copy)
-        self.num_blocks_swapped_out += len(out.blocks_to_swap_out)
-        self.num_blocks_swapped_in += len(out.blocks_to_swap_in)
-        return self.executor.execute(out)
-
-    def __getattr__(self, name):  # eos_token_ids, max_model_len, free, allocate_kv_cache, ...
-        return getattr(self.executor, name)
-
-
 # ---------------------------------------------------------------------- running one policy
-def policy_engine(policy: str, executor, clock, *, n_slots: int, max_bs: int = 32, block_size: int = 16,
+def policy_engine(policy: str, executor, clock, *, n_slots: int, max_num_seqs: int = 32, block_size: int = 16,
                   orca_max_new_tokens: int | None = None, preemption_mode: str = "recompute") -> Engine:
     """An Engine for one of POLICIES over ``n_slots`` KV slots. "orca" keeps Orca's per-token
     slots (block_size 1: its only waste is the reservation) and reserves prompt +
@@ -77,7 +59,7 @@ def policy_engine(policy: str, executor, clock, *, n_slots: int, max_bs: int = 3
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if policy == "orca_max" and orca_max_new_tokens is None:
         raise ValueError("policy 'orca_max' needs orca_max_new_tokens (the server's reservation)")
-    return make_engine("orca" if policy == "orca_max" else policy, executor, clock, max_bs=max_bs, n_slots=n_slots,
+    return make_engine("orca" if policy == "orca_max" else policy, executor, clock, max_num_seqs=max_num_seqs, n_slots=n_slots,
                        block_size=block_size if policy.startswith("paged") else None, preemption_mode=preemption_mode,
                        reserve_new_tokens=orca_max_new_tokens if policy == "orca_max" else None)
 
@@ -128,7 +110,7 @@ def _same_outputs(runs: dict[str, list[Request]]) -> bool:
 
 
 # ---------------------------------------------------------------------- 1. reservation vs paged
-def reservation_vs_paged(requests: list[Request], executor, clock_factory: Callable, n_slots: int, max_bs: int = 32,
+def reservation_vs_paged(requests: list[Request], executor, clock_factory: Callable, n_slots: int, max_num_seqs: int = 32,
                          block_size: int = 16, policies=("orca", "paged", "paged_prefix"),
                          orca_max_new_tokens: int | None = None) -> dict:
     """The same trace in the same KV memory (``n_slots`` slots) under each policy.
@@ -142,11 +124,11 @@ def reservation_vs_paged(requests: list[Request], executor, clock_factory: Calla
     be admitted: that policy's entry is then {"policy", "skipped": reason}.
 
     clock_factory: a fresh clock per run, e.g. ``SimClock`` or ``WallClock``.
-    Returns {"n_slots", "max_bs", "block_size", "orca_max_new_tokens", "policies": {name:
+    Returns {"n_slots", "max_num_seqs", "block_size", "orca_max_new_tokens", "policies": {name:
     :func:`run_metrics`}, "same_outputs": every policy that ran produced the same tokens}.
     """
     policies = tuple(policies) + (("orca_max",) if orca_max_new_tokens and "orca_max" not in policies else ())
-    result = {"n_slots": n_slots, "max_bs": max_bs, "block_size": block_size,
+    result = {"n_slots": n_slots, "max_num_seqs": max_num_seqs, "block_size": block_size,
               "orca_max_new_tokens": orca_max_new_tokens, "policies": {}}
     runs = {}
     for policy in policies:
@@ -155,7 +137,7 @@ def reservation_vs_paged(requests: list[Request], executor, clock_factory: Calla
             if too_big:
                 result["policies"][policy] = {"policy": policy, "skipped": too_big}
                 continue
-        reqs, engine = run_policy(policy, requests, executor, clock_factory(), n_slots=n_slots, max_bs=max_bs,
+        reqs, engine = run_policy(policy, requests, executor, clock_factory(), n_slots=n_slots, max_num_seqs=max_num_seqs,
                                   block_size=block_size, orca_max_new_tokens=orca_max_new_tokens)
         runs[policy] = reqs
         result["policies"][policy] = run_metrics(policy, reqs, engine)
@@ -279,7 +261,7 @@ def system_and_user_ids(tokenizer, system_text: str, user_texts: list[str]) -> t
 
 def prefix_caching_experiment(runner, clock_factory: Callable, system_prompt_ids: list[int],
                               user_prompts: list[list[int]], max_new_tokens: int = 8, gap_s: float = 0.5,
-                              block_size: int = 16, n_slots: int = 4096, max_bs: int = 32) -> dict:
+                              block_size: int = 16, n_slots: int = 4096, max_num_seqs: int = 32) -> dict:
     """Requests "u0", "u1", ... = system prompt + user prompt i, arriving ``gap_s`` apart,
     greedy, under "paged" and "paged_prefix" (vLLM's automatic prefix caching, §4.4 "shared
     prefix").
@@ -297,7 +279,7 @@ def prefix_caching_experiment(runner, clock_factory: Callable, system_prompt_ids
               "num_shared_blocks": len(system_prompt_ids) // block_size, "gap_s": gap_s, "policies": {}}
     runs, prefill = {}, {}
     for policy in ("paged", "paged_prefix"):
-        reqs, engine = run_policy(policy, requests, runner, clock_factory(), n_slots=n_slots, max_bs=max_bs,
+        reqs, engine = run_policy(policy, requests, runner, clock_factory(), n_slots=n_slots, max_num_seqs=max_num_seqs,
                                   block_size=block_size)
         bm = engine.scheduler.block_manager
         runs[policy], prefill[policy] = reqs, num_prefill_tokens(engine.trace)
@@ -330,12 +312,11 @@ def cow_experiment(runner, prompt_ids: list[int], n: int = 4, max_new_tokens: in
     of its block_table, the first step all n run), "same_outputs" (each forked sample equals its
     unshared twin), "num_distinct_outputs"}.
     """
-    from minibatch.sim.clock import SimClock
+    from minibatch.clock import SimClock
 
     clock_factory = clock_factory or SimClock
     group = fork_requests(Request("s", list(prompt_ids), max_new_tokens, sampling), n)
-    counter = BlockMoveCounter(runner)
-    engine = make_engine("paged", counter, clock_factory(), max_bs=max(n, 8), n_slots=n_slots, block_size=block_size)
+    engine = make_engine("paged", runner, clock_factory(), max_num_seqs=max(n, 8), n_slots=n_slots, block_size=block_size)
     for r in group:
         engine.add_request(r)
     bm, ref_cnts = engine.scheduler.block_manager, None
@@ -347,7 +328,7 @@ def cow_experiment(runner, prompt_ids: list[int], n: int = 4, max_new_tokens: in
     alone = [r.copy() for r in group]
     for r in alone:
         r.parent_request_id = None
-    alone_engine = make_engine("paged", runner, clock_factory(), max_bs=max(n, 8), n_slots=n_slots, block_size=block_size)
+    alone_engine = make_engine("paged", runner, clock_factory(), max_num_seqs=max(n, 8), n_slots=n_slots, block_size=block_size)
     alone_engine.generate(alone)
     peak_forked = max(s.num_kv_slots_reserved for s in engine.trace)
     peak_alone = max(s.num_kv_slots_reserved for s in alone_engine.trace)
@@ -358,7 +339,7 @@ def cow_experiment(runner, prompt_ids: list[int], n: int = 4, max_new_tokens: in
         "peak_slots_forked": peak_forked, "peak_slots_independent": peak_alone, "slots_saved": peak_alone - peak_forked,
         "expected_slots_saved": (n - 1) * ((p - 1) // block_size) * block_size,
         "kv_bytes_per_token": kv_bytes, "bytes_saved": None if kv_bytes is None else (peak_alone - peak_forked) * kv_bytes,
-        "num_blocks_copied": counter.num_blocks_copied, "ref_cnts": ref_cnts,
+        "num_blocks_copied": sum(rec.num_blocks_copied for rec in engine.trace), "ref_cnts": ref_cnts,
         "same_outputs": [r.output_token_ids for r in group] == [r.output_token_ids for r in alone],
         "num_distinct_outputs": len({tuple(r.output_token_ids) for r in group}),
     }
@@ -374,7 +355,7 @@ def recomputed_tokens(trace: list[StepRecord], requests: list[Request]) -> int:
 
 
 def preemption_experiment(requests: list[Request], executor, clock_factory: Callable, n_slots: int,
-                          modes=("recompute", "swap"), max_bs: int = 32, block_size: int = 16) -> dict:
+                          modes=("recompute", "swap"), max_num_seqs: int = 32, block_size: int = 16) -> dict:
     """The same trace under "paged" with each preemption mode (vLLM §4.5), in ``n_slots`` slots
     small enough that running requests run out of blocks.
 
@@ -385,21 +366,21 @@ def preemption_experiment(requests: list[Request], executor, clock_factory: Call
     num_preempted_requests, num_blocks_swapped_out/in, swapped_bytes (None without a model)},
     "same_outputs"}.
     """
-    result = {"n_slots": n_slots, "block_size": block_size, "max_bs": max_bs, "modes": {}}
+    result = {"n_slots": n_slots, "block_size": block_size, "max_num_seqs": max_num_seqs, "modes": {}}
     runs = {}
     kv_bytes = getattr(executor, "kv_bytes_per_token", None)
     for mode in modes:
-        counter = BlockMoveCounter(executor)
-        reqs, engine = run_policy("paged", requests, counter, clock_factory(), n_slots=n_slots, max_bs=max_bs,
+        reqs, engine = run_policy("paged", requests, executor, clock_factory(), n_slots=n_slots, max_num_seqs=max_num_seqs,
                                   block_size=block_size, preemption_mode=mode)
         runs[mode] = reqs
-        swapped = counter.num_blocks_swapped_out + counter.num_blocks_swapped_in
+        out = sum(rec.num_blocks_swapped_out for rec in engine.trace)
+        back = sum(rec.num_blocks_swapped_in for rec in engine.trace)
         result["modes"][mode] = {
             **run_metrics(f"paged ({mode})", reqs, engine),
             "recomputed_tokens": recomputed_tokens(engine.trace, reqs),
             "num_preempted_requests": sum(r.num_preemptions > 0 for r in reqs),
-            "num_blocks_swapped_out": counter.num_blocks_swapped_out, "num_blocks_swapped_in": counter.num_blocks_swapped_in,
-            "swapped_bytes": None if kv_bytes is None else swapped * block_size * kv_bytes,
+            "num_blocks_swapped_out": out, "num_blocks_swapped_in": back,
+            "swapped_bytes": None if kv_bytes is None else (out + back) * block_size * kv_bytes,
         }
     result["same_outputs"] = _same_outputs(runs)
     return result

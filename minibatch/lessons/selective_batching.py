@@ -149,7 +149,7 @@ def prefill_output(prompts: list[list[int]], block_size: int = 16) -> SchedulerO
         n = -(-len(ids) // block_size)  # blocks for the prompt, rounded up
         block_tables[r.request_id] = list(range(next_block, next_block + n))
         next_block += n
-        scheduled.append(ScheduledRequest(r, len(ids), "prefill", slot=i))
+        scheduled.append(ScheduledRequest(r, len(ids), "prefill", row=i))
     return SchedulerOutput(scheduled=scheduled, block_tables=block_tables)
 
 

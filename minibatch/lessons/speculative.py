@@ -190,30 +190,32 @@ def plot_spec_timeline(trace: list[StepRecord], request_id: str, ax=None, max_st
 
 
 # ---------------------------------------------------------------------- 3. running on real models
-def make_spec_engine(target_runner, proposer=None, speculator=None, clock=None, *, max_bs: int = 1,
+def make_spec_engine(target_runner, proposer=None, speculator=None, clock=None, *, max_num_seqs: int = 1,
                      num_blocks: int = 512, block_size: int = 16) -> Engine:
     """A paged engine; with a proposer, speculative (SpeculativeRunner over target_runner)."""
+    lookahead = 0
     if proposer is None:
-        executor, speculator = target_runner, None
+        executor = target_runner
     else:
         executor = SpeculativeRunner(target_runner, proposer, speculator)
-        speculator = executor.speculator
-    sched = PagedScheduler(max_bs=max_bs, num_blocks=num_blocks, block_size=block_size, speculator=speculator)
+        lookahead = executor.speculator.max_k if proposer.writes_kv else 0  # the draft's KV slots
+    sched = PagedScheduler(max_num_seqs=max_num_seqs, num_blocks=num_blocks, block_size=block_size,
+                           num_lookahead_tokens=lookahead)
     executor.allocate_kv_cache(num_blocks, block_size)
     return Engine(sched, executor, clock)
 
 
 def run_spec(name: str, requests: list[Request], target_runner, clock, proposer=None, speculator=None,
-             max_bs: int = 1, num_blocks: int = 512) -> tuple[dict, list[Request], Engine]:
+             max_num_seqs: int = 1, num_blocks: int = 512) -> tuple[dict, list[Request], Engine]:
     """Run fresh copies of ``requests``; returns (metrics row, requests, engine). The row has
     output throughput, TPOT, decode throughput (output tokens after the first per second of
     decoding) and, when speculating, the SpecDecodingStats."""
     reqs = [r.copy() for r in requests]
-    engine = make_spec_engine(target_runner, proposer, speculator, clock, max_bs=max_bs, num_blocks=num_blocks)
+    engine = make_spec_engine(target_runner, proposer, speculator, clock, max_num_seqs=max_num_seqs, num_blocks=num_blocks)
     engine.generate(reqs)
     s = summarize(reqs, engine.trace)
     decode_s = sum(r.token_times_s[-1] - r.token_times_s[0] for r in reqs)
-    row = {"run": name, "clock": engine.clock.kind, "max_bs": max_bs, "num_requests": len(reqs),
+    row = {"run": name, "clock": engine.clock.kind, "max_num_seqs": max_num_seqs, "num_requests": len(reqs),
            "num_output_tokens": sum(r.num_output_tokens for r in reqs),
            "output_throughput_tok_s": s.output_throughput_tok_s,
            "decode_throughput_tok_s": sum(r.num_output_tokens - 1 for r in reqs) / decode_s if decode_s else None,
@@ -226,13 +228,13 @@ def run_spec(name: str, requests: list[Request], target_runner, clock, proposer=
 
 
 def k_sweep(requests: list[Request], target_runner, draft_runner, clock_factory: Callable, ks=(1, 2, 3, 4, 6),
-            max_bs: int = 1, adaptive_max_k: int | None = 6, ngram: bool = True,
+            max_num_seqs: int = 1, adaptive_max_k: int | None = 6, ngram: bool = True,
             verify_cost_ratio: float = 1.0) -> tuple[list[dict], bool]:
     """No speculation, the draft at each fixed k, AdaptiveK (up to adaptive_max_k, told that a
     verify forward costs ``verify_cost_ratio`` decodes) and n-gram lookup, on the same requests.
     Returns (rows, every run produced the same tokens)."""
     rows, outputs = [], []
-    base, reqs, _ = run_spec("no speculation", requests, target_runner, clock_factory(), max_bs=max_bs)
+    base, reqs, _ = run_spec("no speculation", requests, target_runner, clock_factory(), max_num_seqs=max_num_seqs)
     rows.append(base)
     outputs.append([r.output_token_ids for r in reqs])
     runs = [(f"draft k={k}", lambda: DraftModelProposer(draft_runner), lambda k=k: FixedK(k)) for k in ks]
@@ -242,7 +244,7 @@ def k_sweep(requests: list[Request], target_runner, draft_runner, clock_factory:
     if ngram:
         runs.append(("n-gram k=4", NgramProposer, lambda: FixedK(4)))
     for name, proposer, speculator in runs:
-        row, reqs, _ = run_spec(name, requests, target_runner, clock_factory(), proposer(), speculator(), max_bs=max_bs)
+        row, reqs, _ = run_spec(name, requests, target_runner, clock_factory(), proposer(), speculator(), max_num_seqs=max_num_seqs)
         row["speedup"] = row["output_throughput_tok_s"] / base["output_throughput_tok_s"]
         row["decode_speedup"] = row["decode_throughput_tok_s"] / base["decode_throughput_tok_s"]
         rows.append(row)
@@ -252,7 +254,7 @@ def k_sweep(requests: list[Request], target_runner, draft_runner, clock_factory:
 
 def sim_verify_cost_ratio(k: int = 4, context: int = 128, cost_model=None) -> float:
     """The simulated clock's verify-vs-decode step time at batch 1 (k+1 vs 1 new tokens)."""
-    from minibatch.sim.clock import CostModel
+    from minibatch.clock import CostModel
 
     cm = cost_model or CostModel()
     return cm.forward_time_s(1, k + 1, context + k + 1) / cm.forward_time_s(1, 1, context + 1)
@@ -319,17 +321,17 @@ def batch_sweep_sim(acceptance_rate: float = 0.7, ks=(2, 4), batch_sizes=(1, 2, 
     (SimExecutor: drafts accepted i.i.d. with ``acceptance_rate``). A larger batch makes each
     step compute-bound: verifying k+1 tokens per request then costs ~k+1 times a decode, so the
     speedup falls and crosses 1. Rows: {batch_size, k, speedup, plain_s, spec_s}."""
-    from minibatch.runner.model_runner import SimExecutor
-    from minibatch.sim.clock import SimClock
+    from minibatch.sim.executor import SimExecutor
+    from minibatch.clock import SimClock
 
     rows = []
     for B in batch_sizes:
         reqs = [Request(f"r{i}", [5 + i] * prompt_len, output_len, SamplingParams(ignore_eos=True)) for i in range(B)]
         times = {}
         for k in (0, *ks):
-            ex = SimExecutor(acceptance_rate=acceptance_rate, seed=B)
-            sched = PagedScheduler(max_bs=B, num_blocks=B * (prompt_len + output_len) // 16 + 16,
-                                   speculator=FixedK(k) if k else None)
+            ex = SimExecutor(acceptance_rate=acceptance_rate, seed=B, speculator=FixedK(k) if k else None)
+            sched = PagedScheduler(max_num_seqs=B, num_blocks=B * (prompt_len + output_len) // 16 + 16,
+                                   num_lookahead_tokens=k)
             engine = Engine(sched, ex, SimClock(cost_model, draft_cost_model))
             engine.generate([r.copy() for r in reqs])
             times[k] = engine.clock.now_s

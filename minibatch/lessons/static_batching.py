@@ -22,8 +22,8 @@ from minibatch.models import set_attention
 from minibatch.metrics import measured_decode_utilization, utilization_formula
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
-from minibatch.runner.model_runner import SimExecutor
-from minibatch.sim.clock import SimClock, WallClock
+from minibatch.sim.executor import SimExecutor
+from minibatch.clock import SimClock, WallClock
 from minibatch.workload import chat_prompt_ids, sharegpt_lengths
 
 
@@ -73,7 +73,7 @@ def utilization_table(num_batches: int, batch_size: int, max_output_len: int = 3
             lens = rng.integers(1, max_output_len + 1, size=batch_size).tolist()
         else:
             lens = [o for _, o in sharegpt_lengths(batch_size, rng)]
-        engine = run_policy("static", SimExecutor(), sim_requests(lens), max_bs=batch_size)
+        engine = run_policy("static", SimExecutor(), sim_requests(lens), max_num_seqs=batch_size)
         rows.append({"output_lens": lens, "formula": utilization_formula(lens),
                      "measured": measured_decode_utilization(engine.trace)})
     return rows
@@ -101,11 +101,11 @@ def print_utilization_table(rows: list[dict]) -> None:
 
 
 def print_steps(trace: list[StepRecord]) -> None:
-    """One line per step: index, sim time span, and each slot's phase (P/D/pad) + new tokens."""
-    print(f"{'step':>4} {'start_s':>8} {'end_s':>7}  rows (slot: request phase num_new_tokens)")
+    """One line per step: index, sim time span, and each batch row's phase (P/D/pad) + new tokens."""
+    print(f"{'step':>4} {'start_s':>8} {'end_s':>7}  rows (row: request phase num_new_tokens)")
     for r in trace:
-        rows = "  ".join(f"{e.slot}:{e.request_id} {e.phase} {e.num_new_tokens}"
-                         for e in sorted(r.entries, key=lambda e: e.slot))
+        rows = "  ".join(f"{e.row}:{e.request_id} {e.phase} {e.num_new_tokens}"
+                         for e in sorted(r.entries, key=lambda e: e.row))
         print(f"{r.step:>4} {r.start_s:>8.3f} {r.end_s:>7.3f}  {rows}")
 
 
@@ -130,7 +130,7 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
     def engine_step(policy: str) -> float:
         reqs = [Request(f"p{i}", ids, 1, SamplingParams(ignore_eos=True)) for i, ids in enumerate(prompts)]
         n_slots = max(1024, sum(r.max_num_tokens for r in reqs))  # a small KV cache, reused across calls
-        engine = make_engine(policy, runner, WallClock(), max_bs=len(reqs), n_slots=n_slots)
+        engine = make_engine(policy, runner, WallClock(), max_num_seqs=len(reqs), n_slots=n_slots)
         for r in reqs:
             engine.add_request(r)
         return engine.step().duration_s

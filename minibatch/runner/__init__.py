@@ -1,5 +1,5 @@
 """Executors: the only code that builds tensors (packed or padded batches) and runs the model."""
 
-from minibatch.runner.model_runner import ModelRunner, SimExecutor
+from minibatch.runner.model_runner import ModelRunner
 
-__all__ = ["ModelRunner", "SimExecutor"]
+__all__ = ["ModelRunner"]

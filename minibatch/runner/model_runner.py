@@ -24,7 +24,7 @@ from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequ
 from minibatch.runner.sampler import Sampler
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
 from minibatch.runner.support import check_packed_support, config_int, config_max_model_len
-from minibatch.scheduler.base import SchedulerOutput
+from minibatch.scheduler.output import SchedulerOutput, StepResult
 
 
 class ModelRunner(KVOwnership):
@@ -133,15 +133,19 @@ class ModelRunner(KVOwnership):
 
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns request_id -> sampled token for requests that get a token."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step; its result holds request_id -> (sampled token,) for requests that get a token."""
         self.move_blocks(out)
         if out.is_padded_batch:
             logits, request_ids = self._forward_padded(out)
         else:
             logits, request_ids = self.forward_packed(build_packed_batch(out, self._kv(), self.attention_backend))
         by_id = {s.request_id: s.request for s in out.scheduled}
-        return self.sampler.sample_batch(request_ids, logits, [by_id[rid].sampling for rid in request_ids])
+        sampled = self.sampler.sample_batch(request_ids, logits, [by_id[rid].sampling for rid in request_ids])
+        return StepResult(sampled={rid: (t,) for rid, t in sampled.items()})
+
+    def observe_step(self, record) -> None:
+        """Nothing to learn from step records (a speculative runner's speculator does)."""
 
     def _kv(self) -> torch.Tensor:
         if self.kv_cache is None:
@@ -174,7 +178,7 @@ class ModelRunner(KVOwnership):
         from transformers import DynamicCache
 
         set_attention(self.model, "sdpa")
-        rows = sorted(out.scheduled + out.padded, key=lambda s: s.slot)
+        rows = sorted(out.scheduled + out.padded, key=lambda s: s.row)
         reqs: list[Request] = [s.request for s in rows]
         if out.new_batch:
             max_len = max(r.num_prompt_tokens for r in reqs)
@@ -208,103 +212,3 @@ class ModelRunner(KVOwnership):
     def release_state(self) -> None:
         self._static = None  # another engine's padded batch
         self.sampler = Sampler()
-
-
-class SimExecutor(KVOwnership):
-    """No model: every scheduled request that reaches its last token gets a made-up token.
-
-    For large simulated runs and scheduler tests (use ignore_eos requests: there is no EOS).
-
-    acceptance_rate: speculative decoding without models: a request scheduled with k draft
-        slots gets k made-up draft tokens, each accepted with this probability (independently,
-        Leviathan et al.'s i.i.d. assumption; seeded by ``seed``) until the first rejection;
-        ``out.draft_forwards`` records k draft forwards for a simulated clock. ``stats`` counts.
-        A list gives vLLM's per-position acceptance rates instead (the fraction of drafts at
-        position i accepted, as ``SpecDecodingStats`` measures them; non-increasing): position i
-        is accepted with probability rate[i] / rate[i-1] once i-1 was (the last rate repeats).
-    draft_forwards: record the draft forwards (a draft model); False for n-gram lookup, whose
-        drafting costs no forward.
-    proposal_rate: the probability that a row given draft slots gets drafts at all (n-gram
-        lookup finds no match for some; such a row decodes 1 token, as SpeculativeRunner does).
-    draft_catch_up: the first draft forward of a step carries every token the draft has not
-        seen yet (a request's whole prompt the first time, then its last token and the bonus
-        token), as DraftModelProposer does; False: one token per row (the older, simpler model).
-    vocab_size: None (default): prompts may hold any id and made-up tokens are < 32000; an int:
-        the simulated model's vocabulary (``Engine.add_request`` refuses ids >= it).
-    """
-
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __init__(self, max_model_len: int = 1 << 20, vocab_size: int | None = None,
-                 acceptance_rate: float | list[float] | None = None, seed: int = 0, draft_forwards: bool = True,
-                 proposal_rate: float = 1.0, draft_catch_up: bool = False):
-        import random
-
-        from minibatch.spec.speculator import SpecDecodingStats
-
-        rates = [acceptance_rate] if isinstance(acceptance_rate, (int, float)) else acceptance_rate
-        if rates is not None and (not rates or not all(0.0 <= a <= 1.0 for a in rates)):
-            raise ValueError(f"acceptance_rate must be in [0, 1] (or a non-empty list of such), got {acceptance_rate}")
-        if rates is not None and any(b > a for a, b in zip(rates, rates[1:])):
-            raise ValueError(f"acceptance_rate per-position rates must be non-increasing, got {acceptance_rate}")
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
-        self.acceptance_rate = acceptance_rate
-        self.draft_forwards = draft_forwards
-        if not 0.0 <= proposal_rate <= 1.0:
-            raise ValueError(f"proposal_rate must be in [0, 1], got {proposal_rate}")
-        self.proposal_rate = proposal_rate
-        self.draft_catch_up = draft_catch_up
-        self._draft_seen: dict[str, int] = {}  # request_id -> tokens in the draft's KV cache
-        # conditional probability of accepting position i given position i-1 was accepted
-        self._accept_p = None if rates is None else [
-            a / prev if prev > 0 else 0.0 for a, prev in zip(rates, [1.0] + list(rates[:-1]))]
-        self.rng = random.Random(seed)
-        self.stats = SpecDecodingStats()
-
-    def _token(self, r, offset: int = 0) -> int:
-        return (7919 * (r.num_tokens + offset) + len(r.request_id)) % (self.vocab_size or 32000)
-
-    def execute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
-        sampled: dict[str, int | list[int]] = {}
-        specs = [s for s in out.scheduled if s.num_spec_tokens]
-        if specs and self.acceptance_rate is None:
-            raise ValueError("SimExecutor got draft slots: pass acceptance_rate= to simulate speculative decoding")
-        if self.proposal_rate < 1.0:  # rows with no draft found decode 1 token (as SpeculativeRunner)
-            found = [self.rng.random() < self.proposal_rate for _ in specs]
-            for s, f in zip(specs, found):
-                if not f:
-                    s.num_new_tokens, s.spec_token_ids = 1, []
-            specs = [s for s, f in zip(specs, found) if f]
-        for j in range(max((s.num_spec_tokens for s in specs), default=0) if self.draft_forwards else 0):
-            rows = [s for s in specs if s.num_spec_tokens > j]  # draft forward j: one token per request
-            tokens = len(rows)
-            if j == 0 and self.draft_catch_up:  # unseen tokens; drafts rejected last step are not kept
-                tokens = sum(s.request.num_tokens - min(self._draft_seen.get(s.request_id, 0), s.request.num_computed_tokens)
-                             for s in rows)
-            out.draft_forwards.append((len(rows), tokens, sum(s.request.num_tokens + j for s in rows)))
-        for s in specs:
-            self._draft_seen[s.request_id] = s.request.num_tokens + s.num_spec_tokens - 1
-        drafting = {id(s) for s in specs}
-        for s in out.scheduled:
-            r = s.request
-            if id(s) in drafting:
-                s.spec_token_ids = [self._token(r, i) for i in range(s.num_spec_tokens)]
-                a = 0
-                while a < s.num_spec_tokens and self.rng.random() < self._accept_p[min(a, len(self._accept_p) - 1)]:
-                    a += 1
-                sampled[r.request_id] = s.spec_token_ids[:a] + [self._token(r, a + 1)]
-                self.stats.observe(s.num_spec_tokens, a)
-            elif r.num_computed_tokens + s.num_new_tokens == r.num_tokens:
-                sampled[r.request_id] = self._token(r)
-        return sampled
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
-        pass
-
-    def free(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._draft_seen.pop(rid, None)
-
-    def release_state(self) -> None:
-        self._draft_seen = {}

@@ -27,6 +27,7 @@ from profiled step times and a TBT SLO; here the choice is made every step, onli
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 
@@ -37,11 +38,14 @@ from minibatch.scheduler.base import SchedulerOutput
 from minibatch.scheduler.paged import PagedScheduler
 
 
+DEFAULT_BUDGET = 512  # chunked prefill's default max_num_batched_tokens (vLLM v0 with chunked prefill)
+
+
 class PrefillFirstScheduler(PagedScheduler):
     """A step is all prefill or all decode (vLLM v0's default scheduler, nano-vllm).
 
     If a waiting request can be admitted, the step prefills as many whole prompts as fit the
-    free blocks, ``max_bs`` and the token budget (``max_num_batched_tokens``, default no limit);
+    free blocks, ``max_num_seqs`` and the token budget (``max_num_batched_tokens``, default no limit);
     running requests do not decode in that step. Otherwise every running request decodes
     (preempting when blocks run out, as :class:`PagedScheduler`).
 
@@ -55,6 +59,11 @@ class PrefillFirstScheduler(PagedScheduler):
     """
 
     name = "prefill_first"
+    options = PagedScheduler.options | {"max_num_prefills"}
+
+    @classmethod
+    def from_config(cls, config, **kwargs) -> "PrefillFirstScheduler":
+        return super().from_config(config, max_num_prefills=config.max_num_prefills, **kwargs)
 
     def __init__(self, *args, max_num_prefills: int | None = None, **kwargs):
         if max_num_prefills is not None and max_num_prefills < 1:
@@ -63,8 +72,7 @@ class PrefillFirstScheduler(PagedScheduler):
         self.max_num_prefills = max_num_prefills
 
     def schedule(self, now_s: float) -> SchedulerOutput:
-        self._step_budget = self.token_budget()
-        out = SchedulerOutput()
+        out = self.begin_step()
         if not self.swapped:
             self.schedule_waiting(out)  # a prefill-only step if anything is admitted
         if not out.scheduled:
@@ -93,12 +101,21 @@ class ChunkedPrefillScheduler(PagedScheduler):
 
     name = "chunked"
     chunked_prefill = True
+    options = PagedScheduler.options | {"target_itl_s"}
 
-    def __init__(self, max_bs: int = 8, num_blocks: int = 256, block_size: int = 16, *,
+    @classmethod
+    def from_config(cls, config, **kwargs) -> "ChunkedPrefillScheduler":
+        """max_num_batched_tokens default 512; target_itl_s: an AdaptiveChunker picks each step's budget."""
+        budget = DEFAULT_BUDGET if config.max_num_batched_tokens is None else config.max_num_batched_tokens
+        chunker = None if config.target_itl_s is None else AdaptiveChunker(config.target_itl_s)
+        return super().from_config(dataclasses.replace(config, max_num_batched_tokens=budget), chunker=chunker,
+                                   **kwargs)
+
+    def __init__(self, max_num_seqs: int = 8, num_blocks: int = 256, block_size: int = 16, *,
                  max_num_batched_tokens: int = 512, chunker: "AdaptiveChunker | None" = None, **kwargs):
         if max_num_batched_tokens is None or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        super().__init__(max_bs, num_blocks, block_size, max_num_batched_tokens=max_num_batched_tokens, **kwargs)
+        super().__init__(max_num_seqs, num_blocks, block_size, max_num_batched_tokens=max_num_batched_tokens, **kwargs)
         self.chunker = chunker
 
     def token_budget(self) -> float:
@@ -115,6 +132,11 @@ class ChunkedPrefillScheduler(PagedScheduler):
         super().observe_step(record)
         if self.chunker is not None:
             self.chunker.observe(record)
+
+
+# Rough smollm2-135m numbers on a 2-core CPU (the simulated clock's default CostModel): a step's fixed
+# cost, a prefill token's, and a decode token's (one token plus one row).
+DEFAULT_PRIOR = (0.030, 0.0015, 0.0015 + 0.0005)
 
 
 class AdaptiveChunker:
@@ -136,8 +158,7 @@ class AdaptiveChunker:
 
     Args:
         target_itl_s: the step time (= ITL of the decodes in it) to aim for, seconds, > 0.
-        prior: (fixed_s, prefill_token_s, decode_token_s); default from
-            :class:`~minibatch.sim.clock.CostModel` defaults (rough smollm2-135m, 2-core CPU).
+        prior: (fixed_s, prefill_token_s, decode_token_s), seconds; default ``DEFAULT_PRIOR``.
         min_chunk, max_chunk: bounds on the prefill tokens per step, 1 <= min_chunk <= max_chunk.
         window, min_samples: steps kept for the fit (>= 3), and needed before fitting (>= 3).
 
@@ -154,10 +175,7 @@ class AdaptiveChunker:
         if window < 3 or not 3 <= min_samples <= window:
             raise ValueError(f"need window >= 3 and 3 <= min_samples <= window, got window={window}, min_samples={min_samples}")
         if prior is None:
-            from minibatch.sim.clock import CostModel
-
-            cm = CostModel()
-            prior = (cm.fixed_s, cm.per_token_s, cm.per_token_s + cm.per_seq_s)
+            prior = DEFAULT_PRIOR
         if len(prior) != 3 or prior[1] <= 0 or min(prior) < 0:
             raise ValueError(f"prior must be (fixed_s >= 0, prefill_token_s > 0, decode_token_s >= 0), got {prior}")
         self.target_itl_s = target_itl_s

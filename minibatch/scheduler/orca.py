@@ -6,7 +6,7 @@ Algorithm 1, for one engine (no pipeline, so every admitted request runs every i
     Select(pool, n_rsrv):
         batch = {}
         for req in sortByArrivalTime(pool):           # FCFS
-            if batch.size == max_bs: break
+            if batch.size == max_num_seqs: break
             if req.state == INITIATION:               # not admitted yet
                 new_n_rsrv = n_rsrv + req.max_tokens  # prompt + max_new_tokens
                 if new_n_rsrv > n_slots: break        # no skipping ahead: FCFS
@@ -28,14 +28,15 @@ from __future__ import annotations
 
 from minibatch.kv.block_manager import BlockManager
 from minibatch.request import Request, RequestStatus
-from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
+from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from minibatch.scheduler.queue_policy import make_queue_policy
 
 
 class OrcaScheduler(Scheduler):
     """Iteration-level scheduler with Orca's max-length KV reservation.
 
     Args:
-        max_bs: the most requests in one batch (vLLM's max_num_seqs), >= 1.
+        max_num_seqs: the most requests in one batch (vLLM's max_num_seqs), >= 1.
         n_slots: KV cache capacity in token slots, >= 1.
         block_size: slots per KV block (1 = Orca's per-token reservation, exactly Alg. 1).
             With block_size > 1 a reservation is rounded up to whole blocks and n_rsrv counts
@@ -50,19 +51,28 @@ class OrcaScheduler(Scheduler):
     """
 
     name = "orca"
+    options = frozenset({"max_num_seqs", "n_slots", "block_size", "reserve_new_tokens", "queue_policy", "aging_s"})
 
-    def __init__(self, max_bs: int = 8, n_slots: int = 16384, block_size: int = 1,
+    @classmethod
+    def from_config(cls, config) -> "OrcaScheduler":
+        """block_size default 1: Orca's per-token reservation."""
+        return cls(max_num_seqs=config.max_num_seqs, n_slots=config.n_slots,
+                   block_size=1 if config.block_size is None else config.block_size,
+                   reserve_new_tokens=config.reserve_new_tokens,
+                   queue_policy=make_queue_policy(config.queue_policy, config.aging_s))
+
+    def __init__(self, max_num_seqs: int = 8, n_slots: int = 16384, block_size: int = 1,
                  reserve_new_tokens: int | None = None, queue_policy="fcfs"):
         super().__init__(queue_policy)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if max_bs < 1:
-            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if n_slots < block_size:
             raise ValueError(f"n_slots must be >= block_size ({block_size}), got {n_slots}")
         if reserve_new_tokens is not None and reserve_new_tokens < 1:
             raise ValueError(f"reserve_new_tokens must be >= 1 or None, got {reserve_new_tokens}")
-        self.max_bs = max_bs
+        self.max_num_seqs = max_num_seqs
         self.reserve_new_tokens = reserve_new_tokens
         self.block_manager = BlockManager(n_slots // block_size, block_size)
         self.n_slots = self.block_manager.num_slots
@@ -86,7 +96,7 @@ class OrcaScheduler(Scheduler):
         # (FCFS: by arrival, Algorithm 1's sortByArrivalTime), stopping at the first that does not fit.
         batch = list(self.running)
         self.waiting.sort(key=self.sort_key)
-        while self.waiting and len(batch) < self.max_bs:
+        while self.waiting and len(batch) < self.max_num_seqs:
             req = self.waiting[0]
             new_n_rsrv = self.n_rsrv + self._reservation(req)
             if new_n_rsrv > self.n_slots:
@@ -94,7 +104,7 @@ class OrcaScheduler(Scheduler):
             self.n_rsrv = new_n_rsrv
             self.waiting.pop(0)
             self.block_manager.allocate_slots(req, self._reservation_tokens(req))  # all it can ever need
-            self.take_slot(req.request_id)
+            self.take_row(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.append(req)
@@ -103,18 +113,18 @@ class OrcaScheduler(Scheduler):
                 request=r,
                 num_new_tokens=r.num_tokens - r.num_computed_tokens,  # whole prompt, or 1 decode
                 phase="prefill" if r.is_prefill else "decode",
-                slot=self.slots[r.request_id],
+                row=self.rows[r.request_id],
             )
             for r in batch
         ]
         return SchedulerOutput(
             scheduled=scheduled,
-            num_idle_slots=self.max_bs - len(batch),
+            num_idle_rows=self.max_num_seqs - len(batch),
             block_tables={r.request_id: self.block_manager.block_tables[r.request_id] for r in batch},
         )
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        finished = self.advance(output, sampled)
+    def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
+        finished = self.advance(plan, result)
         for r in finished:
             self._release(r)
         return finished
@@ -123,7 +133,7 @@ class OrcaScheduler(Scheduler):
         self.running.remove(r)
         self.block_manager.free(r.request_id)
         self.n_rsrv -= self._reservation(r)
-        del self.slots[r.request_id]
+        del self.rows[r.request_id]
 
     @property
     def num_kv_slots_reserved(self) -> int:

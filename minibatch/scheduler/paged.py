@@ -35,8 +35,8 @@ import math
 
 from minibatch.kv.block_manager import BlockManager
 from minibatch.request import Request, RequestStatus
-from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
-from minibatch.scheduler.queue_policy import QueuePolicy
+from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from minibatch.scheduler.queue_policy import QueuePolicy, make_queue_policy
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -45,7 +45,7 @@ class PagedScheduler(Scheduler):
     """vLLM-style iteration-level scheduler with on-demand KV blocks.
 
     Args:
-        max_bs: the most running requests (vLLM's max_num_seqs), >= 1.
+        max_num_seqs: the most running requests (vLLM's max_num_seqs), >= 1.
         num_blocks: KV blocks (n_slots = num_blocks * block_size), >= 1.
         block_size: token slots per block, >= 1.
         enable_prefix_caching: reuse cached full prompt blocks across requests.
@@ -58,43 +58,59 @@ class PagedScheduler(Scheduler):
             max_new_tokens, the most a recompute prefills).
         queue_policy: "fcfs", "sjf", "priority" or a QueuePolicy: the order of service and the
             reverse order of preemption.
-        speculator: speculative decoding (``minibatch.spec``): a FixedK or AdaptiveK that gives
-            each decoding request k draft slots, so it computes 1 + k tokens (within the token
-            budget and its max_new_tokens); None (default): no speculation.
+        num_lookahead_tokens: speculative decoding with a draft model: KV slots reserved past a
+            sampling row's new tokens, where the draft model writes the next step's drafts (vLLM
+            v1's lookahead slots; k, or 0 when drafts need no KV, as n-gram lookup). The drafts
+            themselves live on the request (``spec_token_ids``) and are scheduled like any new
+            tokens: a decode computes 1 + its drafts, cut to the token budget and max_new_tokens.
 
     Raises:
         ValueError: a bad argument; ``check_request`` for a request that cannot fit alone.
     """
 
     name = "paged"
+    options = frozenset({"max_num_seqs", "n_slots", "block_size", "preemption_mode", "watermark",
+                         "max_num_batched_tokens", "queue_policy", "aging_s"})
     chunked_prefill = False  # may a prompt be split across steps? (ChunkedPrefillScheduler)
     max_num_prefills: int | None = None  # most waiting requests admitted per step (None: no limit)
 
-    def __init__(self, max_bs: int = 8, num_blocks: int = 256, block_size: int = 16, *,
+    def __init__(self, max_num_seqs: int = 8, num_blocks: int = 256, block_size: int = 16, *,
                  enable_prefix_caching: bool = False, preemption_mode: str = "recompute",
                  num_cpu_blocks: int | None = None, watermark: float = 0.01,
                  max_num_batched_tokens: int | None = None, queue_policy: str | QueuePolicy = "fcfs",
-                 speculator=None):
+                 num_lookahead_tokens: int = 0):
         super().__init__(queue_policy)
-        if max_bs < 1:
-            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1 or None, got {max_num_batched_tokens}")
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
-        self.max_bs = max_bs
+        self.max_num_seqs = max_num_seqs
         self.preemption_mode = preemption_mode
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                                           watermark=watermark, num_cpu_blocks=num_cpu_blocks)
         self.swapped: list[Request] = []
-        self.speculator = speculator
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.num_preemptions = 0
         self._step_budget: float = math.inf
         if enable_prefix_caching:
             self.name = f"{self.name}_prefix"
+
+    @classmethod
+    def from_config(cls, config, **kwargs) -> "PagedScheduler":
+        """block_size default 16; num_blocks = n_slots // block_size. kwargs: a subclass's own arguments."""
+        block_size = 16 if config.block_size is None else config.block_size
+        if config.n_slots < block_size:
+            raise ValueError(f"n_slots must be >= block_size ({block_size}), got {config.n_slots}")
+        return cls(max_num_seqs=config.max_num_seqs, num_blocks=config.n_slots // block_size, block_size=block_size,
+                   enable_prefix_caching=config.enable_prefix_caching, preemption_mode=config.preemption_mode,
+                   watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens,
+                   queue_policy=make_queue_policy(config.queue_policy, config.aging_s),
+                   num_lookahead_tokens=config.num_lookahead_tokens, **kwargs)
 
     # ------------------------------------------------------------------ admission checks
     def check_request(self, request: Request) -> None:
@@ -123,14 +139,19 @@ class PagedScheduler(Scheduler):
         return math.inf if self.max_num_batched_tokens is None else self.max_num_batched_tokens
 
     def schedule(self, now_s: float) -> SchedulerOutput:
-        self._step_budget = self.token_budget()
-        out = SchedulerOutput()
+        out = self.begin_step()
         self.schedule_running(out)
         if not out.preempted:
             self.schedule_swapped(out)
         if not out.preempted and not self.swapped:
             self.schedule_waiting(out)
         return self.finish_output(out)
+
+    def begin_step(self) -> SchedulerOutput:
+        """A new, empty plan; fixes this step's token budget (``token_budget``). A subclass that
+        reorders the stages calls it first, then the stages it wants, then ``finish_output``."""
+        self._step_budget = self.token_budget()
+        return SchedulerOutput()
 
     def budget_left(self, out: SchedulerOutput) -> float:
         return self._step_budget - out.num_scheduled_tokens
@@ -139,18 +160,29 @@ class PagedScheduler(Scheduler):
         """Tokens ``req`` computes this step given ``budget`` tokens left: all it has left, or,
         when that does not fit, a chunk of ``budget`` (chunked prefill) or 0 (wait)."""
         remaining = req.num_tokens - req.num_computed_tokens
-        if remaining == 1 and budget >= 1 and self.speculator is not None:  # a decode: 1 + k with k drafts
-            return 1 + self.num_spec_tokens(req, budget)
+        if remaining == 1 and budget >= 1 and req.spec_token_ids:  # a decode verifying its drafts
+            return 1 + len(self.drafts_that_fit(req, budget))
         if remaining <= budget:
             return remaining
         return int(budget) if self.chunked_prefill else 0
 
-    def num_spec_tokens(self, req: Request, budget: float) -> int:
-        """k for a decoding request: the speculator's choice (or the request's own
-        ``num_speculative_tokens``), capped so the step fits the budget and emits at most the
-        tokens the request may still produce."""
-        k = req.num_speculative_tokens if req.num_speculative_tokens is not None else self.speculator.num_spec_tokens(req)
-        return max(0, min(k, int(min(budget, 1 << 30)) - 1, req.max_new_tokens - req.num_output_tokens - 1))
+    @staticmethod
+    def drafts_that_fit(req: Request, budget: float) -> list[int]:
+        """The request's stored drafts, cut so the step (1 + drafts) fits the budget and emits at
+        most the tokens the request may still produce."""
+        k = min(len(req.spec_token_ids), int(min(budget, 1 << 30)) - 1, req.max_new_tokens - req.num_output_tokens - 1)
+        return req.spec_token_ids[:max(0, k)]
+
+    def with_lookahead(self, req: Request, n: int) -> int:
+        """Slots ``req`` needs for ``n`` new tokens: n, plus the lookahead slots when the step samples."""
+        if not self.num_lookahead_tokens or req.num_computed_tokens + n < req.num_tokens:
+            return n
+        return n + max(0, min(self.num_lookahead_tokens, req.max_num_tokens - req.num_computed_tokens - n))
+
+    def allocate(self, req: Request, n: int, hits=None, use_watermark: bool = False):
+        """Blocks for ``n`` new tokens and the lookahead slots; returns the copy-on-write copies, or
+        None if they do not fit (see ``BlockManager.allocate_slots``)."""
+        return self.block_manager.allocate_slots(req, self.with_lookahead(req, n), hits or (), use_watermark=use_watermark)
 
     def service_order(self, running: list[Request]) -> list[Request]:
         """The order running requests get tokens and blocks (default: queue-policy order)."""
@@ -160,15 +192,16 @@ class PagedScheduler(Scheduler):
         """Stage 1: running requests get their new tokens' blocks, preempting the lowest-ranked."""
         bm = self.block_manager
         self.running.sort(key=self.sort_key)
+        planned = {s.request_id for s in out.scheduled}  # admitted earlier in this step (a reordered schedule)
         for req in self.service_order(list(self.running)):
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted this step to make room for a better-ranked request
+            if req.status != RequestStatus.RUNNING or req.request_id in planned:
+                continue  # preempted this step to make room for a better-ranked request, or planned
             n = self.num_new_tokens(req, self.budget_left(out))
             if n == 0:
                 continue  # the budget is spent: it waits a step (keeps its blocks)
-            while (copies := bm.allocate_slots(req, n)) is None:
-                victim = self._victim(out)
-                self._preempt(victim, out)
+            while (copies := self.allocate(req, n)) is None:
+                victim = self.victim(out)
+                self.preempt(victim, out)
                 if victim is req:
                     break
             else:
@@ -179,14 +212,14 @@ class PagedScheduler(Scheduler):
         """Stage 2: swapped-out requests come back while their blocks fit."""
         bm = self.block_manager
         self.swapped.sort(key=self.sort_key)
-        while self.swapped and len(self.running) < self.max_bs:
+        while self.swapped and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
             n = self.num_new_tokens(req, self.budget_left(out))
-            if n == 0 or not bm.can_swap_in(req, num_new_tokens=n):
+            if n == 0 or not bm.can_swap_in(req, num_new_tokens=self.with_lookahead(req, n)):
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += bm.swap_in(req.request_id)
-            out.blocks_to_copy += bm.allocate_slots(req, n)
+            out.blocks_to_copy += self.allocate(req, n)
             self._run(req)
             self._add(out, req, n)
 
@@ -194,7 +227,7 @@ class PagedScheduler(Scheduler):
         """Stage 3: admit waiting requests in queue-policy order, no skipping ahead."""
         self.waiting.sort(key=self.sort_key)
         admitted = 0
-        while self.waiting and len(self.running) < self.max_bs and admitted != self.max_num_prefills:
+        while self.waiting and len(self.running) < self.max_num_seqs and admitted != self.max_num_prefills:
             req = self.waiting[0]
             plan = self._admit(req, self.budget_left(out))
             if plan is None:
@@ -208,17 +241,17 @@ class PagedScheduler(Scheduler):
 
     def finish_output(self, out: SchedulerOutput) -> SchedulerOutput:
         bm = self.block_manager
-        out.num_idle_slots = self.max_bs - len(out.scheduled)
+        out.num_idle_rows = self.max_num_seqs - len(out.scheduled)
         out.block_tables = {s.request_id: bm.block_tables[s.request_id] for s in out.scheduled}
         return out
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        k = n - 1 if req.num_tokens - req.num_computed_tokens == 1 else 0  # draft slots of a decode
+        drafts = req.spec_token_ids[:n - 1] if req.num_tokens - req.num_computed_tokens == 1 else []
         out.scheduled.append(ScheduledRequest(
-            request=req, num_new_tokens=n, phase="prefill" if (n > 1 and not k) or req.is_prefill else "decode",
-            slot=self.slots[req.request_id], num_spec_tokens=k))
+            request=req, num_new_tokens=n, phase="prefill" if (n > 1 and not drafts) or req.is_prefill else "decode",
+            row=self.rows[req.request_id], spec_token_ids=drafts))
 
-    def _victim(self, out: SchedulerOutput) -> Request:
+    def victim(self, out: SchedulerOutput) -> Request:
         """The lowest-ranked running request not yet given tokens this step."""
         scheduled = {s.request_id for s in out.scheduled}
         return max((r for r in self.running if r.request_id not in scheduled), key=self.sort_key)
@@ -234,7 +267,7 @@ class PagedScheduler(Scheduler):
                 return None  # the parent's prompt is not computed yet: wait one step (FCFS)
             bm.fork(parent.request_id, req.request_id, req.num_prompt_tokens)
             req.num_computed_tokens = req.num_prompt_tokens - 1  # sample its own first token
-            copies = bm.allocate_slots(req, 1, use_watermark=True)
+            copies = self.allocate(req, 1, use_watermark=True)
             if copies is None:
                 bm.free(req.request_id)
                 req.num_computed_tokens = 0
@@ -243,7 +276,7 @@ class PagedScheduler(Scheduler):
         hits = bm.get_computed_blocks(req)
         req.num_computed_tokens = len(hits) * bm.block_size
         n = self.num_new_tokens(req, budget)
-        copies = bm.allocate_slots(req, n, hits, use_watermark=True) if n else None
+        copies = self.allocate(req, n, hits, use_watermark=True) if n else None
         if copies is None:
             req.num_computed_tokens = 0
             return None
@@ -261,13 +294,14 @@ class PagedScheduler(Scheduler):
     def _run(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self.take_slot(req.request_id)
+        self.take_row(req.request_id)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Take ``req`` off the running list: swap its KV out, or free it for recompute."""
         bm = self.block_manager
         self.running.remove(req)
-        del self.slots[req.request_id]
+        del self.rows[req.request_id]
+        req.spec_token_ids = []  # drafts are proposed again after it resumes
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
@@ -282,21 +316,17 @@ class PagedScheduler(Scheduler):
             self.waiting.append(req)  # re-sorted at admission: ahead of every lower-ranked request
 
     # ------------------------------------------------------------------ after the forward
-    def observe_step(self, record) -> None:
-        """Speculative decoding: the speculator learns the draft's cost from each step's times."""
-        if self.speculator is not None:
-            self.speculator.observe_step(record)
-
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        finished = self.advance(output, sampled)
-        for s in output.scheduled:
-            if s.num_spec_tokens and not s.request.is_finished:  # roll back blocks of rejected drafts
+    def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
+        finished = self.advance(plan, result)
+        for s in plan.scheduled:
+            if (s.spec_token_ids or self.num_lookahead_tokens) and not s.request.is_finished:
+                # roll back the blocks of rejected drafts and of lookahead slots
                 self.block_manager.trim(s.request_id, s.request.num_computed_tokens)
             self.block_manager.cache_full_blocks(s.request)
         for r in finished:
             self.running.remove(r)
             self.block_manager.free(r.request_id)
-            del self.slots[r.request_id]
+            del self.rows[r.request_id]
         return finished
 
     # ------------------------------------------------------------------ accounting

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from minibatch.checks import check_real
 from minibatch.request import Request, RequestStatus
-from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput
+from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from minibatch.scheduler.output import PADDED
 
 
 class StaticScheduler(Scheduler):
@@ -31,6 +32,12 @@ class StaticScheduler(Scheduler):
     """
 
     name = "static"
+    layout = PADDED
+    options = frozenset({"max_num_seqs", "max_wait_s"})
+
+    @classmethod
+    def from_config(cls, config) -> "StaticScheduler":
+        return cls(batch_size=config.max_num_seqs, max_wait_s=config.max_wait_s)
 
     def __init__(self, batch_size: int = 8, max_wait_s: float = 1.0):
         super().__init__()
@@ -57,9 +64,9 @@ class StaticScheduler(Scheduler):
         return SchedulerOutput(
             scheduled=[s for s in rows if not s.request.is_finished],
             padded=padded,
-            is_padded_batch=True,
+            layout=PADDED,
             num_padding_tokens=len(padded),
-            num_idle_slots=self.batch_size - len(self.batch),
+            num_idle_rows=self.batch_size - len(self.batch),
         )
 
     def _start_batch(self) -> SchedulerOutput:
@@ -70,17 +77,17 @@ class StaticScheduler(Scheduler):
         self.padded_len = max(r.num_prompt_tokens for r in self.batch)
         return SchedulerOutput(
             scheduled=[ScheduledRequest(r, r.num_prompt_tokens, "prefill", i) for i, r in enumerate(self.batch)],
-            is_padded_batch=True,
+            layout=PADDED,
             new_batch=True,
             num_padding_tokens=sum(self.padded_len - r.num_prompt_tokens for r in self.batch),
-            num_idle_slots=self.batch_size - len(self.batch),
+            num_idle_rows=self.batch_size - len(self.batch),
         )
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        finished = self.advance(output, sampled)
+    def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
+        finished = self.advance(plan, result)
         for r in finished:
             self.running.remove(r)
-        self.padded_len += 1 if not output.new_batch else 0
+        self.padded_len += 1 if not plan.new_batch else 0
         return finished
 
     @property

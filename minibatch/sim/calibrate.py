@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from minibatch.request import Request, SamplingParams
-from minibatch.sim.cost_model import LAYOUTS, Profile, fit_layout, relative_errors, shape_of_record
+from minibatch.clock import StepShape
+from minibatch.sim.cost_model import LAYOUTS, Profile, fit_layout, relative_errors
 
 GREEDY = SamplingParams(ignore_eos=True)
 
@@ -41,7 +42,9 @@ class Scenario:
 
     @property
     def layout(self) -> str:
-        return "padded" if self.policy == "static" else "packed"
+        from minibatch.policies import get_policy
+
+        return get_policy(self.policy).layout
 
 
 def _requests(name: str, lengths: list[tuple[int, int]], rng: np.random.Generator, vocab_size: int,
@@ -59,7 +62,7 @@ def scenarios(vocab_size: int, scale: float = 1.0, seed: int = 1234) -> list[Sce
     def s(x: int) -> int:
         return max(1, round(x * scale))
 
-    big = dict(max_bs=128, n_slots=1 << 16)
+    big = dict(max_num_seqs=128, n_slots=1 << 16)
     out = []
     for b in sorted({s(b) for b in (1, 2, 4, 8, 16, 32, 64)}):  # decode batches, short context
         out.append(Scenario(f"decode-b{b}", "paged", _requests(f"d{b}", [(s(24), 10)] * b, rng, vocab_size), big))
@@ -88,10 +91,10 @@ def scenarios(vocab_size: int, scale: float = 1.0, seed: int = 1234) -> list[Sce
         n = b if b == s(32) else 3 * b  # three batches each (one prefill step per batch), one of 32
         lengths = [(int(rng.integers(s(16), s(256) + 1)), int(rng.integers(4, s(64) + 1))) for _ in range(n)]
         out.append(Scenario(f"static-b{b}", "static", _requests(f"s{b}", lengths, rng, vocab_size),
-                            dict(max_bs=b, n_slots=1 << 16, max_wait_s=0.0)))
+                            dict(max_num_seqs=b, max_wait_s=0.0)))
     lengths = [(s(768), 24), (s(64), 24), (s(128), 8), (s(32), 16)]  # one long prompt pads the whole batch
     out.append(Scenario("static-long-b4", "static", _requests("sl", lengths, rng, vocab_size),
-                        dict(max_bs=4, n_slots=1 << 16, max_wait_s=0.0)))
+                        dict(max_num_seqs=4, max_wait_s=0.0)))
     return out
 
 
@@ -100,15 +103,13 @@ def measure(runner, scenario_list: list[Scenario], progress: bool = True) -> lis
     {"scenario", "layout", shape fields..., "time_s"}."""
     from tqdm.auto import tqdm
 
-    from minibatch.policies import make_engine
-    from minibatch.sim.clock import WallClock
+    from minibatch.clock import WallClock
+    from minibatch.experiment import run
 
     samples = []
     for sc in tqdm(scenario_list, desc="calibrate", disable=not progress, leave=False):
-        engine = make_engine(sc.policy, runner, WallClock(runner.device), **sc.kwargs)
-        engine.generate([r.copy() for r in sc.requests])
-        for rec in engine.trace:
-            shape = shape_of_record(rec, padded=sc.layout == "padded")
+        for rec in run(sc.policy, sc.requests, runner, WallClock(runner.device), **sc.kwargs).records:
+            shape = StepShape.of(rec)
             samples.append({"scenario": sc.name, "layout": sc.layout, **vars(shape), "time_s": rec.duration_s})
     return samples
 
@@ -121,25 +122,8 @@ def draft_scenarios(vocab_size: int, scale: float = 1.0, seed: int = 4321) -> li
     for b, p in ((1, 24), (4, 24), (16, 24), (32, 24), (1, 300), (8, 200)):
         b, p = max(1, round(b * scale)), max(2, round(p * scale))
         out.append(Scenario(f"draft-b{b}-p{p}", "spec", _requests(f"dr{b}-{p}", [(p, 16)] * b, rng, vocab_size),
-                            dict(max_bs=128, n_slots=1 << 16, num_speculative_tokens=4)))
+                            dict(max_num_seqs=128, n_slots=1 << 16, num_speculative_tokens=4)))
     return out
-
-
-class _DraftRecorder:
-    """Wraps a SpeculativeRunner: after each step, keeps the draft forwards' shapes and the time
-    they took (``out.draft_forwards``, ``out.draft_time_s``: perf_counter around the proposer)."""
-
-    def __init__(self, runner):
-        self.runner, self.steps = runner, []
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    def execute(self, out):
-        sampled = self.runner.execute(out)
-        if out.draft_forwards:
-            self.steps.append({"forwards": [list(f) for f in out.draft_forwards], "time_s": out.draft_time_s})
-        return sampled
 
 
 def measure_draft(runner, draft_runner, scenario_list: list[Scenario], progress: bool = True) -> list[dict]:
@@ -147,15 +131,15 @@ def measure_draft(runner, draft_runner, scenario_list: list[Scenario], progress:
     [[rows, tokens, context], ...], "time_s"} (the draft's share of the step)."""
     from tqdm.auto import tqdm
 
-    from minibatch.policies import make_engine
-    from minibatch.sim.clock import WallClock
+    from minibatch.clock import WallClock
+    from minibatch.experiment import run
 
     samples = []
     for sc in tqdm(scenario_list, desc="calibrate draft", disable=not progress, leave=False):
-        engine = make_engine(sc.policy, runner, WallClock(runner.device), draft_runner=draft_runner, **sc.kwargs)
-        engine.executor = recorder = _DraftRecorder(engine.executor)
-        engine.generate([r.copy() for r in sc.requests])
-        samples += [{"scenario": sc.name, **x} for x in recorder.steps]
+        records = run(sc.policy, sc.requests, runner, WallClock(runner.device), draft_runner=draft_runner,
+                      **sc.kwargs).records
+        samples += [{"scenario": sc.name, "forwards": [list(f) for f in rec.draft_forwards], "time_s": rec.draft_time_s}
+                    for rec in records if rec.draft_forwards]
     return samples
 
 
@@ -206,13 +190,14 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
     Raises:
         ValueError: scale out of (0, 1]; an unknown model name (from load_model).
     """
-    from minibatch.compare import _warm_up, environment, load_runner
+    from minibatch.experiment import load_runner, warm_up
+    from minibatch.report import environment
 
     if not 0 < scale <= 1:
         raise ValueError(f"scale must be in (0, 1], got {scale}")
     t0 = time.perf_counter()
     model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads)
-    _warm_up(runner)
+    warm_up(runner)
     samples = measure(runner, scenarios(model.config.vocab_size, scale), progress)
     meta = {"command": command, "environment": environment(), "device": str(device), "scale": scale,
             "vocab_size": model.config.vocab_size}  # simulate draws its made-up prompt ids below it
@@ -221,7 +206,7 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
         from minibatch.compare import load_draft_runner
 
         draft_runner = load_draft_runner(draft_model, model_name, model, tokenizer, device)
-        _warm_up(runner, draft_runner)
+        warm_up(runner, draft_runner)
         draft_samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale), progress)
         profile.draft, err = fit_draft(draft_samples)
         profile.meta.update(draft_model=draft_model, draft_fit_error=err, draft_samples=draft_samples)
@@ -262,11 +247,12 @@ def refit(profile: Profile) -> Profile:
 def calibrate_draft(profile: Profile, draft_model: str, device: str = "cpu", threads: int | None = None,
                     scale: float = 1.0, progress: bool = True) -> Profile:
     """Add (or replace) ``profile``'s draft model: measure only the draft's scenarios."""
-    from minibatch.compare import _warm_up, load_draft_runner, load_runner
+    from minibatch.compare import load_draft_runner
+    from minibatch.experiment import load_runner, warm_up
 
     model, tokenizer, runner, _ = load_runner(profile.model, device, threads=threads)
     draft_runner = load_draft_runner(draft_model, profile.model, model, tokenizer, device)
-    _warm_up(runner, draft_runner)
+    warm_up(runner, draft_runner)
     samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale), progress)
     profile.draft, err = fit_draft(samples)
     profile.meta.update(draft_model=draft_model, draft_fit_error=err, draft_samples=samples)

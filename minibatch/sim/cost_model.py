@@ -31,11 +31,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
-from minibatch.scheduler.base import SchedulerOutput
+from minibatch.clock import StepShape, shape_from_rows  # noqa: F401 (shape_from_rows re-exported)
 
 FEATURES = ("logits", "prefill_rows", "prefill_attention", "decode_attention")
 LAYOUTS = ("packed", "padded")
@@ -43,76 +42,9 @@ KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PROFILE_FORMAT = "minibatch-profile-v1"
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What a step's time depends on (all counts; see the module docstring)."""
-
-    num_tokens: int
-    logits: int
-    prefill_rows: int = 0
-    prefill_attention: int = 0
-    decode_attention: int = 0
-    padded: bool = False
-
-    def features(self) -> list[float]:
-        return [float(getattr(self, f)) for f in FEATURES]
-
-    @classmethod
-    def from_sample(cls, sample: dict) -> "StepShape":
-        """The shape stored in a calibration sample (a dict with the fields and more)."""
-        return cls(**{k: sample[k] for k in cls.__dataclass_fields__})
-
-
-def shape_from_rows(rows: Iterable[tuple[int, int, int]], num_padding_tokens: int = 0, padded: bool = False) -> StepShape:
-    """A step's shape from its rows.
-
-    rows: one (num_new_tokens, num_computed_tokens before the step, num_logits) per batch row;
-        num_logits is 0 for a prefill chunk that does not reach the prompt's end, 1 + k for a
-        speculative verify.
-    padded: static batching's (B, T) batch: logits on every row, and attention is one call over
-        the padded rectangle (prefill_attention = B x T x T_ctx, decode_attention = B x T_ctx;
-        no per-row calls).
-    num_padding_tokens: tokens of a padded batch that belong to no request (left padding and
-        finished rows); rows of finished members count 1 new token each and are in ``rows``.
-    """
-    rows = list(rows)
-    real_tokens = sum(n for n, _, _ in rows)
-    if padded:  # one (B, T) batch: one attention call over B x T queries x T_ctx keys, padding included
-        t_new = max(n for n, _, _ in rows)
-        t_ctx = max(c + n for n, c, _ in rows)
-        return StepShape(num_tokens=real_tokens + num_padding_tokens, logits=len(rows),
-                         prefill_attention=len(rows) * t_new * t_ctx if t_new > 1 else 0,
-                         decode_attention=len(rows) * t_ctx if t_new == 1 else 0, padded=True)
-    multi = [(n, c) for n, c, _ in rows if n > 1]
-    single = [c for n, c, _ in rows if n == 1]
-    return StepShape(
-        num_tokens=real_tokens + num_padding_tokens,
-        logits=sum(g for _, _, g in rows),
-        prefill_rows=len(multi),
-        prefill_attention=sum(n * (c + n) for n, c in multi),
-        decode_attention=len(single) * (max(single) + 1) if single else 0,
-    )
-
-
-def shape_of_output(out: SchedulerOutput) -> StepShape:
-    """The shape of a planned step (before the scheduler's update, as the clock sees it)."""
-    rows = []
-    for s in out.scheduled:
-        r = s.request
-        reaches_end = r.num_computed_tokens + s.num_new_tokens >= r.num_tokens
-        rows.append((s.num_new_tokens, r.num_computed_tokens, (1 + len(s.spec_token_ids)) if reaches_end else 0))
-    rows += [(1, s.request.num_computed_tokens, 1) for s in out.padded]
-    # A padded batch's padding tokens: the scheduler counts finished rows there too (one each).
-    return shape_from_rows(rows, out.num_padding_tokens - len(out.padded), out.is_padded_batch)
-
-
-def shape_of_record(record, padded: bool = False) -> StepShape:
-    """The shape of a recorded step (a StepRecord of ``engine.trace``); padded: it ran as a
-    static (B, T) batch (the record does not say; the caller knows the policy)."""
-    rows = [(e.num_new_tokens, e.num_computed_tokens,
-             (1 + e.num_spec_tokens) if e.sampled or e.phase == "padding" else 0) for e in record.entries]
-    num_padding_rows = sum(e.phase == "padding" for e in record.entries)
-    return shape_from_rows(rows, record.num_padding_tokens - num_padding_rows, padded)
+def features(shape: StepShape) -> list[float]:
+    """The shape's FEATURES, as floats (the linear part of the fit)."""
+    return [float(getattr(shape, f)) for f in FEATURES]
 
 
 def hat_basis(num_tokens: np.ndarray, knots: np.ndarray) -> np.ndarray:
@@ -142,7 +74,7 @@ class LayoutModel:
     def predict(self, shapes: list[StepShape]) -> np.ndarray:
         """Step times in seconds, (len(shapes),)."""
         n = np.array([s.num_tokens for s in shapes])
-        X = np.array([s.features() for s in shapes]).reshape(len(shapes), len(FEATURES))
+        X = np.array([features(s) for s in shapes]).reshape(len(shapes), len(FEATURES))
         return hat_basis(n, self.knots) @ np.array(self.curve_s) + X @ np.array([self.coef_s[f] for f in FEATURES])
 
 
@@ -186,7 +118,7 @@ def fit_layout(shapes: list, times_s: list[float], smoothing: float = 0.3,
 
     def design(g):
         n = np.array([x.num_tokens for x in g], dtype=float)
-        return np.hstack([curve_basis(n), np.array([x.features() for x in g]).reshape(len(g), len(FEATURES))]).sum(0)
+        return np.hstack([curve_basis(n), np.array([features(x) for x in g]).reshape(len(g), len(FEATURES))]).sum(0)
 
     X = np.array([design(g) for g in groups])
     if len(t) < X.shape[1]:
@@ -232,8 +164,8 @@ class Profile:
                 out[idx] = m.predict([shapes[i] for i in idx])
         return out
 
-    def step_time_s(self, out: SchedulerOutput) -> float:
-        return float(self.predict([shape_of_output(out)])[0])
+    def step_time_s(self, shape: StepShape) -> float:
+        return float(self.predict([shape])[0])
 
     def forward_time_s(self, rows: int, num_tokens: int, context: int) -> float:
         """A draft forward of ``rows`` single-token rows reading ``context`` context tokens."""
@@ -320,7 +252,7 @@ class Profile:
 
 
 # What a stored calibration sample holds (calibrate.measure / measure_draft).
-SAMPLE_KEYS = ("scenario", "layout", "time_s", *StepShape.__dataclass_fields__)
+SAMPLE_KEYS = ("scenario", "layout", "time_s", "num_tokens", *FEATURES, "padded")
 DRAFT_SAMPLE_KEYS = ("scenario", "forwards", "time_s")
 
 

@@ -13,8 +13,11 @@ calibrated SimClock) of the same requests. Reported per policy:
 
 from __future__ import annotations
 
-from minibatch.policies import SPEC_POLICIES
-from minibatch.sim.cost_model import Profile, shape_of_record
+import dataclasses
+
+from minibatch.clock import StepShape
+from minibatch.policies import get_policy
+from minibatch.sim.cost_model import Profile
 
 METRICS = ("output_throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "e2e_p50_s")
 
@@ -40,18 +43,18 @@ STEP_FIELDS = ("num_tokens", "logits", "prefill_rows", "prefill_attention", "dec
 def measure_policy(policy: str, cfg, runner, requests, draft_runner=None) -> dict:
     """The measured half: a real run's metrics, its steps (STEP_FIELDS rows, for replaying them
     on any profile) and, when speculating, its acceptance and proposal rates."""
-    from minibatch.compare import run_policy
-    from minibatch.metrics import summarize
+    from minibatch.compare import make_compare_clock, run_policies
 
-    reqs, engine = run_policy(policy, cfg, runner, None, requests, draft_runner)
-    measured = summarize(reqs, engine.trace).to_dict()
-    padded = policy == "static"
-    steps = [[getattr(shape_of_record(r, padded), f) for f in STEP_FIELDS[:-1]] + [round(r.duration_s * 1e6)]
+    one = dataclasses.replace(cfg, policies=(policy,))
+    r = run_policies(one, requests, runner, lambda: make_compare_clock(cfg, runner.device), draft_runner=draft_runner)
+    engine, measured = r[policy].engine, r[policy].summary.to_dict()
+    padded = any(r.layout == "padded" for r in engine.trace)
+    steps = [[getattr(StepShape.of(r), f) for f in STEP_FIELDS[:-1]] + [round(r.duration_s * 1e6)]
              for r in engine.trace]
     row = {"policy": policy, "padded": padded,
            "measured": {m: measured[m] for m in METRICS} | {"num_steps": len(engine.trace), "duration_s": measured["duration_s"]},
            "steps": steps}
-    if policy in SPEC_POLICIES:
+    if get_policy(policy).proposer:
         acceptance, proposal = measured_speculation(engine)
         row["acceptance_rate_per_pos"] = acceptance
         row["proposal_rate"] = round(proposal, 4)
@@ -62,21 +65,19 @@ def simulate_measured(row: dict, cfg, requests, profile: Profile) -> dict:
     """The simulated half, for a row of :func:`measure_policy`: the same requests on ``profile``'s
     clock; adds "simulated", "error" and "replay_error" (None for spec policies: the records keep
     no draft forwards' shapes, see the end-to-end error) to a copy of the row."""
-    from minibatch.metrics import summarize
-    from minibatch.sim.cost_model import StepShape
-    from minibatch.sim.simulator import simulate_policy
+    from minibatch.sim.simulator import simulate_policies
 
     policy = row["policy"]
-    sreqs, sengine = simulate_policy(policy, cfg, profile, requests, row.get("acceptance_rate_per_pos"),
-                                     row.get("proposal_rate", 1.0))
-    simulated = summarize(sreqs, sengine.trace).to_dict()
+    sim = simulate_policies(dataclasses.replace(cfg, policies=(policy,)), profile, requests,
+                            row.get("acceptance_rate_per_pos"), row.get("proposal_rate", 1.0))[policy]
+    sengine, simulated = sim.engine, sim.summary.to_dict()
     shapes = [StepShape(*s[:-1], padded=row["padded"]) for s in row["steps"]]
     measured_busy = sum(s[-1] for s in row["steps"]) / 1e6
     replay = float(profile.predict(shapes).sum() - measured_busy) / measured_busy
     return {**row, "simulated": {m: simulated[m] for m in METRICS} | {"num_steps": len(sengine.trace),
                                                                       "duration_s": simulated["duration_s"]},
             "error": compare_runs(row["measured"], simulated),
-            "replay_error": None if policy in SPEC_POLICIES else replay}
+            "replay_error": None if get_policy(policy).proposer else replay}
 
 
 def validate_policy(policy: str, cfg, runner, requests, profile: Profile, draft_runner=None) -> dict:

@@ -8,24 +8,46 @@
   2023; Chen et al. 2023) runs k autoregressive steps per verification, batched over every
   speculating request through its own :class:`~minibatch.runner.ModelRunner` and KV cache.
 
+Proposers run after the target's step has sampled (vLLM v1's order): each gets, per request, its
+tokens including the ones just sampled (:class:`DraftInput`) and proposes the next step's drafts.
+
 The draft's KV cache has the target's geometry in blocks (same num_blocks and block_size, its
 own layers and heads), so a request's ``block_table`` addresses both caches: one block manager
-serves two models, as in vLLM. The draft keeps, per request, how many leading positions of its
-cache are valid; at each step it first catches up on the tokens it has not seen (the prompt, the
-bonus token, the corrected token) in the same forward as its first draft step.
+serves two models, as in vLLM. The scheduler reserves lookahead slots past a sampling row's new
+tokens, where the draft writes the K/V of the tokens it feeds beyond the target's. The draft
+keeps, per request, how many leading positions of its cache are valid: those below the request's
+last token (the target keeps their blocks; the lookahead blocks are freed after the step). Each
+proposal first catches up on the tokens it has not seen (the prompt, the accepted drafts, the
+bonus token) in the same forward as its first draft step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from minibatch.request import Request
 from minibatch.runner.batch import PackedSequence
 from minibatch.runner.sampler import Sampler
-from minibatch.scheduler.base import ScheduledRequest, SchedulerOutput
+from minibatch.scheduler.output import SchedulerOutput
 from minibatch.spec.rejection_sampler import processed_probs
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """One request to draft for: its ``token_ids`` after this step (prompt, outputs and the tokens
+    just sampled; the drafts continue them), ``k`` drafts wanted (>= 1), and its ``block_table``."""
+
+    request: Request
+    token_ids: list[int]
+    k: int
+    block_table: tuple[int, ...]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 def ngram_lookup(token_ids: list[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:
@@ -52,16 +74,16 @@ class NgramProposer:
     """Prompt lookup decoding (no model). n_max, n_min: the n-gram sizes tried, longest first."""
 
     name = "ngram"
+    writes_kv = False  # drafts need no KV of their own: no lookahead slots
 
     def __init__(self, n_max: int = 4, n_min: int = 1):
         ngram_lookup([], 0, n_max, n_min)  # validates
         self.n_max, self.n_min = n_max, n_min
         self.forwards: list[tuple[int, int, int]] = []  # no draft forwards, ever
 
-    def propose(self, out: SchedulerOutput, specs: list[ScheduledRequest]) -> dict[str, tuple[list[int], None]]:
-        """request_id -> (draft tokens, None): deterministic proposals have no distribution."""
-        return {s.request_id: (ngram_lookup(s.request.all_token_ids, s.num_spec_tokens, self.n_max, self.n_min), None)
-                for s in specs}
+    def propose(self, batch: list[DraftInput]) -> dict[str, tuple[list[int], None]]:
+        """request_id -> (draft tokens, at most k; maybe none, None): deterministic proposals have no distribution."""
+        return {d.request_id: (ngram_lookup(d.token_ids, d.k, self.n_max, self.n_min), None) for d in batch}
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         pass
@@ -92,6 +114,7 @@ class DraftModelProposer:
     """
 
     name = "draft"
+    writes_kv = True  # writes the draft's K/V for the tokens it feeds (lookahead slots)
 
     def __init__(self, runner):
         self.runner = runner
@@ -125,32 +148,32 @@ class DraftModelProposer:
         return int(torch.multinomial(probs, 1, generator=gen)), probs
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput, specs: list[ScheduledRequest]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+    def propose(self, batch: list[DraftInput]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """request_id -> (draft tokens (k), their distributions (k, vocab_size) or None if greedy)."""
-        tokens = {s.request_id: [] for s in specs}
-        probs: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in specs}
-        by_id = {s.request_id: s for s in specs}
+        tokens = {d.request_id: [] for d in batch}
+        probs: dict[str, list[torch.Tensor]] = {d.request_id: [] for d in batch}
+        by_id = {d.request_id: d for d in batch}
         seqs = []
-        for s in specs:  # first forward: catch up on unseen tokens, up to the last one (position c)
-            r = s.request
-            c = r.num_computed_tokens
-            valid = min(self.num_computed.get(r.request_id, 0), c)
-            seqs.append(PackedSequence(r.request_id, r.all_token_ids[valid:c + 1], valid, out.block_tables[r.request_id], 1))
+        for d in batch:  # first forward: catch up on unseen tokens, up to the last one (position c)
+            c = len(d.token_ids) - 1
+            valid = min(self.num_computed.get(d.request_id, 0), c)
+            seqs.append(PackedSequence(d.request_id, d.token_ids[valid:c + 1], valid, list(d.block_table), 1))
         self.forwards = []
         while seqs:
             self.forwards.append((len(seqs), sum(len(q.token_ids) for q in seqs), sum(q.start + len(q.token_ids) for q in seqs)))
             logits, rids = self.runner.forward_sequences(seqs)  # (len(seqs), vocab_size)
             nxt = []
             for row, (seq, rid) in enumerate(zip(seqs, rids)):
-                s = by_id[rid]
-                tok, p = self._draw(s.request, logits[row])
+                d = by_id[rid]
+                tok, p = self._draw(d.request, logits[row])
                 tokens[rid].append(tok)
                 if p is not None:
                     probs[rid].append(p)
-                self.num_computed[rid] = seq.start + len(seq.token_ids)
-                if len(tokens[rid]) < s.num_spec_tokens:  # feed the draft token to get the next one
-                    nxt.append(PackedSequence(rid, [tok], self.num_computed[rid], seq.block_table, 1))
+                if len(tokens[rid]) < d.k:  # feed the draft token to get the next one
+                    nxt.append(PackedSequence(rid, [tok], seq.start + len(seq.token_ids), seq.block_table, 1))
             seqs = nxt
+        for d in batch:  # valid: below the last token (the lookahead slots are freed after the step)
+            self.num_computed[d.request_id] = len(d.token_ids) - 1
         return {rid: (tokens[rid], torch.stack(probs[rid]) if probs[rid] else None) for rid in tokens}
 
 

@@ -1,16 +1,19 @@
 """SpeculativeRunner: speculative decoding inside continuous batching.
 
-One engine step, for the scheduler's plan (Leviathan et al. 2023, Algorithm 1, batched):
+One engine step, for the scheduler's plan (Leviathan et al. 2023, Algorithm 1, batched; the
+order of vLLM v1, where drafts live on the request between steps):
 
-    1. propose   every request the scheduler gave k > 0 draft slots gets up to k draft tokens
-                 (a draft model: k batched draft forwards; or n-gram lookup: no forward)
-    2. verify    ONE packed target forward over everything: prefills, chunks, plain decodes and
-                 each speculating request's last token + drafts (num_new_tokens = 1 + k), with
-                 logits at all k+1 positions of the speculating ones
-    3. accept    the rejection sampler keeps a prefix of each request's drafts and adds one token
+    1. verify    ONE packed target forward over everything: prefills, chunks, plain decodes and
+                 each speculating request's last token + its stored drafts (num_new_tokens =
+                 1 + k), with logits at all k+1 positions of the speculating ones
+    2. accept    the rejection sampler keeps a prefix of each request's drafts and adds one token
                  (``minibatch.spec.rejection_sampler``); greedy: accept while equal to the argmax;
                  n-gram drafts (no q): accept while equal to the target's own sample
                  (``sample_verify``)
+    3. propose   every row that sampled and goes on gets k drafts for its next step (a draft
+                 model: k batched draft forwards; or n-gram lookup: no forward); the result
+                 carries them, the scheduler's update stores them on the request, and the next
+                 schedule() verifies them like any new tokens under the token budget
 
 Rejected positions were written to the KV cache; the scheduler's ``update`` rolls them back:
 num_computed_tokens grows by 1 + accepted only, and blocks holding no computed token are freed.
@@ -29,9 +32,10 @@ import time
 import torch
 
 from minibatch.runner.batch import build_packed_batch
-from minibatch.scheduler.base import SchedulerOutput
+from minibatch.scheduler.output import SchedulerOutput, StepResult
+from minibatch.spec.proposers import DraftInput
 from minibatch.spec.rejection_sampler import greedy_verify, processed_probs, rejection_sample, sample_verify
-from minibatch.spec.speculator import FixedK, SpecDecodingStats
+from minibatch.spec.speculator import FixedK, SpecDecodingStats, num_next_drafts
 
 
 class SpeculativeRunner:
@@ -42,7 +46,7 @@ class SpeculativeRunner:
         proposer: :class:`~minibatch.spec.proposers.DraftModelProposer` or
             :class:`~minibatch.spec.proposers.NgramProposer`.
         speculator: :class:`~minibatch.spec.speculator.FixedK` (default k = 4) or
-            :class:`~minibatch.spec.speculator.AdaptiveK`; give the same object to the scheduler.
+            :class:`~minibatch.spec.speculator.AdaptiveK`: k for each request's next drafts.
 
     Attributes:
         rejection_sampler: the function that accepts drafts in sampled mode (``rejection_sample``;
@@ -55,6 +59,7 @@ class SpeculativeRunner:
         self.proposer = proposer
         self.speculator = speculator if speculator is not None else FixedK(4)
         self.stats = SpecDecodingStats()
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request_id -> q of its stored drafts (k, vocab_size)
         self.eos_token_ids = target.eos_token_ids
         self.max_model_len = target.max_model_len
         self.vocab_size = target.vocab_size
@@ -70,57 +75,86 @@ class SpeculativeRunner:
         return self.proposer.claim(owner, kv_geometry) or changed
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int | list[int]]:
-        """Run one step; returns request_id -> token (plain rows) or list of tokens (rows that
-        verified drafts: the accepted drafts, then one more)."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step: verify the drafts the plan carries, sample, then propose the next drafts."""
         if out.is_padded_batch:
             raise ValueError("speculative decoding needs a packed (paged) scheduler, not static batching")
         self.target.move_blocks(out)
         self.proposer.move_blocks(out)  # the draft's KV lives in the same block ids
         for rid in out.preempted:
             self.proposer.reset(rid)
-        specs = [s for s in out.scheduled if s.num_spec_tokens > 0]
+            self.draft_probs.pop(rid, None)
         t0 = time.perf_counter()
-        drafts = self.proposer.propose(out, specs) if specs else {}
-        t1 = time.perf_counter()
-        for s in specs:
-            s.spec_token_ids = list(drafts[s.request_id][0])
-            s.num_new_tokens = 1 + len(s.spec_token_ids)  # a proposer may find fewer than k
-        out.draft_time_s = t1 - t0
-        out.draft_forwards = list(self.proposer.forwards) if specs else []
         logits, rids = self.target.forward_packed(build_packed_batch(out, self.target._kv(), self.target.attention_backend))
+        sampled, accepted = self._verify(out, logits, rids)
+        t1 = time.perf_counter()
+        batch = self._draft_inputs(out, sampled, accepted)
+        proposals = self.proposer.propose(batch) if batch else {}
         t2 = time.perf_counter()
-        result: dict[str, int | list[int]] = {}
+        for s in out.scheduled:  # drafts proposed now replace the ones just verified
+            self.draft_probs.pop(s.request_id, None)
+        self.draft_probs.update({rid: p for rid, (_, p) in proposals.items() if p is not None})
+        if accepted:
+            self.stats.verify_time_s += t1 - t0
+        if batch:
+            self.stats.draft_time_s += t2 - t1
+        return StepResult(sampled=sampled, num_accepted=accepted,
+                          spec_token_ids={rid: tuple(t) for rid, (t, _) in proposals.items() if t},
+                          draft_forwards=tuple(self.proposer.forwards) if batch else (),
+                          draft_time_s=t2 - t1 if batch else 0.0)
+
+    def _verify(self, out: SchedulerOutput, logits: torch.Tensor, rids: list[str]):
+        """Sample plain rows; accept a prefix of each verifying row's drafts. Returns (request_id ->
+        emitted tokens, request_id -> accepted drafts for verifying rows)."""
+        sampled: dict[str, tuple[int, ...]] = {}
+        accepted: dict[str, int] = {}
         by_id = {s.request_id: s for s in out.scheduled}
         row = 0
         while row < len(rids):
             s = by_id[rids[row]]
-            n = 1 + len(s.spec_token_ids)
-            r = s.request
-            if not s.spec_token_ids:
-                result[r.request_id] = self.target.sampler.sample(r.request_id, logits[row], r.sampling)
-            else:
-                rows = logits[row:row + n]
-                if r.sampling.is_greedy:
-                    tokens = greedy_verify(rows.argmax(-1).tolist(), s.spec_token_ids)
-                elif drafts[r.request_id][1] is None:  # n-gram drafts: the target samples as plain decodes do
-                    sample = self.target.sampler.sample
-                    tokens = sample_verify(s.spec_token_ids, lambda i: sample(r.request_id, rows[i], r.sampling))
-                else:
-                    gen = self.target.sampler.generator(r.request_id, r.sampling, rows.device)
-                    tokens = self.rejection_sampler(processed_probs(rows, r.sampling), s.spec_token_ids,
-                                              drafts[r.request_id][1], gen)
-                result[r.request_id] = tokens
-                self.stats.observe(len(s.spec_token_ids), len(tokens) - 1)
-                self.speculator.observe(r.request_id, len(s.spec_token_ids), len(tokens) - 1)
+            n, r, drafts = 1 + s.num_spec_tokens, s.request, list(s.spec_token_ids)
+            if not drafts:
+                tokens = [self.target.sampler.sample(r.request_id, logits[row], r.sampling)]
+            elif r.sampling.is_greedy:
+                tokens = greedy_verify(logits[row:row + n].argmax(-1).tolist(), drafts)
+            elif r.request_id not in self.draft_probs:  # n-gram drafts: the target samples as plain decodes do
+                rows, sample = logits[row:row + n], self.target.sampler.sample
+                tokens = sample_verify(drafts, lambda i: sample(r.request_id, rows[i], r.sampling))
+            else:  # the scheduler may have cut the drafts to the token budget: their first q rows
+                gen = self.target.sampler.generator(r.request_id, r.sampling, logits.device)
+                tokens = self.rejection_sampler(processed_probs(logits[row:row + n], r.sampling), drafts,
+                                                self.draft_probs[r.request_id][:len(drafts)], gen)
+            sampled[r.request_id] = tuple(tokens)
+            if drafts:
+                accepted[r.request_id] = len(tokens) - 1
+                self.stats.observe(len(drafts), len(tokens) - 1)
             row += n
-        if specs:  # (the speculator learns step costs from the engine's records: scheduler.observe_step)
-            self.stats.draft_time_s += t1 - t0
-            self.stats.verify_time_s += t2 - t1
-        return result
+        return sampled, accepted
+
+    def _draft_inputs(self, out: SchedulerOutput, sampled: dict, accepted: dict) -> list[DraftInput]:
+        """Who drafts for the next step, and how many: every row that sampled and goes on
+        (``num_next_drafts``); a draft model also stops at the lookahead slots its block table holds."""
+        batch = []
+        for s in out.scheduled:
+            if s.request_id not in sampled:
+                continue
+            r, emitted = s.request, sampled[s.request_id]
+            pending = (s.num_spec_tokens, accepted[s.request_id]) if s.spec_token_ids else None
+            k = num_next_drafts(r, emitted, self.speculator, pending)
+            tokens = r.all_token_ids + list(emitted)
+            table = out.block_tables[s.request_id]
+            if self.proposer.writes_kv:
+                k = min(k, len(table) * self.target.kv_cache.shape[3] - len(tokens) + 1)
+            if k > 0:
+                batch.append(DraftInput(r, tokens, k, table))
+        return batch
+
+    def observe_step(self, record) -> None:
+        """The speculator learns the draft's cost (and AdaptiveK the pooled alpha) from each step."""
+        self.speculator.observe_step(record)
 
     def free(self, request_ids: list[str]) -> None:
         self.target.free(request_ids)
         for rid in request_ids:
             self.proposer.reset(rid)
-            self.speculator.free(rid)
+            self.draft_probs.pop(rid, None)

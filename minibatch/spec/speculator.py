@@ -1,8 +1,9 @@
 """How many draft tokens each request gets (k), and what speculation achieved (stats).
 
 * :class:`FixedK`: every decoding request drafts k tokens.
-* :class:`AdaptiveK`: per request, from its own acceptance history. With acceptance rate alpha (each draft token accepted independently with
-  probability alpha), a verification of k drafts emits on average
+* :class:`AdaptiveK`: per request, from its own acceptance history. With Leviathan's per-token
+  acceptance rate alpha (each draft token accepted independently with probability alpha), a
+  verification of k drafts emits on average
 
       E[tokens](k) = sum_{i=0..k} alpha^i = (1 - alpha^(k+1)) / (1 - alpha)
 
@@ -12,14 +13,19 @@
   AdaptiveK picks the k in 0..max_k with the most tokens per unit cost (k = 0: a plain decode,
   1 token for 1 unit), so with a poor draft it stops speculating.
 
-The scheduler asks ``num_spec_tokens(request)`` when it plans a decode (so it can make room in
-the KV cache for 1 + k tokens); the executor reports each verification with ``observe``, the
-scheduler each step's record with ``observe_step``.
+Two acceptance quantities, kept apart: Leviathan's alpha is the probability that *one* draft
+token is accepted given the ones before it were; vLLM's acceptance rate
+(``SpecDecodingStats.acceptance_rate``) is accepted / drafted over all verifications, which for
+k drafts is (alpha + ... + alpha^k) / k, below alpha. AdaptiveK estimates alpha.
+
+The executor asks ``num_spec_tokens(request)`` when it proposes a request's next drafts, right
+after verifying this step's; the request's own ``spec_history`` (stored by the scheduler's
+update: (drafted, accepted) per verification) is the one feedback path, in real and simulated
+runs alike. Step costs come from the engine's records (``observe_step``).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from minibatch.request import Request
@@ -35,6 +41,20 @@ def best_k(alpha: float, draft_cost_ratio: float, max_k: int, verify_cost_ratio:
     plain decode) and cost(k) = verify_cost_ratio + draft_cost_ratio * k for k >= 1."""
     return max(range(max_k + 1), key=lambda k: expected_tokens(alpha, k) / (
         1.0 if k == 0 else verify_cost_ratio + draft_cost_ratio * k))
+
+
+def num_next_drafts(request: Request, emitted, speculator, pending: tuple[int, int] | None = None) -> int:
+    """k for a request's next step, after it got ``emitted`` tokens this step: 0 if they finish it
+    (EOS unless ignore_eos, or max_new_tokens); else the request's own ``num_speculative_tokens``
+    or ``speculator.num_spec_tokens`` (``pending``: this step's (drafted, accepted)), capped so the
+    next step (1 + k tokens) emits at most the tokens the request may still produce."""
+    if not request.sampling.ignore_eos and any(t in request.eos_token_ids for t in emitted):
+        return 0
+    left = request.max_new_tokens - request.num_output_tokens - len(emitted)
+    k = request.num_speculative_tokens
+    if k is None:
+        k = speculator.num_spec_tokens(request, pending)
+    return max(0, min(k, left - 1))
 
 
 def forward_time_s(runner, num_new_tokens: int = 1, context: int = 128, repeats: int = 10) -> float:
@@ -76,16 +96,10 @@ class FixedK:
         self.k = k
         self.max_k = k
 
-    def num_spec_tokens(self, request: Request) -> int:
+    def num_spec_tokens(self, request: Request, pending: tuple[int, int] | None = None) -> int:
         return self.k
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        pass
-
     def observe_step(self, record) -> None:
-        pass
-
-    def free(self, request_id: str) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -95,11 +109,18 @@ class FixedK:
 class AdaptiveK:
     """Choose k per request from its acceptance history and the measured draft cost.
 
+    Two estimates of Leviathan's alpha (see ``alpha``): the workload's, pooled over every
+    verification in the engine's step records (the last ``pooled_window`` trials), and each
+    request's, over its own last ``window`` trials shrunk toward the pooled one (toward
+    ``prior_alpha`` before any step was seen). k = ``best_k`` of the request's estimate.
+
     Args:
         max_k: the largest k tried (>= 1).
-        prior_alpha: acceptance rate assumed before a request has history, in (0, 1).
-        prior_weight: how many draft tokens the prior counts as (>= 0).
-        window: draft tokens of history kept per request (>= 1).
+        prior_alpha: alpha assumed before any verification was seen, in (0, 1).
+        prior_weight: how many trials the pooled estimate counts as in a request's (>= 0).
+        window: trials of history used per request (>= 1; a verification of d drafts accepting
+            a is a + 1 trials, or d if all were accepted).
+        pooled_window: trials of history in the pooled estimate (>= 1).
         draft_cost_ratio: c, a draft step's time over a target step's; None: measured from the
             engine's step records (``observe_step``), starting from ``initial_cost_ratio``.
         verify_cost_ratio: v, a verify forward's time over a plain decode's (>= 1 in practice;
@@ -111,55 +132,75 @@ class AdaptiveK:
 
     def __init__(self, max_k: int = 8, prior_alpha: float = 0.6, prior_weight: float = 8.0, window: int = 64,
                  draft_cost_ratio: float | None = None, initial_cost_ratio: float = 0.1,
-                 verify_cost_ratio: float = 1.0):
+                 verify_cost_ratio: float = 1.0, pooled_window: int = 2048):
         if max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {max_k}")
         if not 0.0 < prior_alpha < 1.0:
             raise ValueError(f"prior_alpha must be in (0, 1), got {prior_alpha}")
         if not verify_cost_ratio > 0:
             raise ValueError(f"verify_cost_ratio must be > 0, got {verify_cost_ratio}")
-        if prior_weight < 0 or window < 1:
-            raise ValueError(f"need prior_weight >= 0 and window >= 1, got {prior_weight}, {window}")
+        if prior_weight < 0 or window < 1 or pooled_window < 1:
+            raise ValueError(f"need prior_weight >= 0, window >= 1 and pooled_window >= 1, "
+                             f"got {prior_weight}, {window}, {pooled_window}")
         self.max_k = max_k
         self.prior_alpha, self.prior_weight, self.window = prior_alpha, prior_weight, window
+        self.pooled_window = pooled_window
+        self.pooled: list[tuple[int, int]] = []  # (drafted, accepted) of recent verifications, all requests
         self.fixed_cost_ratio = draft_cost_ratio
         self.verify_cost_ratio = verify_cost_ratio
         self.cost_ratio = draft_cost_ratio if draft_cost_ratio is not None else initial_cost_ratio
-        self.history: dict[str, deque] = {}  # request_id -> (num_draft, num_accepted) of recent verifications
 
-    def alpha(self, request_id: str) -> float:
-        """The request's acceptance-rate estimate: accepted / drafted over its window, shrunk to the prior."""
-        h = self.history.get(request_id, ())
-        drafted = sum(d for d, _ in h)
-        accepted = sum(a for _, a in h)
-        a = (accepted + self.prior_alpha * self.prior_weight) / (drafted + self.prior_weight)
-        return min(max(a, 1e-6), 1 - 1e-6)
+    def alpha(self, request: Request | None = None, pending: tuple[int, int] | None = None) -> float:
+        """Leviathan's per-token alpha: the chance that a draft token is accepted given the one
+        before it was. A verification of d drafts that accepts a < d is a + 1 such trials with a
+        successes; accepting all d is d trials, d successes (the maximum-likelihood estimate is
+        successes / trials; accepted / drafted, vLLM's acceptance rate, is lower: it counts the
+        positions after a rejection as failures).
 
-    def num_spec_tokens(self, request: Request) -> int:
-        return best_k(self.alpha(request.request_id), self.cost_ratio, self.max_k, self.verify_cost_ratio)
+        request None: the pooled estimate (``prior_alpha`` until a verification is seen).
+        Otherwise the request's: its ``spec_history`` plus ``pending`` (this step's (drafted,
+        accepted), not stored yet), shrunk toward the pooled estimate by ``prior_weight`` trials.
+        """
+        if request is None:
+            trials, successes = _trials(self.pooled, self.pooled_window)
+            return self.prior_alpha if trials == 0 else min(max(successes / trials, 1e-6), 1 - 1e-6)
+        trials, successes = _trials(request.spec_history + ([pending] if pending else []), self.window)
+        est = (successes + self.alpha() * self.prior_weight) / (trials + self.prior_weight)
+        return min(max(est, 1e-6), 1 - 1e-6)
 
-    def observe(self, request_id: str, num_draft: int, num_accepted: int) -> None:
-        h = self.history.setdefault(request_id, deque())
-        h.append((num_draft, num_accepted))
-        while sum(d for d, _ in h) > self.window and len(h) > 1:
-            h.popleft()
+    def num_spec_tokens(self, request: Request, pending: tuple[int, int] | None = None) -> int:
+        """k for the request's next step (``pending``: this step's (drafted, accepted), see ``alpha``)."""
+        return best_k(self.alpha(request, pending), self.cost_ratio, self.max_k, self.verify_cost_ratio)
 
     def observe_step(self, record) -> None:
         """One engine step's record (its clock's times, so a simulated run stays deterministic):
         draft_time_s over its draft forwards (the largest k in the step) against the rest of the
         step. Updates c, in decode-step units (a verify step is v of them), by an exponential
-        average, unless it was fixed."""
-        rounds = max((e.num_spec_tokens for e in record.entries), default=0)
+        average, unless it was fixed. Adds the record's verifications to the pooled alpha."""
+        self.pooled += [(e.num_spec_tokens, e.num_accepted_tokens) for e in record.entries if e.num_spec_tokens]
+        if len(self.pooled) > 2 * self.pooled_window:  # keep the list short (each verification is >= 1 trial)
+            self.pooled = self.pooled[-self.pooled_window:]
+        rounds = len(record.draft_forwards)
         verify_s = record.duration_s - record.draft_time_s
         if self.fixed_cost_ratio is None and rounds and record.draft_time_s > 0 and verify_s > 0:
             c = record.draft_time_s / rounds / verify_s * self.verify_cost_ratio
             self.cost_ratio = 0.8 * self.cost_ratio + 0.2 * c
 
-    def free(self, request_id: str) -> None:
-        self.history.pop(request_id, None)
-
     def __repr__(self) -> str:
         return f"AdaptiveK(max_k={self.max_k}, c={self.cost_ratio:.3f}, v={self.verify_cost_ratio:.2f})"
+
+
+def _trials(history: list[tuple[int, int]], window: int) -> tuple[int, int]:
+    """(trials, successes) of alpha over the latest verifications of ``history`` ((drafted,
+    accepted) each) holding at most ``window`` trials (the latest always counts)."""
+    trials = successes = 0
+    for d, a in reversed(history):
+        n = a + (a < d)
+        if trials and trials + n > window:
+            break
+        trials += n
+        successes += a
+    return trials, successes
 
 
 @dataclass

@@ -3,8 +3,8 @@
 The Trace Event Format (the JSON object form, ``{"traceEvents": [...]}``): each event has a
 phase ``ph``, a time ``ts`` in microseconds, a process ``pid`` and a thread ``tid``. We write:
 
-* process 1, "batch slots": one track per batch slot (the rows of the Gantt chart); every step
-  puts a complete event (``"ph": "X"``, with ``dur``) on each slot it uses, named after the
+* process 1, "batch rows": one track per batch row (the rows of the Gantt chart); every step
+  puts a complete event (``"ph": "X"``, with ``dur``) on each row it uses, named after the
   request and what it did: ``prefill``, ``chunk`` (a partial prefill), ``decode``, ``verify``
   (speculative decoding: 1 + k tokens) or ``padding``.
 * process 2, "requests": one track per request: a ``waiting`` span from arrival to its first
@@ -23,7 +23,7 @@ from pathlib import Path
 from minibatch.files import write_json
 from minibatch.request import Request
 
-SLOTS_PID, REQUESTS_PID, ENGINE_PID = 1, 2, 3
+ROWS_PID, REQUESTS_PID, ENGINE_PID = 1, 2, 3
 
 
 def _us(t_s: float) -> float:
@@ -54,16 +54,16 @@ def chrome_trace(trace: list, requests: list[Request] | None = None, name: str =
             events.append({"name": kind.replace("_name", "_sort_index"), "ph": "M", "pid": pid, "tid": tid or 0,
                            "args": {"sort_index": sort}})
 
-    meta(SLOTS_PID, None, "process_name", f"{name}: batch slots", 1)
+    meta(ROWS_PID, None, "process_name", f"{name}: batch rows", 1)
     meta(REQUESTS_PID, None, "process_name", f"{name}: requests", 2)
     meta(ENGINE_PID, None, "process_name", f"{name}: engine", 3)
     order = {r.request_id: i for i, r in enumerate(requests or [])}
     for rec in trace:  # requests not given: number them by first appearance
         for e in rec.entries:
             order.setdefault(e.request_id, len(order))
-    slots = sorted({e.slot for rec in trace for e in rec.entries})
-    for s in slots:
-        meta(SLOTS_PID, s + 1, "thread_name", f"slot {s}", s)
+    rows = sorted({e.row for rec in trace for e in rec.entries})
+    for s in rows:
+        meta(ROWS_PID, s + 1, "thread_name", f"row {s}", s)
     for rid, i in order.items():
         meta(REQUESTS_PID, i + 1, "thread_name", rid, i)
 
@@ -79,8 +79,8 @@ def chrome_trace(trace: list, requests: list[Request] | None = None, name: str =
             args = {"step": rec.step, "num_new_tokens": e.num_new_tokens, "num_computed_tokens": e.num_computed_tokens}
             if e.num_spec_tokens:
                 args.update(num_spec_tokens=e.num_spec_tokens, num_accepted_tokens=e.num_accepted_tokens)
-            events.append({"name": f"{e.request_id} {kind}", "cat": kind, "ph": "X", "pid": SLOTS_PID,
-                           "tid": e.slot + 1, "ts": ts, "dur": dur, "args": args})
+            events.append({"name": f"{e.request_id} {kind}", "cat": kind, "ph": "X", "pid": ROWS_PID,
+                           "tid": e.row + 1, "ts": ts, "dur": dur, "args": args})
             if kind != "padding":
                 events.append({"name": kind, "cat": kind, "ph": "X", "pid": REQUESTS_PID,
                                "tid": order[e.request_id] + 1, "ts": ts, "dur": dur, "args": args})

@@ -1,7 +1,7 @@
 """Plots of a schedule trace and of benchmark results (matplotlib; no backend is chosen here).
 
 * :func:`gantt`: the schedule picture of the Orca paper (Yu et al., OSDI'22): one row per batch
-  slot (or per request), one column per step (or the step's time span), each cell colored by
+  row (or per request), one column per step (or the step's time span), each cell colored by
   what that row did in that step. :func:`compare_gantt` stacks policies on one x axis.
 * :func:`latency_cdf`, :func:`throughput_latency_bars`: compare policies.
 * :func:`save`: ``figures/NAME.png``.
@@ -30,7 +30,7 @@ PALETTE = {
     "chunk": "#E69F00",  # orange, dotted: a prefill chunk that does not finish the prompt (no token)
     "decode": "#56B4E9",  # sky blue
     "padding": "#D55E00",  # vermillion, hatched: a finished request still holding a static row
-    "idle": "#EBEBEB",  # light grey: an empty batch slot
+    "idle": "#EBEBEB",  # light grey: an empty batch row
     "waiting": "#F0E442",  # yellow: arrived, not scheduled
     "finished": "#F5F5F5",  # near white: done and gone (request rows only)
 }
@@ -61,25 +61,25 @@ def short_id(request_id: str) -> str:
     return m.group(1) if m else request_id[:4]
 
 
-def row_names(trace: list[StepRecord], rows: str = "slot", requests: list[Request] | None = None) -> list[str]:
-    """Gantt row names, top first: "slot 0".. (up to the largest slot used) or request ids (``requests`` order, then first appearance).
-    Raises ValueError unless rows is "slot" or "request"."""
-    if rows not in ("slot", "request"):
-        raise ValueError(f"rows must be 'slot' or 'request', got {rows!r}")
-    if rows == "slot":
-        # slots ever used: a large max_bs that KV memory never lets fill would be rows of idle noise
-        num_slots = max([e.slot + 1 for r in trace for e in r.entries] + [1])
-        return [f"slot {i}" for i in range(num_slots)]
+def row_names(trace: list[StepRecord], rows: str = "row", requests: list[Request] | None = None) -> list[str]:
+    """Gantt row names, top first: "row 0".. (up to the largest batch row used) or request ids (``requests`` order, then first appearance).
+    Raises ValueError unless rows is "row" or "request"."""
+    if rows not in ("row", "request"):
+        raise ValueError(f"rows must be 'row' or 'request', got {rows!r}")
+    if rows == "row":
+        # slots ever used: a large max_num_seqs that KV memory never lets fill would be rows of idle noise
+        num_rows = max([e.row + 1 for r in trace for e in r.entries] + [1])
+        return [f"row {i}" for i in range(num_rows)]
     ids = {r.request_id: None for r in requests or []}  # an ordered set
     ids.update((e.request_id, None) for record in trace for e in record.entries)
     return list(ids)
 
 
-def gantt_cells(trace: list[StepRecord], rows: str = "slot", x: str = "step",
+def gantt_cells(trace: list[StepRecord], rows: str = "row", x: str = "step",
                 requests: list[Request] | None = None) -> tuple[list[Cell], list[str]]:
     """The cells :func:`gantt` draws, and the row names (see :func:`row_names`).
 
-    rows="slot": one row per batch slot; a slot with no request in a step is "idle".
+    rows="row": one Gantt row per batch row; a row with no request in a step is "idle".
     rows="request": one row per request; with ``requests``, one "waiting" cell spans the steps
     from its arrival to its first step (x="time": from arrival_time_s) and one "finished" cell
     the steps after its last one. x="step" (unit-wide columns) or "time" (start_s..end_s).
@@ -96,13 +96,13 @@ def gantt_cells(trace: list[StepRecord], rows: str = "slot", x: str = "step",
     last_step: dict[str, int] = {}  # request_id -> index of its last step
     for i, (record, (x0, width)) in enumerate(zip(trace, spans)):
         for e in record.entries:
-            row = e.slot if rows == "slot" else row_of[e.request_id]
+            row = e.row if rows == "row" else row_of[e.request_id]
             cells.append(Cell(row, x0, width, "chunk" if e.is_chunk else e.phase, e.request_id))
             last_step[e.request_id] = i
-        if rows == "slot":
-            busy = {e.slot for e in record.entries}
+        if rows == "row":
+            busy = {e.row for e in record.entries}
             cells += [Cell(s, x0, width, "idle") for s in range(len(names)) if s not in busy]
-    if rows == "slot" or not trace:
+    if rows == "row" or not trace:
         return cells, names
     starts = [r.start_s for r in trace]
     end_s = trace[-1].end_s
@@ -122,14 +122,14 @@ def gantt_cells(trace: list[StepRecord], rows: str = "slot", x: str = "step",
     return cells, names
 
 
-def gantt(trace: list[StepRecord], ax=None, rows: str = "slot", x: str = "step",
+def gantt(trace: list[StepRecord], ax=None, rows: str = "row", x: str = "step",
           title: str | None = None, requests: list[Request] | None = None, legend: bool = True,
           merge: bool | None = None):
-    """Draw the schedule: rows = batch slots or requests, columns = steps (or time).
+    """Draw the schedule: rows = batch rows or requests, columns = steps (or time).
 
     Cells: prefill, decode, padding (hatched; a finished request still occupying a static
-    batch row), idle (rows="slot": an empty slot), waiting and finished (rows="request" with
-    ``requests`` given). In slot rows each run of one request is labelled with its short id
+    batch row), idle (rows="row": an empty batch row), waiting and finished (rows="request" with
+    ``requests`` given). In batch rows each run of one request is labelled with its short id
     when it fits. One PolyCollection per kind, its gid the kind name, one path per cell;
     ``merge`` (default: when there are more than MERGE_ABOVE_STEPS steps, too narrow to see
     one cell) draws each run of equal adjacent cells as one rectangle instead. Returns the Axes.
@@ -161,7 +161,7 @@ def gantt(trace: list[StepRecord], ax=None, rows: str = "slot", x: str = "step",
     ax.set_xlabel("step" if x == "step" else "time (s)")
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    if rows == "slot":
+    if rows == "row":
         _label_runs(ax, cells, x_end - ax.get_xlim()[0], len(names))
     if title:
         ax.set_title(title, loc="left", fontsize=10)
@@ -206,7 +206,7 @@ def _label_runs(ax, cells: list[Cell], x_span: float, num_rows: int) -> None:
                     fontsize=fontsize, color="black", clip_on=True)
 
 
-def compare_gantt(traces: dict[str, list[StepRecord]], rows: str = "slot", x: str = "step",
+def compare_gantt(traces: dict[str, list[StepRecord]], rows: str = "row", x: str = "step",
                   requests: dict[str, list[Request]] | None = None, width: float = 12.0):
     """One :func:`gantt` per policy, stacked on a shared x axis (e.g. static over orca).
 

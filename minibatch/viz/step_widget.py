@@ -61,7 +61,7 @@ def step_figure(trace: list, step: int, num_blocks: int | None = None, fig=None)
     ax_batch, ax_kv, ax_q = fig.subplots(1, 3, width_ratios=[3, 2, 1.4])
 
     # 1. batch composition
-    entries = sorted(rec.entries, key=lambda e: e.slot)
+    entries = sorted(rec.entries, key=lambda e: e.row)
     for y, e in enumerate(entries):
         x = 0
         for kind, color, hatch in SEGMENTS:
@@ -70,7 +70,7 @@ def step_figure(trace: list, step: int, num_blocks: int | None = None, fig=None)
                 ax_batch.barh(y, n, left=x, color=color, hatch=hatch, edgecolor="white", linewidth=0.5)
                 x += n
         ax_batch.text(x, y, f" {e.num_computed_tokens}+{e.num_new_tokens}", va="center", fontsize=7)
-    ax_batch.set_yticks(range(len(entries)), [f"slot {e.slot}: {short_id(e.request_id)}" for e in entries], fontsize=7)
+    ax_batch.set_yticks(range(len(entries)), [f"row {e.row}: {short_id(e.request_id)}" for e in entries], fontsize=7)
     ax_batch.invert_yaxis()
     ax_batch.set_xlabel("tokens this step (label: num_computed_tokens + num_new_tokens)")
     ax_batch.set_title(f"step {rec.step}: {rec.start_s:.3f}-{rec.end_s:.3f} s, "

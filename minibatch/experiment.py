@@ -1,0 +1,133 @@
+"""One way to run a policy on requests and read the result: ``run(policy, requests, executor, clock)``.
+
+Every experiment (``compare``, ``simulate``, the calibration, the simulator's validation, the
+benchmarks and the notebooks) runs fresh copies of the same requests through :func:`run` and
+reads the :class:`Run` it returns: the requests with their outputs and timestamps, the engine's
+step records, the metrics summary and a JSON-ready row.
+
+Policies are the rows of ``minibatch.policies.POLICIES`` (our engine) plus the Hugging Face peers
+of :data:`BASELINES`, which run through transformers itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from minibatch.config import EngineConfig
+from minibatch.engine import Engine, StepRecord
+from minibatch.metrics import SLO, BenchmarkSummary, summarize
+from minibatch.policies import POLICIES, make_engine
+from minibatch.request import Request
+
+
+def _hf_generate(model, requests: list[Request], config: EngineConfig, progress: bool) -> list[Request]:
+    from minibatch.baselines import run_hf_generate
+
+    return run_hf_generate(model, requests, batch_size=config.max_num_seqs, max_wait_s=config.max_wait_s,
+                           progress=progress)
+
+
+def _hf_generate_batch(model, requests: list[Request], config: EngineConfig, progress: bool) -> list[Request]:
+    from minibatch.baselines import run_hf_generate_batch
+
+    return run_hf_generate_batch(model, requests, progress=progress)
+
+
+# The Hugging Face peers: HF generate on padded static batches of max_num_seqs requests (the outside
+# baseline) and transformers' own continuous batching (generate_batch). They need the model itself.
+BASELINES = {"hf_generate": _hf_generate, "hf_generate_batch": _hf_generate_batch}
+
+
+def all_policies() -> tuple[str, ...]:
+    """Every policy :func:`run` knows: the policy table's rows (registered ones included), then BASELINES."""
+    return (*POLICIES, *BASELINES)
+
+
+@dataclass
+class Run:
+    """One policy's run: ``requests`` (fresh copies, now finished), the ``engine`` (None for an HF
+    baseline) and its step ``records``; ``summary`` and ``row()`` are computed on first use."""
+
+    policy: str
+    requests: list[Request]
+    engine: Engine | None
+    run_time_s: float
+    slo: SLO | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def records(self) -> list[StepRecord]:
+        return self.engine.trace if self.engine is not None else []
+
+    @cached_property
+    def summary(self) -> BenchmarkSummary:
+        return summarize(self.requests, self.records or None, self.slo)
+
+    def row(self) -> dict:
+        """The run as a JSON-ready dict: the summary's metrics, then prefix-cache and
+        speculative-decoding statistics where they apply, the clock, the run's own wall time."""
+        row = dict(self.summary.to_dict())
+        bm = getattr(self.engine.scheduler, "block_manager", None) if self.engine else None
+        if bm is not None and bm.enable_prefix_caching:
+            row["prefix_cache_hit_rate"] = bm.prefix_cache_hit_rate
+        stats = getattr(self.engine.executor, "stats", None) if self.engine else None
+        if stats is not None and stats.num_draft_tokens:
+            row["spec_decoding"] = stats.as_dict()
+        row["clock"] = self.engine.clock.kind if self.engine else "wall"
+        row["run_time_s"] = round(self.run_time_s, 3)
+        return row | self.extra
+
+
+def run(policy: str, requests: list[Request], executor, clock=None, *, config: EngineConfig | None = None,
+        draft_runner=None, model=None, progress: bool = False, slo: SLO | None = None, **options) -> Run:
+    """Run fresh copies of ``requests`` under ``policy``; returns the :class:`Run`.
+
+    executor: a ModelRunner or SimExecutor (ignored by BASELINES); clock: default a SimClock.
+    config, options, draft_runner: as ``make_engine`` (a BASELINES policy reads max_num_seqs as
+        its batch size, and max_wait_s); model: BASELINES only (default ``executor.model``).
+    slo: the latency objectives goodput counts.
+
+    Raises:
+        ValueError: an unknown policy or a bad option (named); what the engine raises.
+    """
+    reqs = [r.copy() for r in requests]
+    t0 = time.perf_counter()
+    if policy in BASELINES:
+        cfg = (config or EngineConfig()).engine_config(**options)
+        BASELINES[policy](model if model is not None else executor.model, reqs, cfg, progress)
+        return Run(policy, reqs, None, time.perf_counter() - t0, slo)
+    engine = make_engine(policy, executor, clock, config=config, draft_runner=draft_runner, **options)
+    engine.generate(reqs, progress=progress)
+    return Run(policy, reqs, engine, time.perf_counter() - t0, slo)
+
+
+def warm_up(runner, draft_runner=None) -> None:
+    """One tiny run of every built-in policy on ``runner``, so first-call costs (both batch
+    layouts, the attention path, the draft) do not land on the first measured policy."""
+    from minibatch.clock import SimClock
+    from minibatch.policies import BUILTIN_POLICIES, get_policy
+    from minibatch.request import SamplingParams
+
+    for policy in BUILTIN_POLICIES:
+        if get_policy(policy).proposer == "draft" and draft_runner is None:
+            continue
+        r = Request("warmup", [1, 2, 3, 4], 3, SamplingParams(ignore_eos=True))
+        run(policy, [r], runner, SimClock(), config=EngineConfig(n_slots=64), draft_runner=draft_runner)
+
+
+def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threads: int | None = None):
+    """For benchmark scripts: ``(model, tokenizer, ModelRunner, clock_factory)``, where
+    clock_factory() makes a fresh WallClock on ``device`` (clock "wall") or SimClock ("sim").
+    threads: torch CPU threads (None: torch's choice)."""
+    import torch
+
+    from minibatch.clock import SimClock, WallClock
+    from minibatch.models import load_model
+    from minibatch.runner import ModelRunner
+
+    if threads:
+        torch.set_num_threads(threads)
+    model, tokenizer = load_model(model_name, device=device)
+    return model, tokenizer, ModelRunner(model, tokenizer), (lambda: WallClock(device)) if clock == "wall" else SimClock

@@ -1,0 +1,93 @@
+"""What a run leaves behind: the table printed, the figures, the JSON and its environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minibatch.scheduler import PagedScheduler
+
+
+def write_json(result: dict, path: str | Path | None) -> None:
+    """Write a benchmark result as indented, strict JSON (NaN/inf -> null: "metric undefined"),
+    atomically (parent folders made; a failed write keeps the old file); nothing if path is None.
+    See :mod:`minibatch.files`."""
+    from minibatch.files import write_json as write_json_file
+
+    if path:
+        write_json_file(path, result, indent=2)
+        print(f"wrote {path}")
+
+
+def environment() -> dict:
+    """Versions and machine, stored with every result so numbers can be compared honestly."""
+    import os
+    import platform
+
+    import transformers
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "machine": platform.machine(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def print_table(result: dict) -> None:
+    cols = [("output_throughput_tok_s", "out tok/s", "{:.1f}"), ("total_throughput_tok_s", "total tok/s", "{:.1f}"),
+            ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
+            ("tpot_p50_s", "TPOT p50 s", "{:.4f}"), ("itl_p99_s", "ITL p99 s", "{:.3f}"),
+            ("e2e_p50_s", "E2E p50 s", "{:.3f}"),
+            ("goodput_req_s", "goodput r/s", "{:.3f}"), ("kv_waste_fraction", "KV waste", "{:.1%}"),
+            ("max_num_running", "max running", "{}"), ("num_preemptions", "preempted", "{}"),
+            ("matches_reference", "matches ref", "{}"), ("clock", "clock", "{}")]
+    header = f"{'policy':<18}" + "".join(f"{c[1]:>13}" for c in cols)
+    print(header)
+    print("-" * len(header))
+    for name, entry in result["policies"].items():
+        cells = [fmt.format(entry.get(key)) if entry.get(key) is not None else "-" for key, _, fmt in cols]
+        print(f"{name:<18}" + "".join(f"{c:>13}" for c in cells))
+    p = result["policies"]
+    for a, b in (("orca", "static"), ("paged", "orca"), ("paged_prefix", "paged"), ("chunked", "prefill_first")):
+        if a in p and b in p:
+            ratio = p[a]["output_throughput_tok_s"] / p[b]["output_throughput_tok_s"]
+            print(f"{a} / {b} output throughput: {ratio:.2f}x")
+    for a in [name for name, entry in p.items() if "spec_decoding" in entry]:
+        if "paged" in p:
+            st = p[a]["spec_decoding"]
+            print(f"{a} / paged output throughput: {p[a]['output_throughput_tok_s'] / p['paged']['output_throughput_tok_s']:.2f}x "
+                  f"(acceptance rate {st['acceptance_rate']:.1%}, mean acceptance length {st['mean_acceptance_length']:.2f})")
+    if "chunked" in p and "prefill_first" in p and p["chunked"]["itl_p99_s"]:
+        print(f"prefill_first / chunked ITL p99: {p['prefill_first']['itl_p99_s'] / p['chunked']['itl_p99_s']:.2f}x")
+
+
+def save_figures(runs: dict, figures_dir: str) -> list[str]:
+    """Gantt charts of our engines' schedules, KV block maps of the paged ones, latency CDFs and
+    throughput/latency bars. runs: policy -> :class:`~minibatch.experiment.Run`."""
+    import matplotlib.pyplot as plt
+
+    from minibatch.viz import compare_gantt, kv_block_map, latency_cdf, save, throughput_latency_bars
+
+    paths = []
+    engines = {name: run.records for name, run in runs.items() if run.engine is not None}
+    if engines:
+        fig = compare_gantt(engines, rows="row", x="time")
+        paths.append(save(fig, "compare_gantt", figures_dir))
+        plt.close(fig)
+    paged = {name: run.engine for name, run in runs.items() if isinstance(getattr(run.engine, "scheduler", None), PagedScheduler)}
+    if paged:
+        fig, axes = plt.subplots(1, len(paged), figsize=(6 * len(paged), 4), layout="constrained", squeeze=False)
+        for ax, (name, eng) in zip(axes[0], paged.items()):
+            kv_block_map(eng.trace, eng.scheduler.block_manager.num_blocks, ax=ax, title=f"{name}: KV blocks per step")
+        paths.append(save(fig, "compare_kv_block_map", figures_dir))
+        plt.close(fig)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout="constrained")
+    for ax, metric in zip(axes, ("ttft", "itl", "e2e")):
+        latency_cdf({n: run.requests for n, run in runs.items()}, metric=metric, ax=ax)
+    paths.append(save(fig, "compare_latency_cdf", figures_dir))
+    plt.close(fig)
+    ax_tput, _ = throughput_latency_bars({n: run.summary for n, run in runs.items()})
+    paths.append(save(ax_tput.figure, "compare_throughput_latency", figures_dir))
+    plt.close(ax_tput.figure)
+    return [str(p) for p in paths]

@@ -1,0 +1,129 @@
+"""SimExecutor: an executor with no model, for the simulator and scheduler tests.
+
+Every scheduled request that reaches its last token gets a made-up token; speculative decoding
+is simulated by accepting made-up drafts with a given probability (Leviathan et al.'s i.i.d.
+per-token acceptance alpha) and recording the draft forwards a draft model would have run, so a
+simulated clock can price them. The schedulers, the block manager and the engine are the real ones.
+"""
+
+from __future__ import annotations
+
+import random
+
+from minibatch.runner.kv_owner import KVOwnership
+from minibatch.scheduler.output import SchedulerOutput, StepResult
+from minibatch.spec.speculator import SpecDecodingStats, num_next_drafts
+
+
+class SimExecutor(KVOwnership):
+    """No model: made-up tokens (use ignore_eos requests: there is no EOS).
+
+    acceptance_rate: speculative decoding without models: each stored draft token is accepted
+        with this probability (independently: Leviathan's per-token alpha; seeded by ``seed``)
+        until the first rejection; ``stats`` counts. A list gives vLLM's per-position acceptance
+        rates instead (the fraction of drafts at position i accepted, as ``SpecDecodingStats``
+        measures them; non-increasing): position i is accepted with probability rate[i] /
+        rate[i-1] once i-1 was (the last rate repeats).
+    speculator: FixedK or AdaptiveK: k for each request's next drafts (``make_engine`` attaches
+        the policy's); None: no drafts are proposed.
+    draft_forwards: record the draft forwards (a draft model); False for n-gram lookup, whose
+        drafting costs no forward.
+    proposal_rate: the probability that a row gets drafts at all (n-gram lookup finds no match
+        for some; such a row decodes 1 token next step, as with SpeculativeRunner).
+    draft_catch_up: the first draft forward carries every token the draft has not seen yet (a
+        request's whole prompt the first time, then the accepted drafts and the bonus token), as
+        DraftModelProposer does; False: one token per row (the older, simpler model).
+    vocab_size: None (default): prompts may hold any id and made-up tokens are < 32000; an int:
+        the simulated model's vocabulary (``Engine.add_request`` refuses ids >= it).
+
+    Raises:
+        ValueError: acceptance_rate or proposal_rate outside [0, 1], per-position rates that increase.
+    """
+
+    eos_token_ids: tuple[int, ...] = ()
+    simulates_drafts = True  # make_engine gives a speculative policy's speculator to it (no SpeculativeRunner)
+
+    def __init__(self, max_model_len: int = 1 << 20, vocab_size: int | None = None,
+                 acceptance_rate: float | list[float] | None = None, seed: int = 0, draft_forwards: bool = True,
+                 proposal_rate: float = 1.0, draft_catch_up: bool = False, speculator=None):
+        rates = [acceptance_rate] if isinstance(acceptance_rate, (int, float)) else acceptance_rate
+        if rates is not None and (not rates or not all(0.0 <= a <= 1.0 for a in rates)):
+            raise ValueError(f"acceptance_rate must be in [0, 1] (or a non-empty list of such), got {acceptance_rate}")
+        if rates is not None and any(b > a for a, b in zip(rates, rates[1:])):
+            raise ValueError(f"acceptance_rate per-position rates must be non-increasing, got {acceptance_rate}")
+        if not 0.0 <= proposal_rate <= 1.0:
+            raise ValueError(f"proposal_rate must be in [0, 1], got {proposal_rate}")
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.acceptance_rate = acceptance_rate
+        self.speculator = speculator
+        self.draft_forwards = draft_forwards
+        self.proposal_rate = proposal_rate
+        self.draft_catch_up = draft_catch_up
+        self._draft_seen: dict[str, int] = {}  # request_id -> leading tokens valid in the draft's KV
+        # conditional probability of accepting position i given position i-1 was accepted
+        self._accept_p = None if rates is None else [
+            a / prev if prev > 0 else 0.0 for a, prev in zip(rates, [1.0] + list(rates[:-1]))]
+        self.rng = random.Random(seed)
+        self.stats = SpecDecodingStats()
+
+    def _token(self, num_tokens: int, request_id: str) -> int:
+        return (7919 * num_tokens + len(request_id)) % (self.vocab_size or 32000)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        sampled: dict[str, tuple[int, ...]] = {}
+        accepted: dict[str, int] = {}
+        for s in out.scheduled:
+            r = s.request
+            if s.spec_token_ids:
+                a = 0
+                while a < s.num_spec_tokens and self.rng.random() < self._accept_p[min(a, len(self._accept_p) - 1)]:
+                    a += 1
+                sampled[r.request_id] = s.spec_token_ids[:a] + (self._token(r.num_tokens + a + 1, r.request_id),)
+                accepted[r.request_id] = a
+                self.stats.observe(s.num_spec_tokens, a)
+            elif s.samples:
+                sampled[r.request_id] = (self._token(r.num_tokens, r.request_id),)
+        drafts, forwards = self._propose(out, sampled, accepted)
+        return StepResult(sampled=sampled, num_accepted=accepted, spec_token_ids=drafts, draft_forwards=forwards)
+
+    def _propose(self, out: SchedulerOutput, sampled: dict, accepted: dict):
+        """Made-up drafts for the next step of every row that sampled and goes on, and the draft
+        forwards (rows, tokens, context tokens) a draft model would run for them."""
+        if self.speculator is None:
+            return {}, ()
+        if self.acceptance_rate is None:
+            raise ValueError("SimExecutor with a speculator needs acceptance_rate= to simulate speculative decoding")
+        plan = []  # (request_id, tokens after this step, k)
+        for s in out.scheduled:
+            if s.request_id in sampled:
+                pending = (s.num_spec_tokens, accepted[s.request_id]) if s.spec_token_ids else None
+                k = num_next_drafts(s.request, sampled[s.request_id], self.speculator, pending)
+                if k > 0 and (self.proposal_rate >= 1.0 or self.rng.random() < self.proposal_rate):
+                    plan.append((s.request_id, s.request.num_tokens + len(sampled[s.request_id]), k))
+        forwards = []
+        for j in range(max((k for _, _, k in plan), default=0) if self.draft_forwards else 0):
+            rows = [(rid, n) for rid, n, k in plan if k > j]  # draft forward j: one token per request
+            tokens = len(rows)
+            if j == 0 and self.draft_catch_up:  # the tokens the draft has not seen, up to the last one
+                tokens = sum(n - min(self._draft_seen.get(rid, 0), n - 1) for rid, n in rows)
+            forwards.append((len(rows), tokens, sum(n + j for _, n in rows)))
+        for rid, n, _ in plan:
+            self._draft_seen[rid] = n - 1  # valid below the last token (lookahead slots are freed)
+        drafts = {rid: tuple(self._token(n + i, rid) for i in range(k)) for rid, n, k in plan}
+        return drafts, tuple(forwards)
+
+    def observe_step(self, record) -> None:
+        """The speculator learns from the step records, as with a real SpeculativeRunner."""
+        if self.speculator is not None:
+            self.speculator.observe_step(record)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+        pass
+
+    def free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._draft_seen.pop(rid, None)
+
+    def release_state(self) -> None:
+        self._draft_seen = {}
