@@ -295,7 +295,7 @@ def test_without_triton_references_work_and_kernels_raise(monkeypatch):
     # the package first (it imports triton), then the kernel modules, then the package again so its
     # names point at the re-executed functions
     package = "minibatch.kernels"
-    names = [package, f"{package}.store_kv", f"{package}.paged_attention", package]
+    names = [f"{package}.triton_probe", f"{package}.store_kv", f"{package}.paged_attention", package]
     try:
         with monkeypatch.context() as m:
             m.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
@@ -323,6 +323,6 @@ def test_without_triton_references_work_and_kernels_raise(monkeypatch):
 def test_compiled_kernels_refuse_cpu_tensors(monkeypatch):
     if not kernels.HAS_TRITON:
         pytest.skip("triton is not installed")
-    monkeypatch.setattr(kernels, "IS_INTERPRETED", False)
+    monkeypatch.setattr("minibatch.kernels.triton_probe.IS_INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         kernels.require_triton(torch.device("cpu"))

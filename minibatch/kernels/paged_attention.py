@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minibatch.kernels import HAS_TRITON, IS_INTERPRETED, require_triton
+from minibatch.kernels.triton_probe import HAS_TRITON, IS_INTERPRETED, require_triton
 from minibatch.kernels.store_kv import check_kv_cache
 
 # Tile sizes. tl.dot needs every dim >= 16 on NVIDIA GPUs; small tiles also keep the

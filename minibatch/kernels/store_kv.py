@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.kernels import HAS_TRITON, require_triton
+from minibatch.kernels.triton_probe import HAS_TRITON, require_triton
 
 if HAS_TRITON:
     import triton

@@ -115,11 +115,11 @@ def plot_itl_timeline(runs: dict[str, list[Request]], ax=None, mark_s: float | N
     prompt's prefill shows as a spike shared by every decoding request. Returns the Axes."""
     import matplotlib.pyplot as plt
 
-    from minibatch.viz.plots import _policy_colors
+    from minibatch.viz.plots import policy_colors
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3.5), layout="constrained")
-    colors = _policy_colors(list(runs))
+    colors = policy_colors(list(runs))
     for (name, reqs), marker in zip(runs.items(), "os^vD"):
         pts = itl_points(reqs)
         ax.plot([t for t, _, _ in pts], [g * 1e3 for _, g, _ in pts], marker, ms=4, alpha=0.7,

@@ -225,7 +225,8 @@ def compare_gantt(traces: dict[str, list[StepRecord]], rows: str = "row", x: str
     return fig
 
 
-def _policy_colors(names) -> dict[str, str]:
+def policy_colors(names) -> dict[str, str]:
+    """A color per policy name: the fixed POLICY_COLORS where a name has one, else the unused ones."""
     free = [c for c in POLICY_COLORS.values() if c not in {POLICY_COLORS.get(n) for n in names}]
     free = free + list(_EXTRA_COLORS)
     unknown = [n for n in names if n not in POLICY_COLORS]
@@ -243,7 +244,7 @@ def latency_cdf(results: dict[str, list[Request]], metric: str = "ttft", ax=None
     label, unit, scale = _UNITS[metric]
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 4), layout="constrained")
-    colors = _policy_colors(results)
+    colors = policy_colors(results)
     for name, requests in results.items():
         ms = request_metrics(requests)
         if metric == "itl":
@@ -271,7 +272,7 @@ def throughput_latency_bars(summaries: dict[str, BenchmarkSummary], ax=None):
         _, ax = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
     ax_tput, ax_ttft = ax
     names = list(summaries)
-    colors = [_policy_colors(names)[n] for n in names]
+    colors = [policy_colors(names)[n] for n in names]
     pos = np.arange(len(names))
     tput = [summaries[n].output_throughput_tok_s for n in names]
     bars = ax_tput.bar(pos, tput, color=colors)
