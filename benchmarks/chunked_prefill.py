@@ -87,7 +87,8 @@ def main(argv=None) -> dict:
         lesson.run_policy(policy, trace[:2], runner, SimClock())
     result = {"command": args.command, "environment": environment(), "model": args.model, "clock": args.clock,
               "device": args.device, "trace": {"num_requests": len(trace), "rate_per_s": args.rate,
-                                               "long_prompts": args.long_prompts, "long_prompt_len": args.long_prompt_len,
+                                               "long_prompts": args.long_prompts,
+                                               "long_prompt_len": args.long_prompt_len,
                                                "prompt_tokens": sum(r.num_prompt_tokens for r in trace),
                                                "output_tokens": sum(r.max_new_tokens for r in trace)},
               "max_num_seqs": args.max_num_seqs, "n_slots": args.n_slots, "seed_claims": lesson.SEED_CLAIMS}
@@ -100,22 +101,26 @@ def main(argv=None) -> dict:
     lesson.print_table(rows)
     result["long_prompt"] = {"rows": rows, "acceptance": acceptance(rows), "run_time_s": time.perf_counter() - t}
     for a in result["long_prompt"]["acceptance"]:
-        print(f"{a['run']:<18} ITL p99 {a['itl_p99_reduction_x']:.2f}x lower, TPOT p99 {a['tpot_p99_reduction_x']:.2f}x "
-              f"lower, throughput {a['throughput_ratio']:.1%} of prefill_first, meets acceptance: {a['meets_acceptance']}")
+        print(f"{a['run']:<18} ITL p99 {a['itl_p99_reduction_x']:.2f}x lower, "
+              f"TPOT p99 {a['tpot_p99_reduction_x']:.2f}x lower, "
+              f"throughput {a['throughput_ratio']:.1%} of prefill_first, "
+              f"meets acceptance: {a['meets_acceptance']}")
     print(f"same outputs in every run: {rows[0]['same_outputs']}")
 
     if not args.skip_micro_batching:
         t = time.perf_counter()
         plain = [r for r in build_trace(CompareConfig(**{**cfg.__dict__, "long_prompts": 0}), tokenizer,
                                         model.config.vocab_size)]
-        mb = lesson.micro_batching_experiment(plain, runner, clock, max_num_seqs=args.max_num_seqs, n_slots=args.n_slots)
+        mb = lesson.micro_batching_experiment(plain, runner, clock, max_num_seqs=args.max_num_seqs,
+                                              n_slots=args.n_slots)
         lesson.print_table(mb)
         one, batched = mb
         result["micro_batching"] = {"rows": mb, "run_time_s": time.perf_counter() - t,
                                     "ttft_p50_x": one["ttft_p50_s"] / batched["ttft_p50_s"],
                                     "throughput_x": batched["output_throughput_tok_s"] / one["output_throughput_tok_s"]}
         print(f"batched prefills: TTFT p50 {result['micro_batching']['ttft_p50_x']:.2f}x lower, output throughput "
-              f"{result['micro_batching']['throughput_x']:.2f}x (seed: 3.1x and 1.5x); same outputs: {mb[0]['same_outputs']}")
+              f"{result['micro_batching']['throughput_x']:.2f}x (seed: 3.1x and 1.5x); "
+              f"same outputs: {mb[0]['same_outputs']}")
 
     result["run_time_s"] = time.perf_counter() - t_start
     write_json(result, args.json_path)

@@ -30,7 +30,7 @@ from minibatch.experiment import load_runner
 from minibatch.report import environment, write_json
 from minibatch.lessons import paged_kv
 from minibatch.request import Request
-from minibatch.workload import demo_prompts
+from minibatch.prompts import demo_prompts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="orca_max's reservation per request (default: the trace's max output length, 256)")
     p.add_argument("--preemption-n-slots", type=int, default=None, help="KV slots for recompute vs swap (default 400)")
     p.add_argument("--block-size", type=int, default=16, help="paged KV block size, tokens")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="most running requests (Orca's max_num_seqs, vLLM's max_num_seqs)")
+    p.add_argument("--max-num-seqs", type=int, default=32,
+                   help="most running requests (Orca's max_num_seqs, vLLM's max_num_seqs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=None,
@@ -127,7 +128,8 @@ def main(argv=None) -> dict:
         user_ids = [ids[:64] for ids in user_ids]
     prefix = paged_kv.prefix_caching_experiment(runner, clock, system_ids, user_ids,
                                                 max_new_tokens=4 if args.quick else 16, gap_s=0.5,
-                                                block_size=args.block_size, n_slots=4096, max_num_seqs=args.max_num_seqs)
+                                                block_size=args.block_size, n_slots=4096,
+                                                max_num_seqs=args.max_num_seqs)
     prefix["run_time_s"] = round(time.perf_counter() - t, 1)
     result["prefix_caching"] = prefix
     for name, m in prefix["policies"].items():
@@ -143,7 +145,8 @@ def main(argv=None) -> dict:
     cow["run_time_s"] = round(time.perf_counter() - t, 1)
     result["copy_on_write"] = cow
     print(f"  prompt {cow['num_prompt_tokens']} tokens: peak {cow['peak_slots_forked']} slots forked vs "
-          f"{cow['peak_slots_independent']} unshared, saved {cow['slots_saved']} (expected {cow['expected_slots_saved']}) "
+          f"{cow['peak_slots_independent']} unshared, saved {cow['slots_saved']} "
+          f"(expected {cow['expected_slots_saved']}) "
           f"= {cow['bytes_saved'] / 2**20:.2f} MiB; same outputs: {cow['same_outputs']}")
 
     print(f"\n4. preemption at n_slots {preempt_n_slots}: recompute vs swap")
@@ -169,7 +172,7 @@ def main(argv=None) -> dict:
 
 def _long_prompt(tokenizer, num_tokens: int) -> list[int]:
     """A chat prompt of about ``num_tokens`` tokens: demo prompts joined until long enough."""
-    from minibatch.workload import chat_prompt_ids
+    from minibatch.prompts import chat_prompt_ids
 
     texts = []
     while len(chat_prompt_ids(tokenizer, "\n\n".join(texts))) < num_tokens:

@@ -60,7 +60,7 @@ def prompts(tokenizer, model: str, n: int) -> list[list[int]]:
 def main(argv=None) -> dict:
     from minibatch.models import load_model
     from minibatch.runner import ModelRunner
-    from minibatch.workload import chat_prompt_ids
+    from minibatch.prompts import chat_prompt_ids
 
     args = parse_args(argv)
     if args.threads:
@@ -72,7 +72,8 @@ def main(argv=None) -> dict:
     target_runner, draft_runner = ModelRunner(model, tok), load_draft_runner(draft_name, args.model, model, tok)
     draft = draft_runner.model
     greedy = SamplingParams()
-    reqs = [Request(f"p{i}", ids, args.max_new_tokens, greedy) for i, ids in enumerate(prompts(tok, args.model, args.num_prompts))]
+    reqs = [Request(f"p{i}", ids, args.max_new_tokens, greedy)
+            for i, ids in enumerate(prompts(tok, args.model, args.num_prompts))]
     ks = [int(k) for k in args.ks.split(",")]
     result = {"command": args.command, "environment": environment(), "model": args.model, "draft": draft_name,
               "draft_parameters": sum(p.numel() for p in draft.parameters()), "clock": "wall",
@@ -91,7 +92,8 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     rows, same = lesson.k_sweep(reqs, target_runner, draft_runner, WallClock, ks=ks, adaptive_max_k=max(ks),
                                 verify_cost_ratio=v)
-    print(f"\n1. batch 1, {len(reqs)} held-out prompts ({time.perf_counter() - t0:.0f} s); same tokens in every run: {same}")
+    print(f"\n1. batch 1, {len(reqs)} held-out prompts ({time.perf_counter() - t0:.0f} s); "
+          f"same tokens in every run: {same}")
     lesson.print_rows(rows)
     best = max((r for r in rows if r["run"].startswith("draft k=")), key=lambda r: r["decode_speedup"])
     result["batch1"] = {"rows": rows, "same_outputs": same, "best_fixed_k": best["run"],
@@ -114,7 +116,8 @@ def main(argv=None) -> dict:
     result["batch_sweep"] = batch_rows
 
     if args.model == "smollm2-135m":
-        grounded = [Request(f"g{i}", chat_prompt_ids(tok, t), args.max_new_tokens, greedy) for i, t in enumerate(lesson.GROUNDED_PROMPTS)]
+        grounded = [Request(f"g{i}", chat_prompt_ids(tok, t), args.max_new_tokens, greedy)
+                    for i, t in enumerate(lesson.GROUNDED_PROMPTS)]
         g_rows, g_same = lesson.k_sweep(grounded, target_runner, draft_runner, WallClock, ks=(3,), adaptive_max_k=None)
         print(f"\n3. input-grounded prompts; same tokens: {g_same}")
         lesson.print_rows(g_rows)

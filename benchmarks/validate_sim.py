@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=128, help="chunked policy's token budget")
     p.add_argument("--measured", default=None,
-                   help="JSON of the measured runs (with every step): written after measuring, or read with --resimulate")
+                   help="JSON of the measured runs (with every step): written after measuring, "
+                        "or read with --resimulate")
     p.add_argument("--resimulate", action="store_true",
                    help="no model: read --measured and simulate its traces again (e.g. with a new profile)")
     p.add_argument("--repeat", default=None,
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
                   f"TTFT p50 {row['measured']['ttft_p50_s']:6.3f} s sim {row['simulated']['ttft_p50_s']:6.3f} "
                   f"({e['ttft_p50_s']:+.1%})  step-time replay {replay}", flush=True)
         if not args.resimulate:
-            measured["traces"][name] = {"config": TRACES[name], "num_requests": len(requests), "policies": measured_rows}
+            measured["traces"][name] = {"config": TRACES[name], "num_requests": len(requests),
+                                        "policies": measured_rows}
             if args.measured:  # after every trace: a crash later keeps what was measured
                 write_json(measured, args.measured)
         result["traces"][name] = {"config": TRACES[name], "num_requests": len(requests), "policies": rows}

@@ -8,8 +8,9 @@ running request with the most (the engine's own preemption: recompute or swap). 
 served shortest-remaining first. SRPT minimizes mean response time on a single server (Schrage,
 Operations Research 1968); its price is that long requests wait, and can be preempted again.
 
-"Tokens left" counts the prompt still to prefill and the output still to generate. Output lengths
-come from the trace here (requests ignore EOS), an oracle; a server would use a predicted length.
+Work left is counted in steps: the output tokens still to generate (a prefill, however long, is
+one step). Output lengths come from the trace here (requests ignore EOS), an oracle; a server
+would use a predicted length.
 """
 
 from minibatch import register_policy
@@ -17,13 +18,12 @@ from minibatch.scheduler import PagedScheduler, QueuePolicy, SchedulerOutput
 
 
 class RemainingTokens(QueuePolicy):
-    """Fewest tokens left first: prompt tokens not yet computed plus outputs not yet generated."""
+    """Fewest output tokens left first (each is one decode step)."""
 
     name = "remaining"
 
     def key(self, request) -> tuple:
-        prefill_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
-        return (prefill_left + request.max_new_tokens - request.num_output_tokens,)
+        return (request.max_new_tokens - request.num_output_tokens,)
 
 
 class ShortestRemainingFirst(PagedScheduler):

@@ -27,8 +27,10 @@ from minibatch.clock import CostModel, SimClock, StepShape, WallClock, make_cloc
 from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpeculativeRunner
 
 __all__ = [
-    "Engine", "StepEntry", "StepRecord", "TokenEvent", "EngineConfig", "POLICIES", "PolicySpec", "get_policy", "make_engine", "register_policy",
+    "Engine", "StepEntry", "StepRecord", "TokenEvent",
+    "EngineConfig", "POLICIES", "PolicySpec", "get_policy", "make_engine", "register_policy",
     "Request", "RequestStatus", "SamplingParams", "ModelRunner", "SimExecutor",
-    "OrcaScheduler", "PagedScheduler", "StaticScheduler", "CostModel", "SimClock", "StepShape", "WallClock", "make_clock",
+    "OrcaScheduler", "PagedScheduler", "StaticScheduler",
+    "CostModel", "SimClock", "StepShape", "WallClock", "make_clock",
     "AdaptiveK", "DraftModelProposer", "FixedK", "NgramProposer", "SpeculativeRunner",
 ]

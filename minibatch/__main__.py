@@ -74,7 +74,8 @@ def parse_acceptance_rate(text: str | None) -> float | list[float] | None:
     try:
         rates = [float(x) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"--acceptance-rate must be a number or comma-separated numbers in [0, 1], got {text!r}") from None
+        raise ValueError(f"--acceptance-rate must be a number or comma-separated numbers in [0, 1], "
+                         f"got {text!r}") from None
     if not all(0.0 <= a <= 1.0 for a in rates):
         raise ValueError(f"--acceptance-rate must be in [0, 1], got {text!r}")
     if any(b > a for a, b in zip(rates, rates[1:])):
@@ -86,13 +87,15 @@ def parse_acceptance_rate(text: str | None) -> float | list[float] | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="minibatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compare", help="run one trace through our policies and the Hugging Face peer, on the real model")
+    c = sub.add_parser("compare",
+                       help="run one trace through our policies and the Hugging Face peer, on the real model")
     add_config_options(c, "model")
     s = sub.add_parser("simulate", help="run a trace through our schedulers with no model, on a calibrated clock")
     add_config_options(s, "sim")
     s.add_argument("--acceptance-rate", default=None,
                    help="spec policies: acceptance rate, or comma-separated per-position rates")
-    k = sub.add_parser("calibrate", help="measure step times of a model on this machine and fit the simulator's cost model")
+    k = sub.add_parser("calibrate",
+                       help="measure step times of a model on this machine and fit the simulator's cost model")
     k.add_argument("--model", default=CompareConfig.model, help="as in compare")
     k.add_argument("--device", default="cpu", help="cpu or cuda")
     k.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -102,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--draft-only", default=None, metavar="PROFILE",
                    help="measure only --draft-model and add it to this profile (writes --out or PROFILE)")
     k.add_argument("--refit", default=None, metavar="PROFILE",
-                   help="no measuring: fit this profile's stored samples again with the current code (writes --out or PROFILE)")
+                   help="no measuring: fit this profile's stored samples again with the current code "
+                        "(writes --out or PROFILE)")
     k.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 

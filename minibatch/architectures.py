@@ -100,6 +100,9 @@ POLICIES = ("static", "orca", "paged", "chunked", "spec_ngram")
 PROMPT_LENS = (11, 19, 26)  # all longer than SLIDING_WINDOW
 MAX_NEW_TOKENS = (12, 8, 16)
 CHUNK_BUDGET = 8  # chunked: tokens per step, so every prompt is prefilled in several chunks
+# each policy's options in the check: small KV blocks (paged), small chunks (chunked)
+POLICY_OPTIONS = {"paged": dict(block_size=4), "chunked": dict(block_size=4, max_num_batched_tokens=CHUNK_BUDGET),
+                  "spec_ngram": dict(block_size=4)}
 
 
 @dataclass
@@ -160,10 +163,10 @@ def check_architecture(model_type: str, policies=POLICIES) -> SupportResult:
     requests = support_requests(model)
     refs = reference_outputs(model, requests)
     for policy in policies:
-        engine = make_engine(policy, runner, SimClock(), n_slots=512, block_size=None if policy == "orca" else 4,
-                             max_num_batched_tokens=CHUNK_BUDGET if policy == "chunked" else None)
+        engine = make_engine(policy, runner, SimClock(), n_slots=512, **POLICY_OPTIONS.get(policy, {}))
         done = engine.generate([r.copy() for r in requests])
         result.exact[policy] = all(r.output_token_ids == refs[r.request_id] for r in done)
-        if policy in ("spec", "spec_ngram"):
-            result.num_draft_tokens = engine.executor.stats.num_draft_tokens
+        stats = getattr(engine.executor, "stats", None)
+        if stats is not None:
+            result.num_draft_tokens = stats.num_draft_tokens
     return result

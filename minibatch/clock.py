@@ -52,7 +52,8 @@ class StepShape:
         return cls(**{k: sample[k] for k in cls.__dataclass_fields__ if k in sample})
 
 
-def shape_from_rows(rows: Iterable[tuple[int, int, int]], num_padding_tokens: int = 0, padded: bool = False) -> StepShape:
+def shape_from_rows(rows: Iterable[tuple[int, int, int]], num_padding_tokens: int = 0,
+                    padded: bool = False) -> StepShape:
     """A step's shape from its rows.
 
     rows: one (num_new_tokens, num_computed_tokens before the step, num_logits) per batch row;

@@ -107,13 +107,14 @@ class CompareConfig(EngineConfig):
         names = known if tuple(self.policies) == ("all",) else tuple(self.policies)
         unknown = [p for p in names if p not in known]
         if isinstance(self.policies, str) or unknown or not names:
-            raise ValueError(f"--policies must be a comma-separated subset of {','.join(known)} or 'all', "
-                             f"got {','.join(unknown) if unknown and not isinstance(self.policies, str) else self.policies!r}")
+            got = ",".join(unknown) if unknown and not isinstance(self.policies, str) else repr(self.policies)
+            raise ValueError(f"--policies must be a comma-separated subset of {','.join(known)} or 'all', got {got}")
         if len(set(names)) != len(names):
             raise ValueError(f"--policies lists a policy twice: {','.join(names)}")
         object.__setattr__(self, "policies", names)
         if self.long_prompts > self.num_requests:
-            raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], got {self.long_prompts}")
+            raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], "
+                             f"got {self.long_prompts}")
         check_device(self.device, "--device")
         check_model_name(self.model, "--model")
         if self.draft_model is not None:
@@ -128,7 +129,7 @@ class CompareConfig(EngineConfig):
             if getattr(self, name):
                 check_output_dir(getattr(self, name), opt(name))
         if self.trace is not None:  # a bad trace file fails now; its ids are checked against the vocab later
-            from minibatch.workload import load_trace
+            from minibatch.trace_io import load_trace
 
             load_trace(self.trace)
 
@@ -151,7 +152,8 @@ def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]
     Raises:
         ValueError: a bad trace file (names the file, the request index and the field).
     """
-    from minibatch.workload import load_trace, make_trace
+    from minibatch.trace_io import load_trace
+    from minibatch.workload import make_trace
 
     if cfg.trace is not None:
         return load_trace(cfg.trace, vocab_size=vocab_size)

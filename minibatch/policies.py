@@ -167,7 +167,8 @@ def make_engine(policy: str, executor, clock=None, *, config: EngineConfig | Non
                          (f" (it applies to {','.join(users)})" if known else
                           f"; its options are {','.join(sorted(spec.options))}"))
     if not callable(getattr(executor, "execute", None)):
-        raise FieldTypeError(f"executor must be a ModelRunner or SimExecutor (has execute()), got {type(executor).__name__}")
+        raise FieldTypeError(f"executor must be a ModelRunner or SimExecutor (has execute()), "
+                             f"got {type(executor).__name__}")
     cfg = spec.config(dataclasses.replace((config or EngineConfig()).engine_config(), **options))
     if spec.proposer:
         executor = _speculative_executor(spec, executor, draft_runner, cfg)

@@ -46,8 +46,8 @@ _CHUNK_BYTES = 1 << 20
 
 def default_cache_dir() -> Path:
     """Where ``compare`` keeps reference outputs: ``reference`` under the package's cache folder
-    (``$MINIBATCH_CACHE``, else ``~/.cache/minibatch``; see ``models.cache_dir``). Creates nothing."""
-    from minibatch.models import cache_dir
+    (``$MINIBATCH_CACHE``, else ``~/.cache/minibatch``; see ``hf_load.cache_dir``). Creates nothing."""
+    from minibatch.hf_load import cache_dir
 
     return cache_dir() / "reference"
 

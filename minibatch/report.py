@@ -56,8 +56,9 @@ def print_table(result: dict) -> None:
     for a in [name for name, entry in p.items() if "spec_decoding" in entry]:
         if "paged" in p:
             st = p[a]["spec_decoding"]
-            print(f"{a} / paged output throughput: {p[a]['output_throughput_tok_s'] / p['paged']['output_throughput_tok_s']:.2f}x "
-                  f"(acceptance rate {st['acceptance_rate']:.1%}, mean acceptance length {st['mean_acceptance_length']:.2f})")
+            ratio = p[a]["output_throughput_tok_s"] / p["paged"]["output_throughput_tok_s"]
+            print(f"{a} / paged output throughput: {ratio:.2f}x (acceptance rate {st['acceptance_rate']:.1%}, "
+                  f"mean acceptance length {st['mean_acceptance_length']:.2f})")
     if "chunked" in p and "prefill_first" in p and p["chunked"]["itl_p99_s"]:
         print(f"prefill_first / chunked ITL p99: {p['prefill_first']['itl_p99_s'] / p['chunked']['itl_p99_s']:.2f}x")
 
@@ -75,7 +76,8 @@ def save_figures(runs: dict, figures_dir: str) -> list[str]:
         fig = compare_gantt(engines, rows="row", x="time")
         paths.append(save(fig, "compare_gantt", figures_dir))
         plt.close(fig)
-    paged = {name: run.engine for name, run in runs.items() if isinstance(getattr(run.engine, "scheduler", None), PagedScheduler)}
+    paged = {name: run.engine for name, run in runs.items()
+             if isinstance(getattr(run.engine, "scheduler", None), PagedScheduler)}
     if paged:
         fig, axes = plt.subplots(1, len(paged), figsize=(6 * len(paged), 4), layout="constrained", squeeze=False)
         for ax, (name, eng) in zip(axes[0], paged.items()):

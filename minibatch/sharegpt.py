@@ -64,13 +64,13 @@ def select_prompts(tokenizer, seed: int = 0, num_eval: int = 64, num_train: int 
     """(held_out, train): disjoint lists of (pair index, chat prompt ids) from the first human turns.
 
     Pairs are shuffled with ``seed``; non-empty turns whose chat prompt (the tokenizer's chat
-    template, ``workload.chat_prompt_ids``) has at most ``max_prompt_len`` tokens are kept in that
+    template, ``prompts.chat_prompt_ids``) has at most ``max_prompt_len`` tokens are kept in that
     order; the first ``num_eval`` are held out (the draft model never trains on them), the next
     ``num_train`` train it (``scripts/train_draft.py``).
     """
     import numpy as np
 
-    from minibatch.workload import chat_prompt_ids
+    from minibatch.prompts import chat_prompt_ids
 
     pairs, _ = human_gpt_pairs()
     chosen: list[tuple[int, list[int]]] = []

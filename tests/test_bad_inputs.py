@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecutor, files, make_engine, models
+from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecutor, files, gguf, make_engine, models
 from minibatch.__main__ import main
 from minibatch.compare import CompareConfig, build_trace
 from minibatch.reference import reference_outputs
@@ -32,7 +32,7 @@ from minibatch.kv import BlockManager
 from minibatch.models import load_model
 from minibatch.sim.cost_model import LayoutModel, Profile
 from minibatch.viz.chrome_trace import write_chrome_trace
-from minibatch.workload import TRACE_FORMAT, load_trace, save_trace
+from minibatch.trace_io import TRACE_FORMAT, load_trace, save_trace
 
 GREEDY = SamplingParams(ignore_eos=True)
 
@@ -289,7 +289,8 @@ def test_kv_cache_larger_than_memory_is_a_clear_error(tiny):
     ("num_requests", 0, "--num-requests"), ("num_requests", 10**9, "--num-requests"),
     ("num_requests", 2.5, "--num-requests"), ("rate", 0, "--rate"), ("rate", math.inf, "--rate"),
     ("rate", math.nan, "--rate"), ("rate", "fast", "--rate"), ("seed", -1, "--seed"), ("seed", 2**40, "--seed"),
-    ("batch_size", 0, "--batch-size"), ("max_num_seqs", 10**9, "--max-num-seqs"), ("max_wait_s", math.inf, "--max-wait-s"),
+    ("batch_size", 0, "--batch-size"), ("max_num_seqs", 10**9, "--max-num-seqs"),
+    ("max_wait_s", math.inf, "--max-wait-s"),
     ("max_wait_s", -0.5, "--max-wait-s"), ("max_prompt_len", 0, "--max-prompt-len"),
     ("max_output_len", 10**9, "--max-output-len"), ("output_scale", 0, "--output-scale"),
     ("n_slots", 0, "--n-slots"), ("n_slots", 10**9, "--n-slots"), ("n_slots", 1.5, "--n-slots"),
@@ -297,8 +298,10 @@ def test_kv_cache_larger_than_memory_is_a_clear_error(tiny):
     ("max_num_batched_tokens", 0, "--max-num-batched-tokens"), ("target_itl_s", 0, "--target-itl-s"),
     ("target_itl_s", math.inf, "--target-itl-s"), ("aging_s", -1, "--aging-s"),
     ("long_prompts", -1, "--long-prompts"), ("long_prompt_len", 0, "--long-prompt-len"),
-    ("num_speculative_tokens", 0, "--num-speculative-tokens"), ("num_speculative_tokens", 10**6, "--num-speculative-tokens"),
-    ("slo_ttft_s", 0, "--slo-ttft-s"), ("slo_tpot_s", math.nan, "--slo-tpot-s"), ("slo_ttft_s", math.inf, "--slo-ttft-s"),
+    ("num_speculative_tokens", 0, "--num-speculative-tokens"),
+    ("num_speculative_tokens", 10**6, "--num-speculative-tokens"),
+    ("slo_ttft_s", 0, "--slo-ttft-s"), ("slo_tpot_s", math.nan, "--slo-tpot-s"),
+    ("slo_ttft_s", math.inf, "--slo-ttft-s"),
     ("arrival", "uniform", "--arrival"), ("clock", "sundial", "--clock"), ("device", "tpu", "--device"),
     ("device", "cuda:7", "--device"), ("preemption_mode", "drop", "--preemption-mode"),
     ("attention_backend", "cuda", "--attention-backend"), ("queue_policy", "lifo", "--queue-policy"),
@@ -357,7 +360,8 @@ def run_cli(argv, capsys):
     (["compare", "--draft-model", "nope"], "--draft-model"),
     (["simulate", "--profile", "/no/such.json"], "--profile"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--acceptance-rate", "1.5"], "--acceptance-rate"),
-    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--acceptance-rate", "0.3,0.6"], "non-increasing"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--acceptance-rate", "0.3,0.6"],
+     "non-increasing"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--acceptance-rate", "x"], "--acceptance-rate"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "hf_generate"], "--policies"),
     (["calibrate", "--scale", "0"], "--scale"),
@@ -391,7 +395,7 @@ def test_cli_checks_output_paths_before_loading_a_model(tmp_path, capsys, monkey
 
 def test_cli_run_time_input_error_is_one_line(tmp_path, capsys):
     """A trace whose ids the model cannot embed is found after the model loads, before any run."""
-    from minibatch.workload import save_trace
+    from minibatch.trace_io import save_trace
 
     path = tmp_path / "t.json"
     save_trace([Request("a", [1, 2, 9999], 3, GREEDY)], path)
@@ -892,7 +896,7 @@ def fake_cache(tmp_path, monkeypatch):
         conversions.append(1)
         return models.load_model("tiny-random-llama")
 
-    monkeypatch.setattr(models, "load_smollm2_from_gguf", fake_gguf)
+    monkeypatch.setattr(gguf, "load_smollm2_from_gguf", fake_gguf)
     return conversions
 
 
@@ -918,7 +922,7 @@ def test_stale_temp_dirs_are_removed_live_ones_kept(tmp_path, fake_cache):
     _old(dead_old), _old(live), _old(other)
     with open(live / ".lock") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)
-        models._load_smollm2()
+        gguf.load_smollm2()
         assert sorted(p.name for p in tmp_path.iterdir()) == \
                sorted([fresh.name, live.name, other.name, "smollm2-135m-instruct"])
     assert fake_cache == [1]
@@ -933,12 +937,12 @@ def test_a_conversion_holds_its_lock_while_writing(fake_cache, tmp_path, monkeyp
 
     def spy(self, directory, *args, **kwargs):
         _old(Path(directory))
-        seen.append((models._is_stale_temp_dir(Path(directory)), models._remove_stale_temp_dirs(
-            models.smollm2_cache_path())))
+        seen.append((gguf._is_stale_temp_dir(Path(directory)), gguf._remove_stale_temp_dirs(
+            gguf.smollm2_cache_path())))
         return save(self, directory, *args, **kwargs)
 
     monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", spy)
-    models._load_smollm2()
+    gguf.load_smollm2()
     assert seen == [(False, [])]
     assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m-instruct"]
     assert not (tmp_path / "smollm2-135m-instruct" / ".lock").exists()
@@ -960,13 +964,13 @@ def test_killed_conversion_leaves_a_dir_the_next_load_removes(fake_cache, tmp_pa
         stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "locked"
-        assert models._remove_stale_temp_dirs(models.smollm2_cache_path()) == []  # alive: kept
+        assert gguf._remove_stale_temp_dirs(gguf.smollm2_cache_path()) == []  # alive: kept
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     finally:
         child.kill()
         child.stdout.close()
-    models._load_smollm2()
+    gguf.load_smollm2()
     assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m-instruct"]
 
 
@@ -989,38 +993,38 @@ DAMAGE = {  # case -> (damage(path), words of the problem)
 
 @pytest.mark.parametrize("case", DAMAGE)
 def test_damaged_cache_entry_is_converted_again(fake_cache, tmp_path, case, capsys):
-    models._load_smollm2()
-    entry = models.smollm2_cache_path()
+    gguf.load_smollm2()
+    entry = gguf.smollm2_cache_path()
     damage, words = DAMAGE[case]
     damage(entry)
-    assert words in models.cache_entry_problem(entry)
-    model, _ = models._load_smollm2()
-    assert fake_cache == [1, 1] and models.cache_entry_problem(entry) is None
+    assert words in gguf.cache_entry_problem(entry)
+    model, _ = gguf.load_smollm2()
+    assert fake_cache == [1, 1] and gguf.cache_entry_problem(entry) is None
     err = capsys.readouterr().err
     assert str(entry) in err and words in err and len(err.strip().splitlines()) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m-instruct"]
 
 
 def test_damaged_cache_that_cannot_be_removed_names_the_directory(fake_cache, monkeypatch):
-    models._load_smollm2()
-    entry = models.smollm2_cache_path()
+    gguf.load_smollm2()
+    entry = gguf.smollm2_cache_path()
     _truncate(entry)
 
     def refuse(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(models.os, "replace", refuse)
+    monkeypatch.setattr(gguf.os, "replace", refuse)
     with pytest.raises(ValueError, match="delete that directory") as info:
-        models._load_smollm2()
+        gguf.load_smollm2()
     assert str(entry) in str(info.value) and "model.safetensors" in str(info.value)
 
 
 def test_cache_that_looks_complete_but_fails_to_load_names_the_directory(fake_cache):
-    models._load_smollm2()
-    entry = models.smollm2_cache_path()
+    gguf.load_smollm2()
+    entry = gguf.smollm2_cache_path()
     (entry / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
     with pytest.raises(ValueError, match="delete that directory") as info:
-        models._load_smollm2()
+        gguf.load_smollm2()
     assert str(entry) in str(info.value)
 
 

@@ -94,7 +94,8 @@ def long_prompt_trace(n_short=6, long_len=300, short_len=20, out_len=30):
 
 def test_chunked_decodes_never_stall_and_budget_is_split():
     budget = 64
-    engine = make_engine("chunked", SimExecutor(), SimClock(), max_num_seqs=16, n_slots=4096, max_num_batched_tokens=budget)
+    engine = make_engine("chunked", SimExecutor(), SimClock(), max_num_seqs=16, n_slots=4096,
+                         max_num_batched_tokens=budget)
     engine.generate(long_prompt_trace())
     long_steps = 0
     for rec in engine.trace:

@@ -10,11 +10,11 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from minibatch.lessons.contiguous import (  # noqa: E402
-    DEMO_EVENTS, SMOLLM2_135M_KV_BYTES_PER_TOKEN, ContiguousAllocator, Event, FragmentationError,
-    OutOfSlotsError, PagedAllocator, compaction_bytes, fragmentation_demo, kv_bytes_per_token,
-    plot_demo, print_demo,
+from minibatch.kv.contiguous import (  # noqa: E402
+    SMOLLM2_135M_KV_BYTES_PER_TOKEN, ContiguousAllocator, FragmentationError, OutOfSlotsError, PagedAllocator,
+    compaction_bytes, kv_bytes_per_token,
 )
+from minibatch.lessons.contiguous import DEMO_EVENTS, Event, fragmentation_demo, plot_demo, print_demo  # noqa: E402
 
 
 def demo_state() -> ContiguousAllocator:

@@ -15,17 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers from lowest to highest; a module may import its own layer and the ones before it. Names are relative to
 # the package ("__init__" is minibatch/__init__.py); a name covers its submodules, the longest matching name wins.
 LAYERS = {
-    # request types, argument checks and configs, atomic files; workload builds Requests from these only
-    "base": "request checks files config workload",
+    # request types, argument checks and configs, atomic files; prompt text, trace files and workload build
+    # Requests from these only
+    "base": "request checks files config prompts trace_io workload",
     "kv": "kv",  # block manager: free list, prefix hashing
     "scheduler": "scheduler",  # plans (SchedulerOutput) and results (StepResult); no tensors
-    # clocks and step shapes; execute a plan on a model; speculation; Triton kernels; model loading
-    "runner": "clock runner spec models kernels",
-    "engine": "engine metrics",  # Engine.step(); metrics reads only the engine's StepRecords
+    # clocks and step shapes; execute a plan on a model; speculation; Triton kernels; model loading (models, the
+    # SmolLM2 GGUF conversion and cache in gguf, quiet from_pretrained and the cache root in hf_load)
+    "runner": "clock runner spec hf_load gguf models kernels",
+    "engine": "records engine metrics",  # StepRecords; Engine.step(); metrics reads only the records
     "viz": "viz",  # plots, KV maps, Chrome traces, step widget: read records and requests
     "policies": "policies",  # the policy table, make_engine
     # the simulator's executor and cost model; the package facade re-exports up to here
-    "sim": "sim.executor sim.cost_model sim __init__",
+    "sim": "sim.executor sim.cost_model sim.profile_format sim __init__",
     # experiments: run(), compare, HF baselines, reference outputs, reports, calibration and validation
     "experiment": "experiment compare baselines sharegpt reference report architectures sim.calibrate "
                   "sim.validate sim.simulator",

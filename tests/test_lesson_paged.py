@@ -63,7 +63,8 @@ def test_expected_paged_waste_is_exact_without_preemption():
     reqs = sharegpt_trace(20)
     row = reservation_vs_paged(reqs, SimExecutor(), SimClock, 1 << 16, max_num_seqs=64, policies=("paged",))
     assert row["policies"]["paged"]["num_preemptions"] == 0
-    assert row["policies"]["paged"]["kv_waste_fraction"] == pytest.approx(expected_kv_waste(reqs, "paged", 16), abs=1e-12)
+    assert row["policies"]["paged"]["kv_waste_fraction"] == pytest.approx(
+        expected_kv_waste(reqs, "paged", 16), abs=1e-12)
 
 
 def test_orca_max_reserves_what_it_says():
@@ -120,7 +121,8 @@ def test_system_and_user_ids_split_a_chat_rendering():
         chat_template = "fake"
 
         def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
-            return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+            text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+            return text + ("<assistant>" if add_generation_prompt else "")
 
         def encode(self, text, add_special_tokens=False):
             return [ord(c) for c in text]

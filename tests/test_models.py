@@ -1,4 +1,4 @@
-"""models.py: offline loading of the tiny random models and of SmolLM2-135M (GGUF -> cache).
+"""models.py and gguf.py: offline loading of the tiny random models and of SmolLM2-135M (GGUF -> cache).
 
 The SmolLM2 tests use the real cache (``$MINIBATCH_CACHE`` or ``~/.cache/minibatch``) so the
 ~20 s GGUF conversion happens at most once per machine; the tiny-model tests take milliseconds.
@@ -9,10 +9,9 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from minibatch import models
-from minibatch.models import (
-    MODEL_NAMES, load_model, load_smollm2_from_gguf, model_tag, smollm2_cache_path, tiny_tokenizer,
-)
+from minibatch import gguf
+from minibatch.gguf import load_smollm2_from_gguf, smollm2_cache_path
+from minibatch.models import MODEL_NAMES, load_model, model_tag, tiny_tokenizer
 
 TINY = ("tiny-random-llama", "tiny-random-gpt2")
 
@@ -106,7 +105,7 @@ def test_conversion_is_atomic(tmp_path, monkeypatch):
     Uses the tiny model in place of the GGUF so it runs in milliseconds.
     """
     monkeypatch.setenv("MINIBATCH_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "load_smollm2_from_gguf", lambda: load_model("tiny-random-llama"))
+    monkeypatch.setattr(gguf, "load_smollm2_from_gguf", lambda: load_model("tiny-random-llama"))
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt
@@ -153,12 +152,10 @@ def test_smollm2_loads_and_generates_deterministically(smollm2):
 
 def test_smollm2_second_load_uses_the_cache(smollm2, monkeypatch):
     """Once converted, loading never touches the GGUF again (that is what makes it take ~1 s)."""
-    import minibatch.models
-
     def no_gguf(*args, **kwargs):
         raise AssertionError("the GGUF was read although the cache exists")
 
-    monkeypatch.setattr(minibatch.models, "load_smollm2_from_gguf", no_gguf)
+    monkeypatch.setattr(gguf, "load_smollm2_from_gguf", no_gguf)
     model, tokenizer = load_model("smollm2-135m")
     assert greedy(model, tokenizer) == smollm2[2]
 

@@ -5,7 +5,8 @@ the scheduler's promises (no request lost or duplicated, admission by free block
 import pytest
 import torch
 
-from minibatch import ModelRunner, OrcaScheduler, PagedScheduler, Request, SamplingParams, SimClock, SimExecutor, make_engine
+from minibatch import (ModelRunner, OrcaScheduler, PagedScheduler, Request, SamplingParams, SimClock, SimExecutor,
+                       make_engine)
 from minibatch.reference import reference_outputs
 from minibatch.engine import Engine
 from minibatch.models import load_model
@@ -21,7 +22,8 @@ def setup(paged_setup):
 
 
 def make_requests(prompts, sampling=GREEDY, gap_s=0.01):
-    return [Request(f"r{i}", p, n, sampling, arrival_time_s=gap_s * i) for i, (p, n) in enumerate(zip(prompts, MAX_NEW))]
+    return [Request(f"r{i}", p, n, sampling, arrival_time_s=gap_s * i)
+            for i, (p, n) in enumerate(zip(prompts, MAX_NEW))]
 
 
 def run(runner, prompts, policy="paged", gap_s=0.01, **kwargs):
@@ -120,8 +122,8 @@ def test_fork_sampling_equals_independent_requests(setup):
 def sim_requests(n=60, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [
-        Request(f"q{i}", [1] * int(torch.randint(1, 60, (1,), generator=g)), int(torch.randint(1, 80, (1,), generator=g)),
-                GREEDY, arrival_time_s=0.005 * i)
+        Request(f"q{i}", [1] * int(torch.randint(1, 60, (1,), generator=g)),
+                int(torch.randint(1, 80, (1,), generator=g)), GREEDY, arrival_time_s=0.005 * i)
         for i in range(n)
     ]
 

@@ -10,7 +10,6 @@ distribution is checked here.
 
 import numpy as np
 import pytest
-import torch
 
 from minibatch import ModelRunner, Request, SamplingParams
 from minibatch.engine import Engine

@@ -6,7 +6,7 @@ import torch
 
 from minibatch import ModelRunner, Request, SamplingParams, SimClock, make_engine
 from minibatch.models import load_model
-from minibatch.workload import chat_prompt_ids, demo_prompts
+from minibatch.prompts import chat_prompt_ids, demo_prompts
 
 
 @pytest.fixture(scope="module")

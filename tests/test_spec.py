@@ -64,7 +64,8 @@ def test_stats_meanings():
     assert st.mean_acceptance_length == pytest.approx(1 + 5 / 3)
     assert st.num_accepted_tokens_per_pos == [2, 1, 1, 1]
     assert st.acceptance_rate_per_pos == pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3])
-    assert st.conditional_acceptance_per_pos == pytest.approx([2 / 3, 1 / 3, 1 / 2, 1 / 2])  # drafted per pos: 3, 3, 2, 2
+    # drafted per position: 3, 3, 2, 2
+    assert st.conditional_acceptance_per_pos == pytest.approx([2 / 3, 1 / 3, 1 / 2, 1 / 2])
 
 
 def test_processed_probs_consistent_with_sampler():
@@ -90,9 +91,9 @@ def test_wrong_sampler_is_caught():
 def _small_vocab_models(vocab: int = 5):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.3, pad_token_id=0,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, initializer_range=0.3,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(0)
     target = LlamaForCausalLM(cfg).eval()
     torch.manual_seed(1)
@@ -125,7 +126,8 @@ def test_engine_sampled_spec_matches_target_distribution(one_thread, sampler, ok
     elsewhere) is still exact: the residual max(p - q, 0) covers the other tokens."""
     target, draft = _small_vocab_models()
     prompt, n, temp = [1, 3, 4], 20_000, 1.0
-    spec = SpeculativeRunner(ModelRunner(target), DraftModelProposer(ModelRunner(draft, vocab_subset=subset)), FixedK(2))
+    spec = SpeculativeRunner(ModelRunner(target), DraftModelProposer(ModelRunner(draft, vocab_subset=subset)),
+                             FixedK(2))
     spec.rejection_sampler = sampler
     sched = PagedScheduler(max_num_seqs=1024, num_blocks=1024, block_size=8, num_lookahead_tokens=2)
     spec.allocate_kv_cache(1024, 8)
@@ -134,7 +136,8 @@ def test_engine_sampled_spec_matches_target_distribution(one_thread, sampler, ok
     counts = np.zeros(5 ** 4)
     for r in reqs:
         counts[np.ravel_multi_index(r.output_token_ids, (5,) * 4)] += 1
-    assert spec.stats.num_drafts >= n and 0.05 < spec.stats.acceptance_rate < 0.95  # drafts really were rejected and accepted
+    # drafts really were rejected and accepted
+    assert spec.stats.num_drafts >= n and 0.05 < spec.stats.acceptance_rate < 0.95
     p = chi_square_pvalue(counts, _exact_joint(target, prompt, 4, temp) * n)
     assert (p > 1e-3) if ok else (p < 1e-6)
 
@@ -152,7 +155,8 @@ def _engine(model, proposer, speculator, num_blocks=64, block_size=4, max_num_se
 
 
 def _requests(prompts, max_new=MAX_NEW, **kw):
-    return [Request(f"r{i}", p, n, SamplingParams(ignore_eos=True), **kw) for i, (p, n) in enumerate(zip(prompts, max_new))]
+    return [Request(f"r{i}", p, n, SamplingParams(ignore_eos=True), **kw)
+            for i, (p, n) in enumerate(zip(prompts, max_new))]
 
 
 _LONG_REFS: dict = {}
@@ -196,7 +200,8 @@ def test_greedy_spec_equals_hf_generate(one_thread, paged_setup, proposer_kind, 
 def test_batch_one_and_mixed_requests(one_thread, paged_setup):
     """Batch 1, and a batch where some requests never speculate (k = 0) next to ones that do."""
     model, runner, prompts, refs = paged_setup
-    engine, spec, _ = _engine(model, DraftModelProposer(ModelRunner(perturbed(model, 0.004))), FixedK(3), max_num_seqs=1)
+    engine, spec, _ = _engine(model, DraftModelProposer(ModelRunner(perturbed(model, 0.004))), FixedK(3),
+                              max_num_seqs=1)
     assert {r.request_id: r.output_token_ids for r in engine.generate(_requests(prompts))} == refs
     engine, spec, _ = _engine(model, DraftModelProposer(ModelRunner(perturbed(model, 0.004))), FixedK(3))
     reqs = _requests(prompts)

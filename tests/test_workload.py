@@ -1,4 +1,5 @@
-"""Tests for minibatch.workload: arrivals, length distributions, traces, save/load."""
+"""Tests for minibatch.workload (arrivals, length distributions, traces), minibatch.prompts and
+minibatch.trace_io (save/load)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minibatch.prompts import chat_prompt_ids, demo_prompts
 from minibatch.request import Request, SamplingParams
+from minibatch.trace_io import TRACE_FORMAT, load_trace, save_trace
 from minibatch.workload import (
     SHAREGPT_LENGTHS_PATH,
-    TRACE_FORMAT,
     arrivals_at_zero,
-    chat_prompt_ids,
-    demo_prompts,
     fixed_lengths,
     gamma_arrivals,
     load_sharegpt_lengths,
-    load_trace,
     make_trace,
     poisson_arrivals,
-    save_trace,
     sharegpt_lengths,
     uniform_lengths,
 )

@@ -377,7 +377,8 @@ class BlockManager:
                 holders[b] = holders.get(b, 0) + 1
         assert all(b < self._next_fresh for b in holders), "a never-used block is held"
         for block in self.blocks.values():
-            assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders.get(block.block_id, 0)} tables"
+            assert block.ref_cnt == holders.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {holders.get(block.block_id, 0)} tables")
             assert (block.ref_cnt == 0) == self.is_free(block.block_id), f"block {block.block_id} free-list mismatch"
         assert len(self.blocks) == self._next_fresh, "a used block has no KVBlock"
         for h, b in self.cached_blocks.items():

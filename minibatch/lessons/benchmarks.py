@@ -110,7 +110,7 @@ def plot_rate_sweep(rows: list[dict], y: str = "e2e_p99_s", ax=None, title: str 
     """Output throughput (x) against ``y`` (a latency), one line per setup, a point per rate."""
     import matplotlib.pyplot as plt
 
-    from minibatch.viz.plots import POLICY_COLORS
+    from minibatch.viz.results import POLICY_COLORS
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 4), layout="constrained")

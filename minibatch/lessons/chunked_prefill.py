@@ -115,7 +115,7 @@ def plot_itl_timeline(runs: dict[str, list[Request]], ax=None, mark_s: float | N
     prompt's prefill shows as a spike shared by every decoding request. Returns the Axes."""
     import matplotlib.pyplot as plt
 
-    from minibatch.viz.plots import policy_colors
+    from minibatch.viz.results import policy_colors
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 3.5), layout="constrained")

@@ -509,7 +509,7 @@ def print_block_tables(trace: list[StepRecord], num_blocks: int, steps=None) -> 
     request holds during the step, and who was preempted (before it ran) or finished in it."""
     for record in trace if steps is None else [trace[i] for i in steps]:
         used = {b for t in record.block_tables.values() for b in t}
-        tables = "  ".join(f"{rid} {t}" for rid, t in record.block_tables.items())
+        tables = "  ".join(f"{rid} {list(t)}" for rid, t in record.block_tables.items())
         notes = "".join(f"  {what} {','.join(ids)}" for what, ids in
                         (("preempted", record.preempted), ("finished", record.finished)) if ids)
         print(f"step {record.step:>2}: {tables}  | free {num_blocks - len(used)}{notes}")

@@ -24,7 +24,8 @@ from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
 from minibatch.sim.executor import SimExecutor
 from minibatch.clock import SimClock, WallClock
-from minibatch.workload import chat_prompt_ids, sharegpt_lengths
+from minibatch.prompts import chat_prompt_ids
+from minibatch.workload import sharegpt_lengths
 
 
 def chat_requests(tokenizer, prompts: list[str], output_lens: list[int],

@@ -96,7 +96,8 @@ def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor, backend: st
         start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
         if end > r.num_tokens:
             raise ValueError(f"request {r.request_id!r}: {end} tokens scheduled, only {r.num_tokens} known")
-        ids = (r.prompt_token_ids if end <= r.num_prompt_tokens else r.all_token_ids)[start:end] + list(s.spec_token_ids)
+        known = r.prompt_token_ids if end <= r.num_prompt_tokens else r.all_token_ids
+        ids = known[start:end] + list(s.spec_token_ids)
         num_logits = 1 + len(s.spec_token_ids) if end == r.num_tokens else 0  # reaches its last token: sample
         seqs.append(PackedSequence(r.request_id, ids, start, out.block_tables[r.request_id], num_logits))
     return pack_sequences(seqs, kv_cache, backend)

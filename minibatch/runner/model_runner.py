@@ -76,7 +76,8 @@ class ModelRunner(KVOwnership):
         self.attention_backend = attention_backend
         self.sampler = Sampler()
         self._static: dict | None = None  # the running padded batch (static batching)
-        self.vocab_subset = None if vocab_subset is None else torch.as_tensor(vocab_subset, dtype=torch.long, device=self.device)
+        self.vocab_subset = (None if vocab_subset is None
+                             else torch.as_tensor(vocab_subset, dtype=torch.long, device=self.device))
         if self.vocab_subset is not None:  # the LM head's rows for those ids, contiguous (read once per step)
             head = model.get_output_embeddings()
             self._subset_weight = head.weight.detach()[self.vocab_subset].contiguous()
@@ -165,11 +166,13 @@ class ModelRunner(KVOwnership):
                       position_ids=batch.positions[None],  # (1, num_tokens)
                       attn_metadata=batch.attn_metadata, use_cache=False)
         if self.vocab_subset is None:
-            logits = self.model(**inputs, logits_to_keep=batch.logits_indices).logits[0]  # only rows we sample from hit the LM head
+            # only the rows we sample from go through the LM head
+            logits = self.model(**inputs, logits_to_keep=batch.logits_indices).logits[0]
             return logits, batch.sample_request_ids  # (num_logits, vocab_size)
         hidden = self.model.base_model(**inputs).last_hidden_state[0, batch.logits_indices]  # (num_logits, hidden)
         sub = torch.nn.functional.linear(hidden, self._subset_weight, self._subset_bias)
-        logits = torch.full((hidden.shape[0], self.model.config.vocab_size), float("-inf"), dtype=sub.dtype, device=sub.device)
+        logits = torch.full((hidden.shape[0], self.model.config.vocab_size), float("-inf"),
+                            dtype=sub.dtype, device=sub.device)
         logits[:, self.vocab_subset] = sub
         return logits, batch.sample_request_ids
 

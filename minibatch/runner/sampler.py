@@ -55,7 +55,8 @@ class Sampler:
         probs = filter_logits(logits.float(), params).softmax(-1)
         return int(torch.multinomial(probs, 1, generator=gen))
 
-    def sample_batch(self, request_ids: list[str], logits: torch.Tensor, params: list[SamplingParams]) -> dict[str, int]:
+    def sample_batch(self, request_ids: list[str], logits: torch.Tensor,
+                     params: list[SamplingParams]) -> dict[str, int]:
         """logits: (num_requests, vocab_size). Greedy rows share one argmax call."""
         greedy = logits.argmax(-1).tolist()
         return {

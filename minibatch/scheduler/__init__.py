@@ -7,6 +7,7 @@ from minibatch.scheduler.paged import PagedScheduler
 from minibatch.scheduler.queue_policy import FCFS, SJF, Priority, QueuePolicy, make_queue_policy
 from minibatch.scheduler.static import StaticScheduler
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "StepResult", "OrcaScheduler", "PagedScheduler", "StaticScheduler",
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "StepResult",
+           "OrcaScheduler", "PagedScheduler", "StaticScheduler",
            "PrefillFirstScheduler", "ChunkedPrefillScheduler", "AdaptiveChunker",
            "QueuePolicy", "FCFS", "SJF", "Priority", "make_queue_policy"]

@@ -173,7 +173,8 @@ class AdaptiveChunker:
         if not 1 <= min_chunk <= max_chunk:
             raise ValueError(f"need 1 <= min_chunk <= max_chunk, got min_chunk={min_chunk}, max_chunk={max_chunk}")
         if window < 3 or not 3 <= min_samples <= window:
-            raise ValueError(f"need window >= 3 and 3 <= min_samples <= window, got window={window}, min_samples={min_samples}")
+            raise ValueError(f"need window >= 3 and 3 <= min_samples <= window, "
+                             f"got window={window}, min_samples={min_samples}")
         if prior is None:
             prior = DEFAULT_PRIOR
         if len(prior) != 3 or prior[1] <= 0 or min(prior) < 0:

@@ -182,7 +182,8 @@ class PagedScheduler(Scheduler):
     def allocate(self, req: Request, n: int, hits=None, use_watermark: bool = False):
         """Blocks for ``n`` new tokens and the lookahead slots; returns the copy-on-write copies, or
         None if they do not fit (see ``BlockManager.allocate_slots``)."""
-        return self.block_manager.allocate_slots(req, self.with_lookahead(req, n), hits or (), use_watermark=use_watermark)
+        return self.block_manager.allocate_slots(req, self.with_lookahead(req, n), hits or (),
+                                                 use_watermark=use_watermark)
 
     def service_order(self, running: list[Request]) -> list[Request]:
         """The order running requests get tokens and blocks (default: queue-policy order)."""
@@ -190,7 +191,6 @@ class PagedScheduler(Scheduler):
 
     def schedule_running(self, out: SchedulerOutput) -> None:
         """Stage 1: running requests get their new tokens' blocks, preempting the lowest-ranked."""
-        bm = self.block_manager
         self.running.sort(key=self.sort_key)
         planned = {s.request_id for s in out.scheduled}  # admitted earlier in this step (a reordered schedule)
         for req in self.service_order(list(self.running)):

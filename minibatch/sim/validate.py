@@ -52,7 +52,8 @@ def measure_policy(policy: str, cfg, runner, requests, draft_runner=None) -> dic
     steps = [[getattr(StepShape.of(r), f) for f in STEP_FIELDS[:-1]] + [round(r.duration_s * 1e6)]
              for r in engine.trace]
     row = {"policy": policy, "padded": padded,
-           "measured": {m: measured[m] for m in METRICS} | {"num_steps": len(engine.trace), "duration_s": measured["duration_s"]},
+           "measured": {m: measured[m] for m in METRICS}
+                       | {"num_steps": len(engine.trace), "duration_s": measured["duration_s"]},
            "steps": steps}
     if get_policy(policy).proposer:
         acceptance, proposal = measured_speculation(engine)

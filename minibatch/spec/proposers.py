@@ -160,7 +160,8 @@ class DraftModelProposer:
             seqs.append(PackedSequence(d.request_id, d.token_ids[valid:c + 1], valid, list(d.block_table), 1))
         self.forwards = []
         while seqs:
-            self.forwards.append((len(seqs), sum(len(q.token_ids) for q in seqs), sum(q.start + len(q.token_ids) for q in seqs)))
+            self.forwards.append((len(seqs), sum(len(q.token_ids) for q in seqs),
+                                  sum(q.start + len(q.token_ids) for q in seqs)))
             logits, rids = self.runner.forward_sequences(seqs)  # (len(seqs), vocab_size)
             nxt = []
             for row, (seq, rid) in enumerate(zip(seqs, rids)):

@@ -3,7 +3,7 @@
 * :func:`gantt`: the schedule picture of the Orca paper (Yu et al., OSDI'22): one row per batch
   row (or per request), one column per step (or the step's time span), each cell colored by
   what that row did in that step. :func:`compare_gantt` stacks policies on one x axis.
-* :func:`latency_cdf`, :func:`throughput_latency_bars`: compare policies.
+* the policy comparisons (latency CDFs, throughput bars) are in ``minibatch.viz.results``.
 * :func:`save`: ``figures/NAME.png``.
 """
 
@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import matplotlib.pyplot as plt
-import numpy as np
 from matplotlib.collections import PolyCollection
 from matplotlib.patches import Patch
 
 from minibatch.engine import StepRecord
-from minibatch.metrics import BenchmarkSummary, request_metrics
 from minibatch.request import Request
 
 # Okabe-Ito colors (colorblind-safe), fixed once so every notebook's figures agree.
@@ -37,11 +35,6 @@ PALETTE = {
 HATCH = {"padding": "////", "chunk": "..."}
 MERGE_ABOVE_STEPS = 150  # wider traces draw runs of cells as one rectangle (cells < ~5 px)
 CELL_KINDS = tuple(PALETTE)
-# Policies keep one color in every figure; other names take the next free color in order.
-POLICY_COLORS = {"static": "#D55E00", "orca": "#0072B2", "paged": "#009E73", "chunked": "#CC79A7"}
-_EXTRA_COLORS = ("#E69F00", "#56B4E9", "#000000", "#F0E442")
-_UNITS = {"ttft": ("TTFT", "s", 1.0), "e2e": ("E2E latency", "s", 1.0),
-          "tpot": ("TPOT", "ms", 1e3), "itl": ("ITL", "ms", 1e3)}
 
 
 class Cell(NamedTuple):
@@ -62,7 +55,8 @@ def short_id(request_id: str) -> str:
 
 
 def row_names(trace: list[StepRecord], rows: str = "row", requests: list[Request] | None = None) -> list[str]:
-    """Gantt row names, top first: "row 0".. (up to the largest batch row used) or request ids (``requests`` order, then first appearance).
+    """Gantt row names, top first: "row 0".. (up to the largest batch row used) or request ids
+    (``requests`` order, then first appearance).
     Raises ValueError unless rows is "row" or "request"."""
     if rows not in ("row", "request"):
         raise ValueError(f"rows must be 'row' or 'request', got {rows!r}")
@@ -223,76 +217,6 @@ def compare_gantt(traces: dict[str, list[StepRecord]], rows: str = "row", x: str
     ends = [t[-1].step + 1 if x == "step" else t[-1].end_s for t in traces.values() if t]
     axes[0, 0].set_xlim(0, max(ends, default=1.0))
     return fig
-
-
-def policy_colors(names) -> dict[str, str]:
-    """A color per policy name: the fixed POLICY_COLORS where a name has one, else the unused ones."""
-    free = [c for c in POLICY_COLORS.values() if c not in {POLICY_COLORS.get(n) for n in names}]
-    free = free + list(_EXTRA_COLORS)
-    unknown = [n for n in names if n not in POLICY_COLORS]
-    return {n: POLICY_COLORS.get(n) or free[unknown.index(n) % len(free)] for n in names}
-
-
-def latency_cdf(results: dict[str, list[Request]], metric: str = "ttft", ax=None):
-    """Empirical CDF of a latency per policy (``results``: policy name -> finished requests).
-
-    metric: "ttft" or "e2e" (seconds), "tpot" or "itl" (milliseconds); 1-token outputs have no
-    TPOT and are left out. Returns the Axes. Raises ValueError for an unknown metric.
-    """
-    if metric not in _UNITS:
-        raise ValueError(f"metric must be one of {tuple(_UNITS)}, got {metric!r}")
-    label, unit, scale = _UNITS[metric]
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 4), layout="constrained")
-    colors = policy_colors(results)
-    for name, requests in results.items():
-        ms = request_metrics(requests)
-        if metric == "itl":
-            values = [g for m in ms for g in m.itl_s]
-        else:
-            values = [getattr(m, f"{metric}_s") for m in ms if getattr(m, f"{metric}_s") is not None]
-        values = np.sort(np.asarray(values, dtype=float) * scale)
-        if len(values):
-            ax.step(np.concatenate([[values[0]], values]), np.arange(len(values) + 1) / len(values),
-                    where="post", color=colors[name], label=name, linewidth=1.8)
-    ax.set_xlabel(f"{label} ({unit})")
-    ax.set_ylabel("fraction of requests" if metric != "itl" else "fraction of token gaps")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(frameon=False)
-    return ax
-
-
-def throughput_latency_bars(summaries: dict[str, BenchmarkSummary], ax=None):
-    """Output throughput (left) and TTFT p50 / p99 (right) per policy.
-
-    ax: None (a new 1x2 figure) or a pair of Axes. Returns the two Axes.
-    """
-    if ax is None:
-        _, ax = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
-    ax_tput, ax_ttft = ax
-    names = list(summaries)
-    colors = [policy_colors(names)[n] for n in names]
-    pos = np.arange(len(names))
-    tput = [summaries[n].output_throughput_tok_s for n in names]
-    bars = ax_tput.bar(pos, tput, color=colors)
-    ax_tput.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax_tput.set_ylabel("output throughput (tok/s)")
-    w = 0.38
-    for offset, stat, hatch in ((-w / 2, "p50", None), (w / 2, "p99", "///")):
-        vals = [getattr(summaries[n], f"ttft_{stat}_s") or 0.0 for n in names]
-        b = ax_ttft.bar(pos + offset, vals, w, color=colors, hatch=hatch, edgecolor="white")
-        ax_ttft.bar_label(b, fmt="%.2f", fontsize=8)
-    ax_ttft.legend(handles=[Patch(facecolor="#888888", label="TTFT p50"),
-                            Patch(facecolor="#888888", hatch="///", edgecolor="white", label="TTFT p99")],
-                   frameon=False, fontsize=8)
-    ax_ttft.set_ylabel("TTFT (s)")
-    for a in (ax_tput, ax_ttft):
-        a.set_xticks(pos, names, rotation=20, ha="right")
-        a.margins(y=0.15)
-        for side in ("top", "right"):
-            a.spines[side].set_visible(False)
-    return ax_tput, ax_ttft
 
 
 def save(fig, name: str, figures_dir: str | Path = "figures") -> Path:

@@ -76,7 +76,8 @@ def step_figure(trace: list, step: int, num_blocks: int | None = None, fig=None)
     ax_batch.set_title(f"step {rec.step}: {rec.start_s:.3f}-{rec.end_s:.3f} s, "
                        f"{rec.num_scheduled_tokens + rec.num_padding_tokens} tokens", fontsize=9)
     used = {k for e in rec.entries for k, n in _segments(e).items() if n}
-    ax_batch.legend(handles=[Patch(facecolor=c, hatch=h, label=k, edgecolor="white") for k, c, h in SEGMENTS if k in used],
+    ax_batch.legend(handles=[Patch(facecolor=c, hatch=h, label=k, edgecolor="white")
+                             for k, c, h in SEGMENTS if k in used],
                     fontsize=7, loc="lower right")
 
     # 2. KV block map

@@ -1,0 +1,79 @@
+"""What both HF baselines share on the Request side: input checks, the batch's one sampling setting,
+filling a Request from HF's tokens and time stamps, and the progress bar.
+"""
+
+from __future__ import annotations
+
+from minibatch.request import Request, RequestStatus, SamplingParams
+
+
+def max_model_len(model) -> int | None:
+    """The model's context limit in tokens, read as ModelRunner reads it (None: its config sets none)."""
+    from minibatch.runner.support import NO_POSITION_LIMIT, config_max_model_len
+
+    max_len = config_max_model_len(model.config.get_text_config())
+    return None if max_len == NO_POSITION_LIMIT else max_len
+
+
+def check_requests(model, requests: list[Request]) -> None:
+    """Check a baseline's input before it runs.
+
+    Raises:
+        ValueError: empty input, a duplicate request_id, a request that already ran (not WAITING, or with
+            computed or output tokens) or one whose prompt + max_new_tokens exceeds the model's context.
+    """
+    if not requests:
+        raise ValueError("requests is empty: give at least one Request")
+    seen: set[str] = set()
+    for r in requests:
+        if r.request_id in seen:
+            raise ValueError(f"duplicate request_id {r.request_id!r}")
+        seen.add(r.request_id)
+        if r.status != RequestStatus.WAITING or r.num_computed_tokens or r.output_token_ids:
+            raise ValueError(f"request {r.request_id!r} already ran; pass request.copy()")
+    max_len = max_model_len(model)
+    if max_len is not None:
+        for r in requests:
+            if r.max_num_tokens > max_len:
+                raise ValueError(
+                    f"request {r.request_id!r}: prompt ({r.num_prompt_tokens}) + max_new_tokens "
+                    f"({r.max_new_tokens}) must be <= max_model_len ({max_len})"
+                )
+
+
+def batch_sampling(requests: list[Request]) -> SamplingParams | None:
+    """The one sampling setting HF can apply to a whole batch: the first sampled request's (None = greedy)."""
+    return next((r.sampling for r in requests if not r.sampling.is_greedy), None)
+
+
+def finish_request(r: Request, tokens: list[int], times: list[float], eos: tuple[int, ...]) -> None:
+    """Fill ``r`` from its raw generated tokens and their times (s on the run's timeline): cut at its own EOS
+    (``eos``, unless ``ignore_eos``) or max_new_tokens; sets num_computed_tokens and finish_time_s.
+
+    Raises:
+        RuntimeError: the tokens end before EOS or max_new_tokens (HF lost some).
+    """
+    if not r.sampling.ignore_eos:
+        r.eos_token_ids = eos
+    for tok, t in zip(tokens, times):
+        r.append_token(tok)  # sets finish_reason / status at EOS (unless ignore_eos) or max_new_tokens
+        r.token_times_s.append(t)
+        if r.is_finished:
+            break
+    if not r.is_finished:
+        raise RuntimeError(
+            f"request {r.request_id!r}: HF returned {len(r.output_token_ids)} tokens, neither EOS nor "
+            f"max_new_tokens ({r.max_new_tokens})"
+        )
+    # KV computed: the prompt, then one token per decode step (the last sampled token is never fed back)
+    r.num_computed_tokens = r.num_prompt_tokens + r.num_output_tokens - 1
+    r.finish_time_s = r.token_times_s[-1]
+
+
+def progress_bar(progress: bool, total: int, desc: str):
+    """A tqdm bar over ``total`` requests labelled ``desc``, or None when ``progress`` is off."""
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", leave=False)

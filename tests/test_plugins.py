@@ -1,0 +1,107 @@
+"""Plug-in policies: a scheduler subclass plus register_policy in the researcher's own file,
+loaded with --policy-module by compare and simulate, with no edit to the package."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from minibatch import policies
+from minibatch.__main__ import main
+from minibatch.policies import POLICIES, load_policy_module, register_policy
+from minibatch.scheduler import PagedScheduler
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+PROFILE = Path(__file__).resolve().parents[1] / "data" / "profiles" / "smollm2-135m-cpu.json"
+
+
+@pytest.fixture(autouse=True)
+def policy_table():
+    """Each test starts from, and leaves, the built-in policy table."""
+    saved = dict(POLICIES)
+    yield
+    POLICIES.clear()
+    POLICIES.update(saved)
+
+
+@pytest.fixture
+def plugin_dir(tmp_path):
+    """The examples copied outside the repository, as a researcher's own files."""
+    for name in ("srpt.py", "ttft_guard.py"):
+        shutil.copy(EXAMPLES / name, tmp_path / name)
+    return tmp_path
+
+
+def test_examples_are_short():
+    for path in EXAMPLES.glob("*.py"):
+        assert len(path.read_text().splitlines()) <= 80, path
+
+
+def test_compare_runs_plugins_from_outside_the_package(plugin_dir, tmp_path, one_thread):
+    out = tmp_path / "out.json"
+    main(["compare", "--model", "tiny-random-llama", "--policy-module", str(plugin_dir / "srpt.py"),
+          "--policy-module", str(plugin_dir / "ttft_guard.py"), "--policies", "srpt,ttft_guard,paged",
+          "--num-requests", "12", "--rate", "20", "--max-num-seqs", "3",
+          "--output-scale", "1", "--max-output-len", "64",
+          "--clock", "sim", "--figures-dir", "", "--no-progress", "--json", str(out)])
+    result = json.loads(out.read_text())["policies"]
+    assert {p: r["matches_reference"] for p, r in result.items()} == {"srpt": True, "ttft_guard": True, "paged": True}
+    assert result["srpt"]["num_preemptions"] > 0  # shorter arrivals took rows from longer requests
+
+
+def test_simulate_runs_plugins(plugin_dir, tmp_path):
+    out = tmp_path / "sim.json"
+    main(["simulate", "--profile", str(PROFILE), "--policy-module", str(plugin_dir / "srpt.py"),
+          "--policies", "paged,srpt", "--num-requests", "200", "--rate", "6", "--max-num-seqs", "8",
+          "--no-progress", "--json", str(out)])
+    result = json.loads(out.read_text())["policies"]
+    assert result["srpt"]["num_preemptions"] > 0
+    assert result["srpt"]["e2e_p50_s"] < result["paged"]["e2e_p50_s"]  # SRPT's point: shorter response times
+
+
+def test_register_policy_checks_its_arguments():
+    class Mine(PagedScheduler):
+        name = "mine"
+
+    spec = register_policy("mine", Mine, description="test")
+    assert POLICIES["mine"] is spec and spec.layout == "packed" and "n_slots" in spec.options
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy("mine", Mine)
+    with pytest.raises(ValueError, match="policy name"):
+        register_policy("Bad Name", Mine)
+    with pytest.raises(TypeError, match="Scheduler subclass"):
+        register_policy("other", object)
+    with pytest.raises(ValueError, match="proposer"):
+        register_policy("other", Mine, proposer="oracle")
+
+
+@pytest.mark.parametrize("text,message", [
+    (None, "no such Python file"),
+    ("raise RuntimeError('boom')", "RuntimeError: boom"),
+    ("x = 1", "registers no policy"),
+])
+def test_bad_policy_module_is_one_line_exit_2(tmp_path, capsys, text, message):
+    path = tmp_path / "plugin.py"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_policy_module(str(path))
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--profile", str(PROFILE), "--policy-module", str(path), "--policies", "paged"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_policy_names_are_compared_only_in_the_policy_table():
+    """Outside policies.py and experiment.py (the two tables), no module compares a policy name."""
+    import re
+
+    root = Path(policies.__file__).parent
+    names = "|".join(POLICIES)
+    pattern = re.compile(rf"""(==|!=|\bin)\s*\(?["']({names})["']|["']({names})["']\s*(==|!=)""")
+    tables = ("policies.py", "experiment.py")
+    files = [p for p in root.rglob("*.py") if p.name not in tables and "lessons" not in p.parts]
+    offenders = [f"{p.relative_to(root)}:{i}" for p in files
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders
