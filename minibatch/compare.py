@@ -45,7 +45,7 @@ class CompareConfig(EngineConfig):
     model: str = option("smollm2-135m", "smollm2-135m (offline default), tiny-random-llama, tiny-random-gpt2, "
                         "a local dir or a hub id", "str", cli="model")
     policies: tuple[str, ...] = option(DEFAULT_POLICIES, "comma-separated policies, or 'all'", "list")
-    num_requests: int = option(32, "requests in the generated trace", "int", low=1, high=MAX_NUM_REQUESTS)
+    num_requests: int = option(24, "requests in the generated trace", "int", low=1, high=MAX_NUM_REQUESTS)
     rate: float = option(4.0, "arrival rate, requests/s", "real", low=MIN_RATE, high=MAX_RATE)
     arrival: str = option("poisson", "arrival process", "choice", choices=ARRIVALS)
     trace: str | None = option(None, "a trace JSON (workload.save_trace) instead of a generated one", "path",
@@ -259,7 +259,6 @@ def run_compare(cfg: CompareConfig) -> dict:
     draft_name = cfg.draft_model or default_draft(cfg.model)
     draft_runner = load_draft_runner(draft_name, cfg.model, model, tokenizer, runner.device,
                                      cfg.attention_backend) if drafts else None
-    warm_up(runner, draft_runner)
     cache = None if not cfg.reference_cache else default_cache_dir() if cfg.reference_cache == "default" \
         else cfg.reference_cache
     t_ref = time.perf_counter()
@@ -268,6 +267,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     if cfg.check_reference:
         print(f"reference: HF generate on each request alone, {time.perf_counter() - t_ref:.1f} s"
               + (f" (cache {cache})" if cache else ""))
+    warm_up(runner, draft_runner, cfg.policies)  # after the reference: its attention switch has first-call costs too
     runs = run_policies(cfg, requests, runner, lambda: make_compare_clock(cfg, runner.device),
                         draft_runner=draft_runner, model=model, refs=refs)
     result = {"command": cfg.command, "environment": environment(),

@@ -92,7 +92,7 @@ class Engine:
     @property
     def holds_kv(self) -> bool:
         """Whether KV of this engine's requests sits in the executor's caches (running or swapped)."""
-        return bool(self.scheduler.running) or bool(getattr(self.scheduler, "swapped", None))
+        return bool(self.scheduler.running or self.scheduler.swapped)
 
     def _claim_executor(self) -> None:
         """Take the executor's KV cache for this engine before a step (``KVOwnership.claim``):

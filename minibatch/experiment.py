@@ -103,14 +103,15 @@ def run(policy: str, requests: list[Request], executor, clock=None, *, config: E
     return Run(policy, reqs, engine, time.perf_counter() - t0, slo)
 
 
-def warm_up(runner, draft_runner=None) -> None:
-    """One tiny run of every built-in policy on ``runner``, so first-call costs (both batch
-    layouts, the attention path, the draft) do not land on the first measured policy."""
+def warm_up(runner, draft_runner=None, policies=None) -> None:
+    """One tiny run of each of ``policies`` (default: every built-in one) that runs on our engine,
+    so first-call costs (both batch layouts, the attention path, the draft) do not land on the
+    first measured policy."""
     from minibatch.clock import SimClock
     from minibatch.policies import BUILTIN_POLICIES, get_policy
     from minibatch.request import SamplingParams
 
-    for policy in BUILTIN_POLICIES:
+    for policy in BUILTIN_POLICIES if policies is None else [p for p in policies if p in POLICIES]:
         if get_policy(policy).proposer == "draft" and draft_runner is None:
             continue
         r = Request("warmup", [1, 2, 3, 4], 3, SamplingParams(ignore_eos=True))

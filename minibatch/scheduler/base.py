@@ -34,6 +34,7 @@ class Scheduler:
     def __init__(self, queue_policy: str | QueuePolicy = "fcfs"):
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # preempted with their KV swapped to CPU memory (paged schedulers)
         self.rows: dict[str, int] = {}  # request_id -> batch row (Gantt row) of running requests
         self.queue_policy = make_queue_policy(queue_policy)
         self._arrival_order: dict[str, int] = {}  # request_id -> order of arrival (the tie-breaker)
@@ -60,7 +61,7 @@ class Scheduler:
         """Raise ValueError if ``request`` could never be admitted (e.g. larger than the KV cache)."""
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self, now_s: float) -> SchedulerOutput:
         raise NotImplementedError

@@ -1,38 +1,15 @@
 """Paged scheduling: iteration-level batching over a paged KV cache (vLLM, Kwon et al. SOSP'23,
 §4.2-§4.5; the vLLM v0 scheduler).
 
-Orca reserves prompt + max_new_tokens slots per request at admission; here a request gets blocks
-only as it needs them, so admission asks "are there free blocks for this prompt?" and many more
-requests fit in the same memory. The price: a running request may find no free block for its
-next token. Then the scheduler *preempts* (§4.5) the lowest-ranked running request (the latest
-arrival under FCFS), either by
-
-* ``recompute``: free its blocks and put it back in the waiting queue; when it is admitted
-  again it prefills its prompt *and* the tokens it already generated, in one step; or
-* ``swap``: copy its blocks to CPU memory, and copy them back when blocks free up.
-
-One step (vLLM's unifying idea: each request computes ``num_new_tokens`` more tokens, a whole
-prompt, one decode token or, with chunking, a slice of the prompt):
-
-    1. running requests, in queue-policy order: make room for each one's new tokens,
-       preempting from the lowest-ranked end while there is none;
-    2. if nothing was preempted: swapped-out requests come back (best-ranked first);
-    3. if nothing was preempted and nobody is swapped out: admit waiting requests in order,
-       no skipping ahead, while their prompt fits above the watermark (prefix-cache hits need
-       no new blocks; a parallel sample forks its parent's prompt blocks).
-
-With a token budget (``max_num_batched_tokens``) a step schedules at most that many tokens; a
-request that does not fit whole waits for a later step, unless the scheduler chunks prefills
-(:mod:`minibatch.scheduler.chunked`). Subclasses change only the order of these stages.
-
-No request is lost or duplicated: a request is always in exactly one of waiting, running or
-swapped until it finishes.
+The scheduler's step, preemption by recompute or swap, and the token budget are explained in
+:mod:`minibatch.scheduler` (its docstring); subclasses change only the order of the stages.
 """
 
 from __future__ import annotations
 
 import math
 
+from minibatch.checks import check_choice, check_int
 from minibatch.kv.block_manager import BlockManager
 from minibatch.request import Request, RequestStatus
 from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
@@ -59,10 +36,9 @@ class PagedScheduler(Scheduler):
         queue_policy: "fcfs", "sjf", "priority" or a QueuePolicy: the order of service and the
             reverse order of preemption.
         num_lookahead_tokens: speculative decoding with a draft model: KV slots reserved past a
-            sampling row's new tokens, where the draft model writes the next step's drafts (vLLM
-            v1's lookahead slots; k, or 0 when drafts need no KV, as n-gram lookup). The drafts
-            themselves live on the request (``spec_token_ids``) and are scheduled like any new
-            tokens: a decode computes 1 + its drafts, cut to the token budget and max_new_tokens.
+            sampling row's new tokens for the draft's K/V of the next drafts (vLLM v1's lookahead
+            slots; 0 for n-gram lookup). The drafts live on the request (``spec_token_ids``): a
+            decode computes 1 + its drafts, cut to the token budget and max_new_tokens.
 
     Raises:
         ValueError: a bad argument; ``check_request`` for a request that cannot fit alone.
@@ -80,12 +56,10 @@ class PagedScheduler(Scheduler):
                  max_num_batched_tokens: int | None = None, queue_policy: str | QueuePolicy = "fcfs",
                  num_lookahead_tokens: int = 0):
         super().__init__(queue_policy)
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
-        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1 or None, got {max_num_batched_tokens}")
+        check_int(max_num_seqs, "max_num_seqs", 1)
+        check_choice(preemption_mode, "preemption_mode", PREEMPTION_MODES)
+        if max_num_batched_tokens is not None:
+            check_int(max_num_batched_tokens, "max_num_batched_tokens", 1)
         if num_cpu_blocks is None:
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
         self.max_num_seqs = max_num_seqs
@@ -93,7 +67,6 @@ class PagedScheduler(Scheduler):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching,
                                           watermark=watermark, num_cpu_blocks=num_cpu_blocks)
-        self.swapped: list[Request] = []
         self.num_lookahead_tokens = num_lookahead_tokens
         self.num_preemptions = 0
         self._step_budget: float = math.inf
@@ -112,28 +85,20 @@ class PagedScheduler(Scheduler):
                    queue_policy=make_queue_policy(config.queue_policy, config.aging_s),
                    num_lookahead_tokens=config.num_lookahead_tokens, **kwargs)
 
-    # ------------------------------------------------------------------ admission checks
     def check_request(self, request: Request) -> None:
         bm = self.block_manager
         usable = bm.num_blocks - bm.watermark_blocks
         if bm.num_blocks_for(request.max_num_tokens) > usable:
-            raise ValueError(
-                f"request {request.request_id!r} needs {bm.num_blocks_for(request.max_num_tokens)} KV blocks "
-                f"(prompt + max_new_tokens = {request.max_num_tokens} tokens, block_size {bm.block_size}); "
-                f"only {usable} blocks are usable (num_blocks {bm.num_blocks} minus the watermark)"
-            )
+            raise ValueError(f"request {request.request_id!r} needs {bm.num_blocks_for(request.max_num_tokens)} "
+                             f"KV blocks (prompt + max_new_tokens = {request.max_num_tokens} tokens, block_size "
+                             f"{bm.block_size}); only {usable} blocks are usable (num_blocks {bm.num_blocks} minus "
+                             f"the watermark)")
         budget = self.max_num_batched_tokens
         if not self.chunked_prefill and budget is not None and request.max_num_tokens > budget:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt + max_new_tokens = {request.max_num_tokens} tokens "
-                f"must be <= max_num_batched_tokens ({budget}) without chunked prefill "
-                f"(a recompute prefills them all in one step)"
-            )
+            raise ValueError(f"request {request.request_id!r}: prompt + max_new_tokens = {request.max_num_tokens} "
+                             f"tokens must be <= max_num_batched_tokens ({budget}) without chunked prefill "
+                             f"(a recompute prefills them all in one step)")
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
-    # ------------------------------------------------------------------ one step
     def token_budget(self) -> float:
         """This step's token budget (inf = no limit); the adaptive chunker overrides it."""
         return math.inf if self.max_num_batched_tokens is None else self.max_num_batched_tokens
@@ -284,12 +249,8 @@ class PagedScheduler(Scheduler):
         return copies, n
 
     def _running_parent(self, req: Request) -> Request | None:
-        if req.parent_request_id is None:
-            return None
-        for r in self.running:
-            if r.request_id == req.parent_request_id and r.prompt_token_ids == req.prompt_token_ids:
-                return r
-        return None
+        return next((r for r in self.running if req.parent_request_id is not None and r.request_id ==
+                     req.parent_request_id and r.prompt_token_ids == req.prompt_token_ids), None)
 
     def _run(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
@@ -315,7 +276,6 @@ class PagedScheduler(Scheduler):
             req.status = RequestStatus.PREEMPTED
             self.waiting.append(req)  # re-sorted at admission: ahead of every lower-ranked request
 
-    # ------------------------------------------------------------------ after the forward
     def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
         finished = self.advance(plan, result)
         for s in plan.scheduled:
@@ -329,7 +289,6 @@ class PagedScheduler(Scheduler):
             del self.rows[r.request_id]
         return finished
 
-    # ------------------------------------------------------------------ accounting
     @property
     def num_kv_slots_used(self) -> int:
         """Physical KV slots holding computed tokens (a block shared by several requests counts once)."""
