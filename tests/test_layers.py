@@ -30,7 +30,7 @@ LAYERS = {
     "sim": "sim.executor sim.cost_model sim.profile_format sim __init__",
     # experiments: run(), compare, HF baselines, reference outputs, reports, calibration and validation
     "experiment": "experiment compare baselines sharegpt reference report architectures sim.calibrate "
-                  "sim.validate sim.simulator",
+                  "sim.validate sim.simulator experiments",
     "cli": "__main__",
     "lessons": "lessons",  # notebook helpers: may use anything
 }

@@ -94,14 +94,16 @@ def test_bad_policy_module_is_one_line_exit_2(tmp_path, capsys, text, message):
 
 
 def test_policy_names_are_compared_only_in_the_policy_table():
-    """Outside policies.py and experiment.py (the two tables), no module compares a policy name."""
+    """Outside policies.py and experiment.py (the two tables), no module compares a policy name
+    (a lesson's own labels, such as "orca_max", are not policy names)."""
     import re
 
     root = Path(policies.__file__).parent
     names = "|".join(POLICIES)
     pattern = re.compile(rf"""(==|!=|\bin)\s*\(?["']({names})["']|["']({names})["']\s*(==|!=)""")
     tables = ("policies.py", "experiment.py")
-    files = [p for p in root.rglob("*.py") if p.name not in tables and "lessons" not in p.parts]
+    files = [p for p in root.rglob("*.py") if p.name not in tables]
     offenders = [f"{p.relative_to(root)}:{i}" for p in files
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if pattern.search(line) and not line.strip().startswith("for ")]  # a loop over names is fine
     assert not offenders

@@ -63,7 +63,8 @@ def entry_label(entry: StepEntry) -> str:
     return f"{entry.request_id} {'D' if entry.phase == 'decode' else 'pad'}"
 
 
-STEP_COLUMNS = f"{'step':>4} {'time_s':>6}  {'batch (P=prefill, D=decode)':<28} {'n_rsrv/n_slots':>14}  {'waiting (why)':<26} finished"
+STEP_COLUMNS = (f"{'step':>4} {'time_s':>6}  {'batch (P=prefill, D=decode)':<28} {'n_rsrv/n_slots':>14}  "
+                f"{'waiting (why)':<26} finished")
 
 
 def format_step(record: StepRecord, state: ScheduleState, max_num_seqs: int, n_slots: int) -> str:
@@ -79,7 +80,8 @@ def format_step(record: StepRecord, state: ScheduleState, max_num_seqs: int, n_s
     why = ""
     if left:
         head = left[0]
-        why = " (max_num_seqs)" if len(record.entries) >= max_num_seqs else f" ({n_rsrv}+{head.max_num_tokens}>{n_slots})"
+        full = len(record.entries) >= max_num_seqs
+        why = " (max_num_seqs)" if full else f" ({n_rsrv}+{head.max_num_tokens}>{n_slots})"
     waiting = " ".join(r.request_id for r in left) + why
     batch = ", ".join(entry_label(e) for e in record.entries)
     return (f"{record.step:>4} {record.start_s:>6.3f}  {batch:<28} {f'{n_rsrv}/{n_slots}':>14}  "

@@ -1,0 +1,120 @@
+"""Scale experiments in simulation (notebook 07, ``benchmarks/sim_scale.py``): request rate against
+throughput and tail latency.
+
+The simulator (``minibatch.sim``) runs our real schedulers on a calibrated clock, so thousands of
+requests take seconds. Each setup is a policy row and its options, run through
+``minibatch.experiment.run`` on a SimExecutor and a SimClock pricing steps with a Profile:
+
+* :func:`rate_sweep`: the throughput-latency curves of Orca §6 and vLLM §6 (static batching at
+  several batch sizes and the continuous policies);
+* :func:`offline_table`: every request at t = 0, the most requests per second each setup serves;
+* :func:`capacity_at`: the highest rate whose latency stays under a bound (how Orca and vLLM state
+  their "x times the throughput at the same latency");
+* :func:`roofline_profile`: an *analytical* profile of a GPU (step time = max(bytes moved /
+  bandwidth, FLOPs / peak) + overhead): a what-if, never a measurement, labelled so wherever used.
+
+Rows are plain JSON-ready dicts; rates are requests/s, times seconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from minibatch.clock import SimClock
+from minibatch.experiment import run
+from minibatch.metrics import summarize
+from minibatch.request import Request
+from minibatch.sim.cost_model import FEATURES, LayoutModel, Profile
+from minibatch.sim.executor import SimExecutor
+
+# Setups: name -> (make_engine policy, its options). Static batching is request-level batching
+# (FasterTransformer's); orca reserves prompt + max_new_tokens per request ("Orca (Max)" when the
+# reservation is the server's length limit); paged and chunked allocate blocks on demand.
+DEFAULT_SETUPS = {
+    "static bs=8": ("static", dict(max_num_seqs=8)),
+    "static bs=32": ("static", dict(max_num_seqs=32)),
+    "static bs=64": ("static", dict(max_num_seqs=64)),
+    "orca": ("orca", {}),
+    "paged": ("paged", {}),
+    "chunked": ("chunked", dict(max_num_batched_tokens=512)),
+}
+
+
+def run_sim(profile: Profile, policy: str, requests: list[Request], *, max_num_seqs: int = 256, n_slots: int = 65536,
+            max_wait_s: float = 0.5, **kwargs):
+    """Fresh copies of ``requests`` under ``policy`` (a row of the policy table; kwargs: EngineConfig
+    fields) on a SimExecutor and ``profile``'s clock; returns (requests, engine). Raises what
+    :func:`minibatch.experiment.run` raises."""
+    result = run(policy, requests, SimExecutor(), SimClock(profile, profile), max_num_seqs=max_num_seqs,
+                 n_slots=n_slots, max_wait_s=max_wait_s, **kwargs)
+    return result.requests, result.engine
+
+
+def summary_row(name: str, rate: float | None, reqs: list[Request], engine) -> dict:
+    """One row of a sweep or table: the setup, the rate (requests/s) and the run's metrics."""
+    s = summarize(reqs, engine.trace)
+    e2e_per_token = [(r.finish_time_s - r.arrival_time_s) / r.num_output_tokens for r in reqs]
+    return {"setup": name, "rate": rate, "num_requests": s.num_requests,
+            "request_throughput_req_s": s.request_throughput_req_s,
+            "output_throughput_tok_s": s.output_throughput_tok_s,
+            "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s, "e2e_p50_s": s.e2e_p50_s, "e2e_p99_s": s.e2e_p99_s,
+            "tpot_p50_s": s.tpot_p50_s,
+            # vLLM's normalized latency: mean over requests of end-to-end latency / output length
+            "normalized_latency_s": float(np.mean(e2e_per_token)),
+            "mean_batch_size": s.mean_batch_size, "num_preemptions": s.num_preemptions, "num_steps": s.num_steps}
+
+
+def rate_sweep(profile: Profile, trace_fn, rates, setups: dict | None = None, **engine_kwargs) -> list[dict]:
+    """For each rate (requests/s) and setup: ``trace_fn(rate)`` (a list of requests) through the
+    setup on the simulated clock. Rows: setup, rate, throughputs, TTFT / E2E p50 and p99,
+    normalized latency (s per output token), mean batch size, preemptions."""
+    rows = []
+    for rate in rates:
+        requests = trace_fn(rate)
+        for name, (policy, kwargs) in (setups or DEFAULT_SETUPS).items():
+            reqs, engine = run_sim(profile, policy, requests, **{**engine_kwargs, **kwargs})
+            rows.append(summary_row(name, rate, reqs, engine))
+    return rows
+
+
+def offline_table(profile: Profile, requests: list[Request], setups: dict | None = None, **engine_kwargs) -> list[dict]:
+    """Every request at t = 0 (arrivals ignored): each setup's request and output throughput."""
+    at_zero = [Request(r.request_id, r.prompt_token_ids, r.max_new_tokens, r.sampling) for r in requests]
+    rows = []
+    for name, (policy, kwargs) in (setups or DEFAULT_SETUPS).items():
+        reqs, engine = run_sim(profile, policy, at_zero, **{**engine_kwargs, **kwargs})
+        rows.append(summary_row(name, None, reqs, engine))
+    return rows
+
+
+def capacity_at(rows: list[dict], setup: str, key: str = "normalized_latency_s", limit: float = 1.0) -> float | None:
+    """The highest swept rate at which ``setup``'s ``key`` stays <= ``limit`` and every lower
+    rate does too (None: not even the lowest rate)."""
+    best = None
+    for r in sorted((r for r in rows if r["setup"] == setup), key=lambda r: r["rate"]):
+        if r[key] is None or r[key] > limit:
+            break
+        best = r["rate"]
+    return best
+
+
+def roofline_profile(name: str, num_params: float, num_layers: int, hidden_size: int, kv_bytes_per_token: float,
+                     bytes_per_param: float = 2.0, hbm_bytes_s: float = 3.35e12, peak_flops: float = 989e12,
+                     overhead_s: float = 1e-3, efficiency: float = 0.5) -> Profile:
+    """An analytical Profile (NOT measured): a step costs ``overhead_s`` plus the larger of
+    reading the weights at ``hbm_bytes_s`` and 2 * num_params FLOPs per token at ``peak_flops``,
+    both derated by ``efficiency``; attention adds the KV bytes read (decode) and 4 * layers *
+    hidden FLOPs per query-key pair (prefill). Defaults: an H100 SXM's bf16 peak and HBM3.
+    For what-if experiments on the shape of a GPU's cost; it says so in its meta."""
+    knots = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    weights_s = num_params * bytes_per_param / (hbm_bytes_s * efficiency)
+    curve = [overhead_s + max(weights_s, 2 * num_params * n / (peak_flops * efficiency)) for n in knots]
+    coef = dict.fromkeys(FEATURES, 0.0)
+    coef["decode_attention"] = kv_bytes_per_token / (hbm_bytes_s * efficiency)
+    coef["prefill_attention"] = 4 * num_layers * hidden_size / (peak_flops * efficiency)
+    model = LayoutModel(knots=knots, curve_s=curve, coef_s=coef)
+    return Profile(model=name, layouts={"packed": model, "padded": model},
+                   meta={"command": None, "analytical": "roofline, not measured",
+                         "assumptions": dict(num_params=num_params, bytes_per_param=bytes_per_param,
+                                             hbm_bytes_s=hbm_bytes_s, peak_flops=peak_flops,
+                                             overhead_s=overhead_s, efficiency=efficiency)})
