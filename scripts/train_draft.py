@@ -18,6 +18,7 @@ license), never its text.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import math
 import time
@@ -31,18 +32,16 @@ from minibatch.hf_load import cache_dir
 from minibatch.models import load_model
 from minibatch.sharegpt import select_prompts
 
-ROOT = Path(__file__).resolve().parent.parent
-DRAFT_DIR = ROOT / "data" / "drafts" / "smollm2-135m-draft"
+DRAFT_DIR = Path(__file__).resolve().parent.parent / "data" / "drafts" / "smollm2-135m-draft"
 
 
 def work_dir() -> Path:
-    d = cache_dir() / "draft"
-    d.mkdir(parents=True, exist_ok=True)
+    (d := cache_dir() / "draft").mkdir(parents=True, exist_ok=True)
     return d
 
 
 def cmd_teacher(args) -> None:
-    from minibatch.policies import make_engine
+    from minibatch.experiment import run
     from minibatch.request import Request, SamplingParams
     from minibatch.runner import ModelRunner
 
@@ -55,12 +54,9 @@ def cmd_teacher(args) -> None:
             if path.exists():
                 continue
             part = items[shard * args.shard_size:(shard + 1) * args.shard_size]
-            reqs = [Request(f"{split}{i}", ids, args.max_new_tokens, SamplingParams()) for i, ids in part]
-            engine = make_engine("paged", runner, max_num_seqs=args.max_num_seqs, n_slots=args.max_num_seqs * 512)
-            t0 = time.perf_counter()
-            engine.generate(reqs)
-            dt = time.perf_counter() - t0
-            n_out = sum(r.num_output_tokens for r in reqs)
+            prompts = [Request(f"{split}{i}", ids, args.max_new_tokens, SamplingParams()) for i, ids in part]
+            done = run("paged", prompts, runner, max_num_seqs=args.max_num_seqs, n_slots=args.max_num_seqs * 512)
+            reqs, dt, n_out = done.requests, done.run_time_s, sum(r.num_output_tokens for r in done.requests)
             torch.save([{"index": i, "prompt": r.prompt_token_ids, "output": r.output_token_ids}
                         for (i, _), r in zip(part, reqs)], path)
             print(f"{path.name}: {len(reqs)} prompts, {n_out} output tokens in {dt:.0f} s "
@@ -68,10 +64,7 @@ def cmd_teacher(args) -> None:
 
 
 def load_teacher(split: str) -> list[dict]:
-    rows = []
-    for path in sorted(work_dir().glob(f"teacher_{split}_*.pt")):
-        rows += torch.load(path)
-    return rows
+    return [row for path in sorted(work_dir().glob(f"teacher_{split}_*.pt")) for row in torch.load(path)]
 
 
 def draft_config(target_config, hidden_size: int, num_layers: int):
@@ -254,20 +247,17 @@ def save_draft(draft, args, log, train_rows, eval_rows, n_tok) -> None:
         "training_log": log,
         "environment": {"torch": torch.__version__, "threads": torch.get_num_threads()},
     }
-    ranking, coverage = vocab_by_frequency(train_rows)
-    manifest["vocab_coverage"] = coverage
+    ranking, manifest["vocab_coverage"] = vocab_by_frequency(train_rows)
     write_json(out / "training.json", manifest, indent=1)
     write_json(out / "vocab_by_frequency.json", ranking, indent=None, separators=(",", ":"))
-    print(f"wrote {out}; answer-token coverage of the most frequent ids: {coverage}")
+    print(f"wrote {out}; answer-token coverage of the most frequent ids: {manifest['vocab_coverage']}")
 
 
 def vocab_by_frequency(rows: list[dict]) -> tuple[list[int], dict]:
     """Token ids of the target's training answers, most frequent first (ties by id), and the
     share of answer tokens the top 2k..16k cover: the draft's LM head can be cut to the top ids
     (``minibatch.models.draft_vocab_subset``)."""
-    from collections import Counter
-
-    counts = Counter(t for r in rows for t in r["output"])
+    counts = collections.Counter(t for r in rows for t in r["output"])
     ranking = [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
     total = sum(counts.values())
     coverage = {n: round(sum(counts[t] for t in ranking[:n]) / total, 4) for n in (2048, 4096, 8192, 16384)}
@@ -278,32 +268,25 @@ def cmd_eval(args) -> None:
     from transformers import AutoModelForCausalLM
 
     draft = AutoModelForCausalLM.from_pretrained(args.out).float()
-    eval_seqs = training_sequences(load_teacher("eval"), args.max_len)
-    print(f"held-out teacher-forced greedy agreement: {agreement(draft, eval_seqs):.4f}")
+    print(f"held-out teacher-forced greedy agreement: "
+          f"{agreement(draft, training_sequences(load_teacher('eval'), args.max_len)):.4f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("teacher", help="generate the target's greedy answers")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--num-eval", type=int, default=64)
-    t.add_argument("--num-train", type=int, default=1536)
-    t.add_argument("--max-prompt-len", type=int, default=256)
-    t.add_argument("--max-new-tokens", type=int, default=160)
-    t.add_argument("--max-num-seqs", type=int, default=32)
-    t.add_argument("--shard-size", type=int, default=64)
+    for name, default in (("seed", 0), ("num-eval", 64), ("num-train", 1536), ("max-prompt-len", 256),
+                          ("max-new-tokens", 160), ("max-num-seqs", 32), ("shard-size", 64)):
+        t.add_argument(f"--{name}", type=int, default=default)
     for name in ("train", "eval"):
         p = sub.add_parser(name)
         p.add_argument("--out", default=str(DRAFT_DIR))
         p.add_argument("--max-len", type=int, default=512)
         if name == "train":
-            p.add_argument("--seed", type=int, default=0)
-            p.add_argument("--hidden-size", type=int, default=256)
-            p.add_argument("--num-layers", type=int, default=2)
-            p.add_argument("--epochs", type=int, default=3)
-            p.add_argument("--lr", type=float, default=3e-3)
-            p.add_argument("--tokens-per-batch", type=int, default=4096)
+            for option, kind, default in (("seed", int, 0), ("hidden-size", int, 256), ("num-layers", int, 2),
+                                          ("epochs", int, 3), ("lr", float, 3e-3), ("tokens-per-batch", int, 4096)):
+                p.add_argument(f"--{option}", type=kind, default=default)
             p.add_argument("--init-layers", default="", help="start from these target layers (e.g. 0,29) "
                            "and the target's frozen embedding, which is then not stored")
             p.add_argument("--vocab-subset", type=int, default=8192,
