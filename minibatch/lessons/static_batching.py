@@ -20,6 +20,7 @@ import torch
 from minibatch.engine import Engine, StepRecord
 from minibatch.models import set_attention
 from minibatch.metrics import measured_decode_utilization, utilization_formula
+from minibatch.experiment import run
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
 from minibatch.sim.executor import SimExecutor
@@ -43,11 +44,10 @@ def chat_requests(tokenizer, prompts: list[str], output_lens: list[int],
 
 
 def run_policy(policy: str, executor, requests: list[Request], clock=None, **engine_kwargs) -> Engine:
-    """Run fresh copies of ``requests`` under ``policy`` to completion; returns the engine
-    (its ``trace`` and ``requests``). ``clock`` defaults to a new SimClock."""
-    engine = make_engine(policy, executor, clock if clock is not None else SimClock(), **engine_kwargs)
-    engine.generate([r.copy() for r in requests])
-    return engine
+    """:func:`minibatch.experiment.run` of fresh copies of ``requests`` under ``policy``, returning
+    the engine (its ``trace`` and ``requests``, as the notebook reads them). ``clock`` defaults to a
+    new SimClock."""
+    return run(policy, requests, executor, clock if clock is not None else SimClock(), **engine_kwargs).engine
 
 
 def sim_requests(output_lens: list[int], prompt_len: int = 16, prefix: str = "req") -> list[Request]:
