@@ -133,7 +133,7 @@ class Engine:
         self.executor.free([r.request_id for r in finished])
         record = StepRecord.of(len(self.trace), plan, result, outputs_before, finished, self.scheduler, start_s,
                                self.trace[-1] if self.trace else None)
-        duration_s, draft_time_s = self.clock.end_step(record)  # measured, or priced by the cost model
+        _, draft_time_s = self.clock.end_step(record)  # measured, or priced by the cost model; advances now_s
         end_s = self.clock.now_s
         for e in record.entries:                        # stamp events
             r = self.requests[e.request_id]

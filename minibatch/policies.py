@@ -16,7 +16,6 @@ file (``python -m minibatch compare --policy-module my_policy.py --policies mine
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -64,8 +63,7 @@ class PolicySpec:
     def config(self, config: EngineConfig) -> EngineConfig:
         """``config`` with the row's own settings (prefix caching, lookahead slots for a draft model)."""
         lookahead = config.num_speculative_tokens if self.proposer == "draft" else 0
-        return dataclasses.replace(config.engine_config(), enable_prefix_caching=self.enable_prefix_caching,
-                                   num_lookahead_tokens=lookahead)
+        return config.engine_config(enable_prefix_caching=self.enable_prefix_caching, num_lookahead_tokens=lookahead)
 
 
 POLICIES: dict[str, PolicySpec] = {}
@@ -169,7 +167,7 @@ def make_engine(policy: str, executor, clock=None, *, config: EngineConfig | Non
     if not callable(getattr(executor, "execute", None)):
         raise FieldTypeError(f"executor must be a ModelRunner or SimExecutor (has execute()), "
                              f"got {type(executor).__name__}")
-    cfg = spec.config(dataclasses.replace((config or EngineConfig()).engine_config(), **options))
+    cfg = spec.config((config or EngineConfig()).engine_config(**options))
     if spec.proposer:
         executor = _speculative_executor(spec, executor, draft_runner, cfg)
     return Engine(spec.scheduler.from_config(cfg), executor, clock)  # the KV cache is allocated at the first step

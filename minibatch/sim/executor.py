@@ -12,7 +12,7 @@ import random
 
 from minibatch.runner.kv_owner import KVOwnership
 from minibatch.scheduler.output import SchedulerOutput, StepResult
-from minibatch.spec.speculator import SpecDecodingStats, num_next_drafts
+from minibatch.spec.speculator import SpecDecodingStats, rows_to_draft
 
 
 class SimExecutor(KVOwnership):
@@ -94,13 +94,9 @@ class SimExecutor(KVOwnership):
             return {}, ()
         if self.acceptance_rate is None:
             raise ValueError("SimExecutor with a speculator needs acceptance_rate= to simulate speculative decoding")
-        plan = []  # (request_id, tokens after this step, k)
-        for s in out.scheduled:
-            if s.request_id in sampled:
-                pending = (s.num_spec_tokens, accepted[s.request_id]) if s.spec_token_ids else None
-                k = num_next_drafts(s.request, sampled[s.request_id], self.speculator, pending)
-                if k > 0 and (self.proposal_rate >= 1.0 or self.rng.random() < self.proposal_rate):
-                    plan.append((s.request_id, s.request.num_tokens + len(sampled[s.request_id]), k))
+        plan = [(s.request_id, s.request.num_tokens + len(sampled[s.request_id]), k)  # tokens after this step
+                for s, k in rows_to_draft(out, sampled, accepted, self.speculator)
+                if self.proposal_rate >= 1.0 or self.rng.random() < self.proposal_rate]
         forwards = []
         for j in range(max((k for _, _, k in plan), default=0) if self.draft_forwards else 0):
             rows = [(rid, n) for rid, n, k in plan if k > j]  # draft forward j: one token per request

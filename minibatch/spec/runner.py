@@ -35,7 +35,7 @@ from minibatch.runner.batch import build_packed_batch
 from minibatch.scheduler.output import SchedulerOutput, StepResult
 from minibatch.spec.proposers import DraftInput
 from minibatch.spec.rejection_sampler import greedy_verify, processed_probs, rejection_sample, sample_verify
-from minibatch.spec.speculator import FixedK, SpecDecodingStats, num_next_drafts
+from minibatch.spec.speculator import FixedK, SpecDecodingStats, rows_to_draft
 
 
 class SpeculativeRunner:
@@ -136,18 +136,13 @@ class SpeculativeRunner:
         """Who drafts for the next step, and how many: every row that sampled and goes on
         (``num_next_drafts``); a draft model also stops at the lookahead slots its block table holds."""
         batch = []
-        for s in out.scheduled:
-            if s.request_id not in sampled:
-                continue
-            r, emitted = s.request, sampled[s.request_id]
-            pending = (s.num_spec_tokens, accepted[s.request_id]) if s.spec_token_ids else None
-            k = num_next_drafts(r, emitted, self.speculator, pending)
-            tokens = r.all_token_ids + list(emitted)
+        for s, k in rows_to_draft(out, sampled, accepted, self.speculator):
+            tokens = s.request.all_token_ids + list(sampled[s.request_id])
             table = out.block_tables[s.request_id]
             if self.proposer.writes_kv:
                 k = min(k, len(table) * self.target.kv_cache.shape[3] - len(tokens) + 1)
             if k > 0:
-                batch.append(DraftInput(r, tokens, k, table))
+                batch.append(DraftInput(s.request, tokens, k, table))
         return batch
 
     def observe_step(self, record) -> None:

@@ -57,6 +57,20 @@ def num_next_drafts(request: Request, emitted, speculator, pending: tuple[int, i
     return max(0, min(k, left - 1))
 
 
+def rows_to_draft(plan, sampled: dict, accepted: dict, speculator) -> list[tuple]:
+    """(scheduled row, k) for each row of ``plan`` that sampled this step and drafts next (k >= 1,
+    from :func:`num_next_drafts`, with this step's (drafted, accepted) as the pending observation).
+    ``sampled``/``accepted``: the step's StepResult fields, before the scheduler's update."""
+    rows = []
+    for s in plan.scheduled:
+        if s.request_id in sampled:
+            pending = (s.num_spec_tokens, accepted[s.request_id]) if s.spec_token_ids else None
+            k = num_next_drafts(s.request, sampled[s.request_id], speculator, pending)
+            if k > 0:
+                rows.append((s, k))
+    return rows
+
+
 def forward_time_s(runner, num_new_tokens: int = 1, context: int = 128, repeats: int = 10) -> float:
     """Median seconds of one batch-1 packed forward of ``num_new_tokens`` tokens after ``context``
     cached tokens on ``runner`` (a ModelRunner; its KV cache is reallocated)."""
