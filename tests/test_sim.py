@@ -2,10 +2,13 @@
 line, Chrome trace export and the step-through widget."""
 
 import json
+from dataclasses import asdict
 
 import matplotlib
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minibatch.__main__ import main, parse_acceptance_rate
 from minibatch.engine import Engine
@@ -16,6 +19,7 @@ from minibatch.scheduler import PagedScheduler, StaticScheduler
 from minibatch.clock import SimClock
 from minibatch.clock import StepShape
 from minibatch.sim.cost_model import LayoutModel, Profile, fit_layout, hat_basis
+from minibatch.sim.profile_format import layout_problem
 from minibatch.viz.chrome_trace import chrome_trace, write_chrome_trace
 from minibatch.workload import make_trace
 
@@ -92,6 +96,19 @@ def test_fit_recovers_a_known_model():
     assert np.median(rel) < 0.02
     assert fit.knots[0] == 1 and fit.knots[-1] >= 256
     assert all(v >= 0 for v in fit.curve_s) and all(v >= 0 for v in fit.coef_s.values())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.floats(1e-4, 1e-2)), min_size=24, max_size=80))
+def test_fit_curve_is_positive_and_non_decreasing(steps):
+    """Whatever the times (noisy, or decodes where logits == num_tokens so the curve and the
+    logits term are collinear), every knot is > 0 and the curve never drops: a profile that
+    calibrate writes is one the loader accepts."""
+    shapes = [StepShape(num_tokens=n, logits=n, decode_attention=n * 20) for n, _ in steps]
+    fit = fit_layout(shapes, [t for _, t in steps])
+    assert all(v > 0 for v in fit.curve_s)
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(fit.curve_s, fit.curve_s[1:]))
+    assert layout_problem(asdict(fit)) is None
 
 
 def test_fit_errors():

@@ -83,9 +83,11 @@ def fit_layout(shapes: list, times_s: list[float], smoothing: float = 0.3,
     shapes: one StepShape per measured time, or a list of StepShapes whose times add up to it
     (a speculative step's several draft forwards, timed together).
 
-    The curve has two parts. Up to ``knee`` tokens it is free (its values at 1, 2, 4, .. knee,
-    each >= 0, with a light smoothness penalty): the small-batch region, where a CPU jumps from a
-    matrix-vector product to a matrix product and a GPU is memory-bound. Beyond the knee it is
+    The curve has two parts. Up to ``knee`` tokens it is free but non-decreasing (its values at
+    1, 2, 4, .. knee, with a light smoothness penalty; the first is at least 0.1% of the fastest
+    step, so every knot is > 0 even where the features could carry the whole cost): the
+    small-batch region, where a CPU jumps from a matrix-vector product to a matrix product and a
+    GPU is memory-bound. A forward never gets cheaper by adding tokens. Beyond the knee it is
     the knee's value plus hinges sum_j beta_j * max(N - k_j, 0) with beta_j >= 0 at the knots
     k_j >= knee: compute-bound, so the cost per extra token never decreases (convex). Without
     that constraint a few large prefills let the fit bend the curve down and hand their cost to
@@ -128,10 +130,18 @@ def fit_layout(shapes: list, times_s: list[float], smoothing: float = 0.3,
     for j in range(len(small) - 2):
         penalty[j, j:j + 3] = np.array([1.0, -2.0, 1.0]) * smoothing / np.median(t)
     A, b = np.vstack([A, penalty]), np.concatenate([b, np.zeros(len(penalty))])
+    # the small-batch values as a floor plus non-negative increments: values = T @ params
+    T = np.eye(X.shape[1])
+    T[:len(small), :len(small)] = np.tril(np.ones((len(small), len(small))))
+    floor = 1e-3 * t.min()
+    A = A @ T
+    b = b - A[:, 0] * floor
     scale = np.abs(A).max(axis=0)
     scale[scale == 0] = 1.0  # a feature never seen (e.g. no prefill rows) keeps coefficient 0
-    theta, _ = nnls(A / scale, b, maxiter=50 * X.shape[1])
-    theta /= scale
+    params, _ = nnls(A / scale, b, maxiter=50 * X.shape[1])
+    params /= scale
+    params[0] += floor
+    theta = T @ params
     k_curve = len(small) + len(hinges)
     curve = curve_basis(np.array(knots, dtype=float)) @ theta[:k_curve]  # exact: kinks only at knots
     return LayoutModel(knots=knots, curve_s=curve.tolist(), coef_s=dict(zip(FEATURES, theta[k_curve:].tolist())))
@@ -174,12 +184,17 @@ class Profile:
     def save(self, path: str | Path) -> Path:
         """Write strict JSON (format "minibatch-profile-v1"; NaN/inf -> null) atomically
         (:func:`minibatch.files.write_json`: a failed write keeps the old file); parent folders
-        are made. Returns the path."""
+        are made. Returns the path.
+
+        Raises:
+            ValueError: the profile is not one :meth:`load` accepts (nothing is written).
+        """
         from minibatch.files import write_json
 
         data = {"format": PROFILE_FORMAT, "model": self.model,
                 "layouts": {k: asdict(v) for k, v in self.layouts.items()},
                 "draft": asdict(self.draft) if self.draft else None, **self.meta}
+        check_profile_data(data, path)
         return write_json(path, data, indent=1)
 
     @property
