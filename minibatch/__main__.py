@@ -3,6 +3,8 @@
     python -m minibatch compare     one trace through every policy on the real model (the main job)
     python -m minibatch calibrate   measure step times on this machine, fit the simulator's cost model
     python -m minibatch simulate    a trace through our schedulers with no model, on a calibrated clock
+    python -m minibatch serve       an OpenAI-compatible server on the engine (streaming, /metrics)
+    python -m minibatch bench-serve a load generator against any OpenAI-compatible server
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import dataclasses
 import sys
 
 from minibatch.compare import SIM_DEFAULT_POLICIES, CompareConfig, opt, run_compare
+from minibatch.config import EngineConfig
 from minibatch.policies import POLICIES, load_policy_module
+from minibatch.serving.bench import add_bench_serve_arguments, run_bench_serve
+from minibatch.serving.launch import add_serve_arguments, run_serve
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,10 +28,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
-def add_config_options(p: argparse.ArgumentParser, command: str) -> None:
-    """One option per CompareConfig field offered to ``command`` ("model": compare, "sim":
-    simulate), with the field's help and default; the values are checked by CompareConfig itself."""
-    for f in dataclasses.fields(CompareConfig):
+def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=CompareConfig) -> None:
+    """One option per ``config_cls`` field offered to ``command`` ("model": compare, "sim":
+    simulate, "serve": EngineConfig's fields), with the field's help and default; the values are
+    checked by the config itself."""
+    for f in dataclasses.fields(config_cls):
         m = f.metadata
         if m.get("cli") not in ("all", command):
             continue
@@ -40,6 +46,8 @@ def add_config_options(p: argparse.ArgumentParser, command: str) -> None:
         metavar = "{" + ",".join(m["choices"]) + "}" if m["kind"] == "choice" else f.name.upper()
         p.add_argument(flag, dest=f.name, type=kind, default=shown, metavar=metavar,
                        help=f"{m['help']} (default: {shown})" if shown not in (None, "") else m["help"])
+    if config_cls is not CompareConfig:
+        return
     p.add_argument("--policy-module", action="append", default=[], metavar="FILE.py",
                    help="a Python file that registers policies (register_policy); repeatable")
 
@@ -108,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no measuring: fit this profile's stored samples again with the current code "
                         "(writes --out or PROFILE)")
     k.add_argument("--no-progress", action="store_true", help="no progress bars")
+    v = sub.add_parser("serve", help="an OpenAI-compatible server on the engine (completions, chat, SSE, /metrics)")
+    add_serve_arguments(v)
+    add_config_options(v, "serve", EngineConfig)
+    b = sub.add_parser("bench-serve", help="measure TTFT, ITL, TPOT and goodput of any OpenAI-compatible server")
+    add_bench_serve_arguments(b)
     return parser
 
 
@@ -141,6 +154,12 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
     from minibatch.files import check_output_file
 
     command = " ".join(["python -m minibatch"] + (argv if argv is not None else sys.argv[1:]))
+    if args.command == "serve":
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+        return run_serve(args, EngineConfig(**values))
+    if args.command == "bench-serve":
+        run_bench_serve(args)
+        return 0
     if args.command in ("compare", "simulate"):
         cfg = config_from_args(args, "model" if args.command == "compare" else "sim", command)
         if args.command == "compare":

@@ -152,6 +152,29 @@ class WallClock:
         self.now_s = max(self.now_s, t_s)
 
 
+class LiveClock(WallClock):
+    """Real time for a live server: ``now_s`` is the seconds since the clock was made (requests
+    arrive at the time they are submitted), a step is measured like :class:`WallClock`'s, and an
+    idle gap is not skipped but waited out by the front end that feeds the engine."""
+
+    kind = "live"
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        super().__init__(device)
+        self._origin = time.perf_counter()
+
+    @property
+    def now_s(self) -> float:
+        return time.perf_counter() - self._origin
+
+    @now_s.setter
+    def now_s(self, value: float) -> None:  # WallClock.__init__ and end_step assign it: real time moves by itself
+        pass
+
+    def advance_to(self, t_s: float) -> None:
+        pass
+
+
 # A small draft model's forward (speculative decoding) on the same 2-core CPU: rough numbers for
 # smollm2-135m-draft (2 layers, hidden 256), which costs about a tenth of a target decode step.
 DRAFT_COST_MODEL = CostModel(fixed_s=0.004, per_seq_s=0.0002, per_token_s=0.0002, per_context_token_s=0.0)

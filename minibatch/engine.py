@@ -62,6 +62,17 @@ class Engine:
                 it can reach a step, so a bad request never takes other requests down; requests
                 are never silently dropped.
         """
+        self.check_request(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} was already added")
+        if not request.sampling.ignore_eos:
+            request.eos_token_ids = tuple(self.executor.eos_token_ids)
+        heapq.heappush(self.pending, (request.arrival_time_s, len(self.requests), request))
+        self.requests[request.request_id] = request
+
+    def check_request(self, request: Request) -> None:
+        """Raise what ``add_request`` raises for a request that could never run (it reads the
+        executor's and the scheduler's limits only, so a front end may call it from another thread)."""
         if not isinstance(request, Request):
             raise TypeError(f"add_request takes a Request, got {type(request).__name__}")
         vocab_size = getattr(self.executor, "vocab_size", None)
@@ -72,8 +83,6 @@ class Engine:
                 raise ValueError(f"request {request.request_id!r}: {e}") from None
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} already ran; pass request.copy()")
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} was already added")
         max_len = self.executor.max_model_len
         if request.max_num_tokens > max_len:
             raise ValueError(
@@ -81,10 +90,23 @@ class Engine:
                 f"max_new_tokens ({request.max_new_tokens}) must be <= max_model_len ({max_len})"
             )
         self.scheduler.check_request(request)
-        if not request.sampling.ignore_eos:
-            request.eos_token_ids = tuple(self.executor.eos_token_ids)
-        heapq.heappush(self.pending, (request.arrival_time_s, len(self.requests), request))
-        self.requests[request.request_id] = request
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request whatever its state (not yet arrived, waiting, running, swapped) and free
+        its KV blocks now; it finishes with finish_reason ``reason`` at the current clock time. Call
+        it between steps. Returns False (and changes nothing) for an unknown or finished request.
+        Under static batching the request's row stays in the padded batch until the batch ends."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        if any(r is request for _, _, r in self.pending):
+            self.pending = [x for x in self.pending if x[2] is not request]
+            heapq.heapify(self.pending)
+        self.scheduler.abort(request, reason)
+        request.finish_reason, request.status = reason, RequestStatus.FINISHED
+        self.executor.free([request_id])
+        request.finish_time_s = self.clock.now_s
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.pending) or self.scheduler.has_unfinished()

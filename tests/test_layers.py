@@ -31,6 +31,7 @@ LAYERS = {
     # experiments: run(), compare, HF baselines, reference outputs, reports, calibration and validation
     "experiment": "experiment compare baselines sharegpt reference report architectures sim.calibrate "
                   "sim.validate sim.simulator experiments",
+    "serving": "serving",  # live traffic: the async engine front end, the OpenAI-compatible server, bench-serve
     "cli": "__main__",
     "lessons": "lessons",  # notebook helpers: may use anything
 }

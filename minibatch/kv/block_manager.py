@@ -317,6 +317,14 @@ class BlockManager:
             self._release(b)
         self.num_hashed_blocks.pop(request_id, None)
 
+    def free_any(self, request_id: str) -> None:
+        """Release whatever the request holds: its GPU blocks, or its CPU blocks if it is
+        swapped out; nothing if it holds none (an aborted waiting request)."""
+        if request_id in self.block_tables:
+            self.free(request_id)
+        if request_id in self.cpu_block_tables:
+            self.free_cpu_blocks.extend(reversed(self.cpu_block_tables.pop(request_id)))
+
     # ------------------------------------------------------------------ swapping
     def can_swap_out(self, request_id: str) -> bool:
         return len(self.block_tables[request_id]) <= self.num_free_cpu_blocks

@@ -6,7 +6,7 @@ each computes; they never touch tensors (nano-vllm's split between Scheduler and
 
 from __future__ import annotations
 
-from minibatch.request import Request
+from minibatch.request import Request, RequestStatus
 from minibatch.scheduler.output import PACKED, ScheduledRequest, SchedulerOutput, StepResult  # noqa: F401
 from minibatch.scheduler.queue_policy import QueuePolicy, make_queue_policy
 
@@ -62,6 +62,27 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request: Request, reason: str = "abort") -> None:
+        """Take ``request`` out of every queue (waiting, running or swapped) and free its KV at
+        once (``free_kv``); it is then finished with finish_reason ``reason`` (vLLM's
+        ``finish_requests``: "abort" for a client that left, "stop" for a stop string found
+        outside the engine). Called between steps only."""
+        rid = request.request_id
+        for queue in (self.waiting, self.running, self.swapped):
+            queue[:] = [r for r in queue if r.request_id != rid]
+        self.rows.pop(rid, None)
+        self.free_kv(request)
+        request.spec_token_ids = []
+        request.finish_reason = reason
+        request.status = RequestStatus.FINISHED
+
+    def free_kv(self, request: Request) -> None:
+        """Give back whatever KV ``request`` holds: its blocks in the block manager, on the GPU or
+        (swapped out) on the CPU. A static batch has none of its own: the row stays padding."""
+        bm = getattr(self, "block_manager", None)
+        if bm is not None:
+            bm.free_any(request.request_id)
 
     def schedule(self, now_s: float) -> SchedulerOutput:
         raise NotImplementedError

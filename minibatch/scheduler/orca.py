@@ -129,6 +129,12 @@ class OrcaScheduler(Scheduler):
             self._release(r)
         return finished
 
+    def free_kv(self, request: Request) -> None:
+        """Free the reservation of a running request (a waiting one holds none)."""
+        if request.request_id in self.block_manager.block_tables:
+            self.block_manager.free(request.request_id)
+            self.n_rsrv -= self._reservation(request)
+
     def _release(self, r: Request) -> None:
         self.running.remove(r)
         self.block_manager.free(r.request_id)

@@ -1,0 +1,220 @@
+"""A front end for live traffic: the engine's step loop in one background thread, an async token
+stream per request, aborts, and a bounded waiting queue.
+
+Continuous batching is what makes a server of one model work (Orca, OSDI'22 §3): requests join
+the running batch at the next iteration, whenever they arrive. Here they arrive from clients, at
+any time: ``generate`` hands a request to the loop thread and yields its tokens as the steps that
+compute them end; ``abort`` (a client that went away) frees the request's KV blocks at the next
+step boundary. The engine runs on a :class:`~minibatch.clock.LiveClock` (real time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from minibatch.engine import Engine
+from minibatch.request import Request
+
+MAX_TRACE = 10_000  # StepRecords a server keeps without keep_history
+IDLE_POLL_S = 0.005  # how often the loop looks again while requests wait (a static batch filling up)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_num_waiting`` requests: retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an error; the message says which."""
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """What one engine step produced for one request: ``token_ids`` (>= 1 when drafts were
+    accepted, empty for the final delta of an aborted request) and, on the last delta,
+    ``finish_reason`` ("stop", "length" or "abort")."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+class AsyncEngine:
+    """Runs ``engine.step()`` in a daemon thread while requests come and go.
+
+    Args:
+        engine: an :class:`~minibatch.engine.Engine`, best on a ``LiveClock`` (requests are
+            stamped with the clock's ``now_s`` when submitted, so they arrive at once).
+        max_num_waiting: the most requests that may wait for admission (submitted, not yet
+            running; preempted ones count); one more raises :class:`QueueFullError`. >= 1.
+        keep_history: keep every finished request in ``engine.requests`` and every StepRecord in
+            ``engine.trace`` (tests and notebooks read them); otherwise a long-running server
+            forgets finished requests once delivered and keeps the last ``MAX_TRACE`` records.
+        on_step: called in the loop thread after every step as ``on_step(engine, record)`` and
+            after aborts as ``on_step(engine, None, aborted_requests)``: the server's metrics.
+
+    Every engine call happens in the loop thread or under its lock, between steps.
+    """
+
+    def __init__(self, engine: Engine, max_num_waiting: int = 256, keep_history: bool = False,
+                 on_step: Callable[..., None] | None = None):
+        from minibatch.checks import check_int
+
+        self.engine = engine
+        self.max_num_waiting = check_int(max_num_waiting, "max_num_waiting", 1)
+        self.on_step = on_step
+        self.keep_history = keep_history
+        self._lock = threading.Lock()  # guards the inbox and the streams table
+        self._inbox: list[tuple[str, object]] = []  # ("add", Request) | ("abort", (request_id, reason))
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="minibatch-engine", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop thread (after the step in flight) and end every open stream with "abort"."""
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def num_waiting(self) -> int:
+        """Requests submitted but not running: in the inbox, not yet arrived, or waiting in the scheduler."""
+        with self._lock:
+            inbox = sum(1 for kind, _ in self._inbox if kind == "add")
+        return inbox + len(self.engine.pending) + len(self.engine.scheduler.waiting)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
+        """Submit ``request`` and yield its :class:`TokenDelta` s until it finishes (see
+        :meth:`submit`; here the checks run at the first iteration)."""
+        async for delta in self.submit(request):
+            yield delta
+
+    def submit(self, request: Request) -> AsyncIterator[TokenDelta]:
+        """Check and queue ``request`` now (call it from a running event loop); returns the async
+        iterator of its TokenDeltas, until the one with a finish_reason. Leaving the iteration
+        early (a client that disconnected: the iterator is closed or cancelled) aborts the
+        request and frees its KV.
+
+        Raises:
+            ValueError / TypeError: the request can never run (``Engine.check_request``).
+            QueueFullError: ``max_num_waiting`` requests already wait.
+            EngineDeadError: the loop thread has stopped.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        request.arrival_time_s = max(0.0, self.engine.clock.now_s)
+        self.engine.check_request(request)
+        if self.num_waiting() >= self.max_num_waiting:
+            raise QueueFullError(f"the waiting queue is full (max_num_waiting={self.max_num_waiting}): retry later")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request.request_id in self._streams or request.request_id in self.engine.requests:
+                raise ValueError(f"request_id {request.request_id!r} was already submitted")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+            self._inbox.append(("add", request))
+        self._wake.set()
+        return self._stream(request.request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[TokenDelta]:
+        finished = False
+        try:
+            while not finished:
+                delta = await queue.get()
+                if isinstance(delta, BaseException):
+                    finished = True
+                    raise delta
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Abort a request at the next step boundary (thread-safe; unknown or finished: no-op).
+        reason: its finish_reason ("stop" when the front end found a stop string)."""
+        with self._lock:
+            self._inbox.append(("abort", (request_id, reason)))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the loop thread
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            entry = self._streams.get(request_id)
+            if entry is not None and (isinstance(item, BaseException) or item.finish_reason is not None):
+                del self._streams[request_id]
+        if entry is not None:
+            loop, queue = entry
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the client's event loop is closed: nobody is listening
+                pass
+
+    def _apply_inbox(self) -> list[Request]:
+        with self._lock:
+            commands, self._inbox = self._inbox, []
+        aborted = []
+        for kind, value in commands:
+            if kind == "add":
+                try:
+                    self.engine.add_request(value)
+                except (TypeError, ValueError) as e:  # checked at submit; a race (same id) lands here
+                    self._deliver(value.request_id, e)
+            elif self.engine.abort_request(*value):
+                aborted.append(self.engine.requests[value[0]])
+                self._deliver(value[0], TokenDelta((), value[1]))
+        return aborted
+
+    def _forget(self, record) -> None:
+        for rid in record.finished:
+            self.engine.requests.pop(rid, None)
+        if len(self.engine.trace) > 2 * MAX_TRACE:
+            del self.engine.trace[:-MAX_TRACE]
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                aborted = self._apply_inbox()
+                if aborted and self.on_step:
+                    self.on_step(engine, None, aborted)
+                for r in aborted if not self.keep_history else ():
+                    engine.requests.pop(r.request_id, None)
+                if not engine.has_unfinished():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                record = engine.step()
+                if record is None:  # only waiting (e.g. a static batch filling up)
+                    self._wake.wait(IDLE_POLL_S)
+                    self._wake.clear()
+                    continue
+                for e in record.entries:
+                    if not e.token_ids and e.request_id not in record.finished:
+                        continue  # a prefill chunk: nothing to send yet
+                    reason = engine.requests[e.request_id].finish_reason if e.request_id in record.finished else None
+                    self._deliver(e.request_id, TokenDelta(tuple(e.token_ids), reason))
+                if self.on_step:
+                    self.on_step(engine, record)
+                if not self.keep_history:
+                    self._forget(record)
+        except BaseException as e:  # noqa: BLE001 -- every open stream must learn why it ends
+            self.error = e
+        finally:
+            with self._lock:
+                open_ids = list(self._streams)
+            for rid in open_ids:
+                self._deliver(rid, EngineDeadError(f"the engine loop stopped: {self.error!r}") if self.error
+                              else TokenDelta((), "abort"))

@@ -1,0 +1,288 @@
+"""``bench-serve``: a client-side load generator for ANY OpenAI-compatible server, in the form of vLLM's
+serving benchmark.
+
+ShareGPT prompts (:func:`sample_requests`) are sent with streaming ``/v1/completions`` (or
+``/v1/chat/completions``) through the official ``openai`` client, arriving at ``--rate`` requests/s
+(gamma gaps, ``--burstiness``; inf = all at once) with at most ``--max-concurrency`` open. Every text
+chunk's arrival is stamped with ``time.perf_counter`` (seconds after the run's start); TTFT, ITL,
+TPOT, E2E, throughput and goodput under ``--slo-*`` follow (:mod:`minibatch.serving.bench_stats`).
+A failed request (HTTP or connection error, timeout) is recorded with its error, never dropped.
+
+Library use (a notebook): ``bench(base_url, model, requests, rate=4.0)``; the CLI: :func:`run_bench_serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from openai import AsyncOpenAI, OpenAI
+from tqdm.auto import tqdm
+
+from minibatch.metrics import SLO
+from minibatch.serving.bench_stats import (ENDPOINTS, arrival_offsets, check_args, check_options, finish_record,
+                                           format_summary, summarize)
+from minibatch.sharegpt import human_gpt_pairs
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request to send: prompt text, its length in tokens, and how many tokens to ask for."""
+
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def sample_requests(num_prompts: int, seed: int, tokenizer, max_prompt_len: int = 256, max_output_len: int = 128,
+                    output_len: int | None = None, pairs: list[tuple[str, str]] | None = None) -> list[BenchRequest]:
+    """``num_prompts`` requests from ShareGPT first turns (``pairs``: default ``human_gpt_pairs()``), as vLLM does.
+
+    Pairs are shuffled with ``numpy.random.default_rng(seed)``; a pair is kept when both texts are
+    non-empty and the prompt has at most ``max_prompt_len`` tokens (``tokenizer(prompt).input_ids``).
+    output_len is ``output_len`` if given, else the reply's token count clipped to [1, max_output_len].
+
+    Raises:
+        ValueError: fewer than ``num_prompts`` pairs fit (names --num-prompts and --max-prompt-len).
+    """
+    from minibatch.hf_load import quiet_loading  # long replies make tokenizers warn about model length
+
+    pairs = human_gpt_pairs()[0] if pairs is None else pairs
+    chosen: list[BenchRequest] = []
+    with quiet_loading():
+        for i in np.random.default_rng(seed).permutation(len(pairs)).tolist():
+            prompt, reply = pairs[i]
+            if not prompt.strip() or not reply.strip():
+                continue
+            prompt_len = len(tokenizer(prompt).input_ids)
+            if prompt_len > max_prompt_len:
+                continue
+            n = output_len if output_len is not None else min(max(len(tokenizer(reply).input_ids), 1), max_output_len)
+            chosen.append(BenchRequest(prompt, prompt_len, n))
+            if len(chosen) == num_prompts:
+                return chosen
+    raise ValueError(f"--num-prompts {num_prompts}: only {len(chosen)} ShareGPT prompts have at most "
+                     f"--max-prompt-len {max_prompt_len} tokens")
+
+
+def api_base(base_url: str) -> str:
+    """``base_url`` ending in ``/v1`` (given with or without it, trailing slashes ignored)."""
+    url = base_url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def first_model_id(base_url: str, timeout_s: float = 30.0) -> str:
+    """The first model id the server lists at ``GET /v1/models``.
+
+    Raises:
+        ValueError: the server cannot be reached or lists no model (names --base-url / --model).
+    """
+    try:
+        with OpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0) as client:
+            ids = [m.id for m in client.models.list()]
+    except Exception as e:  # connection refused, HTTP error, not an OpenAI-compatible answer
+        raise ValueError(f"--base-url: cannot list models at {api_base(base_url)}/models ({type(e).__name__}: "
+                         f"{e}); is the server up? (or give --model)") from e
+    if not ids:
+        raise ValueError(f"--model: the server at {api_base(base_url)} lists no model; give --model")
+    return ids[0]
+
+
+def default_tokenizer_name(model: str) -> str:
+    """The tokenizer to count tokens with: ``model`` if it is one of our model names, else smollm2-135m."""
+    from minibatch.models import MODEL_NAMES
+
+    return model if model in MODEL_NAMES else "smollm2-135m"
+
+
+def load_tokenizer(name: str):
+    """A tokenizer only (no model weights): our tiny byte-level one, SmolLM2's from the converted cache
+    (else straight from its GGUF file), or ``AutoTokenizer.from_pretrained`` of a local dir / hub id.
+
+    Raises:
+        ValueError: the tokenizer cannot be loaded (names --tokenizer).
+    """
+    from transformers import AutoTokenizer
+
+    from minibatch.gguf import cache_entry_problem, gguf_location, smollm2_cache_path
+    from minibatch.hf_load import quiet_loading
+    from minibatch.models import tiny_tokenizer
+
+    if name.startswith("tiny-random-"):
+        return tiny_tokenizer()
+    try:
+        with quiet_loading():
+            if name.startswith("smollm2-135m"):  # the draft shares the target's tokenizer
+                path = smollm2_cache_path()
+                if path.exists() and cache_entry_problem(path) is None:
+                    return AutoTokenizer.from_pretrained(path)
+                directory, file = gguf_location()
+                return AutoTokenizer.from_pretrained(directory, gguf_file=file)
+            return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # OSError (not found / offline), ValueError, ...
+        raise ValueError(f"--tokenizer: cannot load a tokenizer from {name!r} ({type(e).__name__}: "
+                         f"{str(e)[:200]})") from e
+
+
+def _open_stream(client: AsyncOpenAI, model: str, request: BenchRequest, endpoint: str, ignore_eos: bool):
+    """The create() call of one streamed request (a coroutine giving the stream)."""
+    common = dict(model=model, max_tokens=request.output_len, temperature=0, stream=True,
+                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True} if ignore_eos else None)
+    if endpoint == "chat":
+        return client.chat.completions.create(messages=[{"role": "user", "content": request.prompt}], **common)
+    return client.completions.create(prompt=request.prompt, **common)
+
+
+def _chunk_text(chunk, endpoint: str) -> str:
+    """The text a streamed chunk carries ('' for role-only, empty and usage-only chunks)."""
+    if not chunk.choices:
+        return ""
+    choice = chunk.choices[0]
+    return (choice.delta.content if endpoint == "chat" else choice.text) or ""
+
+
+async def _stream_into(record: dict, client: AsyncOpenAI, model: str, request: BenchRequest, endpoint: str,
+                       ignore_eos: bool, t0: float) -> None:
+    """Send one request and stamp every text chunk's arrival into ``record`` (seconds after ``t0``)."""
+    pieces: list[str] = []
+    try:
+        async with await _open_stream(client, model, request, endpoint, ignore_eos) as stream:
+            async for chunk in stream:
+                now = time.perf_counter() - t0
+                text = _chunk_text(chunk, endpoint)
+                if text:
+                    record["chunk_times_s"].append(now)
+                    pieces.append(text)
+                if chunk.usage is not None:
+                    record["prompt_tokens"] = chunk.usage.prompt_tokens
+                    record["completion_tokens"] = chunk.usage.completion_tokens
+    finally:
+        record["text"] = "".join(pieces)
+
+
+async def _run_request(index: int, request: BenchRequest, client: AsyncOpenAI, model: str, endpoint: str,
+                       ignore_eos: bool, t0: float, timeout_s: float) -> dict:
+    """One request's finished record; errors (HTTP, connection, timeout) are recorded, not raised."""
+    record = {"index": index, "prompt_len": request.prompt_len, "output_len": request.output_len,
+              "success": False, "error": None, "send_time_s": time.perf_counter() - t0, "chunk_times_s": [],
+              "prompt_tokens": None, "completion_tokens": None}
+    try:
+        await asyncio.wait_for(_stream_into(record, client, model, request, endpoint, ignore_eos, t0), timeout_s)
+    except asyncio.TimeoutError:
+        record["error"] = f"timed out after {timeout_s} s (--timeout-s)"
+    except Exception as e:  # openai.APIStatusError, APIConnectionError, a malformed stream, ...
+        record["error"] = f"{type(e).__name__}: {e}"
+    else:
+        record["success"] = bool(record["chunk_times_s"])
+        record["error"] = None if record["success"] else "the stream carried no text chunk"
+    return finish_record(record)
+
+
+async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, rate: float = math.inf,
+                    burstiness: float = 1.0, max_concurrency: int | None = None, endpoint: str = "completions",
+                    ignore_eos: bool = False, slo: SLO | None = None, seed: int = 0, progress: bool = True,
+                    timeout_s: float = 600.0) -> dict:
+    """Send ``requests`` to the server at ``base_url``; ``{"summary": ..., "requests": [records]}``.
+
+    Request i is sent ``arrival_offsets(...)[i]`` seconds after the start, once one of the
+    ``max_concurrency`` slots is free (vLLM's semaphore: its send time is stamped after the wait).
+
+    Raises:
+        ValueError: a bad option (see :func:`check_options`).
+    """
+    check_options(len(requests), rate, burstiness, max_concurrency, endpoint, timeout_s)
+    offsets = arrival_offsets(len(requests), rate, burstiness, seed)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    bar = tqdm(total=len(requests), desc="bench-serve", unit="req", disable=not progress)
+
+    async def send(index: int, request: BenchRequest) -> dict:
+        await asyncio.sleep(max(0.0, t0 + offsets[index] - time.perf_counter()))
+        async with slots:
+            record = await _run_request(index, request, client, model, endpoint, ignore_eos, t0, timeout_s)
+        bar.update(1)
+        return record
+
+    async with AsyncOpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0) as client:
+        t0 = time.perf_counter()
+        records = await asyncio.gather(*(send(i, r) for i, r in enumerate(requests)))
+        duration_s = time.perf_counter() - t0
+    bar.close()
+    return {"summary": summarize(records, duration_s, slo), "requests": records}
+
+
+def bench(base_url: str, model: str, requests: list[BenchRequest], **options) -> dict:
+    """:func:`benchmark` run to completion (``asyncio.run``): the call for scripts and notebooks. Inside a
+    running event loop (a Jupyter cell) ``asyncio.run`` is refused, so it then runs in a worker thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop running: the usual case
+        return asyncio.run(benchmark(base_url, model, requests, **options))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, benchmark(base_url, model, requests, **options)).result()
+
+
+def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``bench-serve`` options to ``parser`` (returned)."""
+    a = parser.add_argument
+    a("--base-url", required=True, help="the server's OpenAI API root, e.g. http://127.0.0.1:8000/v1 (/v1 optional)")
+    a("--model", default=None, help="model name to send (default: the first id at GET /v1/models)")
+    a("--tokenizer", default=None, help="tokenizer to count tokens: one of our model names, a local dir or hub id "
+                                        "(default: --model if it is one of our model names, else smollm2-135m)")
+    a("--endpoint", default="completions", choices=ENDPOINTS, help="/v1/completions or /v1/chat/completions")
+    a("--num-prompts", type=int, default=50, help="requests to send (ShareGPT prompts)")
+    a("--rate", type=float, default=math.inf, help="mean requests/s (default inf: all at once)")
+    a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1.0 = Poisson)")
+    a("--max-concurrency", type=int, default=None, help="at most this many requests open (default: unbounded)")
+    a("--seed", type=int, default=0, help="seed of the prompt sample and the arrival gaps")
+    a("--max-prompt-len", type=int, default=256, help="keep prompts of at most this many tokens")
+    a("--max-output-len", type=int, default=128, help="clip the ShareGPT reply length to this many tokens")
+    a("--output-len", type=int, default=None, help="ask every request for exactly this many tokens instead")
+    a("--ignore-eos", action="store_true", help="send ignore_eos=true (vLLM and our server know it)")
+    for name in ("ttft", "tpot", "e2e"):
+        a(f"--slo-{name}-s", type=float, default=None, help=f"{name.upper()} objective in seconds, for goodput")
+    a("--json", default=None, metavar="PATH", help="write the result (command, environment, summary, requests)")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("--timeout-s", type=float, default=600.0, help="per-request time limit in seconds")
+    return parser
+
+
+def run_bench_serve(args: argparse.Namespace, command: str | None = None) -> dict:
+    """The whole ``bench-serve`` job: check options, pick model and tokenizer, sample, run, print, save.
+
+    ``command`` is stored as the result's command line (default: ``python -m minibatch`` + argv).
+    Returns {"command", "environment", "base_url", "model", "config", "summary", "requests"}.
+
+    Raises:
+        ValueError: a bad option, an unreachable server, a tokenizer that does not load (names the option).
+    """
+    from minibatch.files import check_output_file, write_json
+    from minibatch.report import environment
+
+    slo = check_args(args)
+    if args.json:
+        check_output_file(args.json, "--json")
+    model = args.model or first_model_id(args.base_url, min(args.timeout_s, 30.0))
+    tokenizer_name = args.tokenizer or default_tokenizer_name(model)
+    tokenizer = load_tokenizer(tokenizer_name)
+    requests = sample_requests(args.num_prompts, args.seed, tokenizer, args.max_prompt_len, args.max_output_len,
+                               args.output_len)
+    out = bench(args.base_url, model, requests, rate=args.rate, burstiness=args.burstiness,
+                max_concurrency=args.max_concurrency, endpoint=args.endpoint, ignore_eos=args.ignore_eos, slo=slo,
+                seed=args.seed, progress=not args.no_progress, timeout_s=args.timeout_s)
+    config = {k: v for k, v in vars(args).items() if not callable(v)}
+    config.update(model=model, tokenizer=tokenizer_name,
+                  slo=asdict(slo) if slo else None, rate=args.rate if math.isfinite(args.rate) else "inf")
+    result = {"command": command or " ".join(["python -m minibatch"] + sys.argv[1:]), "environment": environment(),
+              "base_url": api_base(args.base_url), "model": model, "config": config, **out}
+    print(format_summary(out["summary"]))
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return result

@@ -1,0 +1,187 @@
+"""Start a server: ``python -m minibatch serve`` (uvicorn in the foreground), or in the background
+of a test or a notebook (:class:`ServerThread`: uvicorn in a thread of this process;
+:class:`ServerProcess`: ``python -m minibatch serve`` as a child process)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from minibatch.clock import LiveClock
+from minibatch.config import EngineConfig
+from minibatch.serving.async_engine import AsyncEngine
+from minibatch.serving.metrics import ServingMetrics
+
+DEFAULT_MODEL, DEFAULT_POLICY = "smollm2-135m", "paged"
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve command's own options (the engine options come from EngineConfig)."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name (default: {DEFAULT_MODEL}, offline)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"scheduling policy (default: {DEFAULT_POLICY})")
+    p.add_argument("--draft-model", default=None, help="spec policies: the draft model")
+    p.add_argument("--served-model-name", default=None, help="the id /v1/models shows (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
+    p.add_argument("--max-num-waiting", type=int, default=256,
+                   help="most requests waiting for admission; one more gets HTTP 503 (default: 256)")
+
+
+def build_server(model: str, policy: str, config: EngineConfig | None = None, *, device: str = "cpu",
+                 draft_model: str | None = None, served_model_name: str | None = None,
+                 max_num_waiting: int = 256, keep_history: bool = False, loaded=None):
+    """(FastAPI app, AsyncEngine) for ``model`` under ``policy``; the engine loop is started.
+
+    loaded: an already loaded (model, tokenizer) pair to serve (tests and notebooks share one).
+
+    Raises:
+        ValueError: an unknown model or policy, a policy that cannot serve (the HF baselines),
+            an option out of range or one the policy does not use.
+    """
+    from minibatch.policies import POLICIES, get_policy, make_engine
+    from minibatch.runner import ModelRunner
+
+    if policy not in POLICIES:
+        raise ValueError(f"--policy must be one of {', '.join(POLICIES)} (the engine's policies), got {policy!r}")
+    if loaded is None:
+        from minibatch.models import check_model_name, load_model
+
+        check_model_name(model, "--model")
+        loaded = load_model(model, device=device)
+    hf_model, tokenizer = loaded
+    runner = ModelRunner(hf_model, tokenizer)
+    draft_runner = None
+    if get_policy(policy).proposer == "draft":
+        from minibatch.compare import default_draft, load_draft_runner
+
+        draft_runner = load_draft_runner(draft_model or default_draft(model), model, hf_model, tokenizer, device)
+    engine = make_engine(policy, runner, LiveClock(device), config=config or EngineConfig(),
+                         draft_runner=draft_runner)
+    name = served_model_name or model
+    metrics = ServingMetrics(name)
+    async_engine = AsyncEngine(engine, max_num_waiting, keep_history=keep_history, on_step=metrics.on_step)
+    from minibatch.serving.server import build_app
+
+    app = build_app(async_engine, tokenizer, name, metrics)
+    return app, async_engine.start()
+
+
+def run_serve(args, config: EngineConfig) -> int:
+    """``python -m minibatch serve``: load, start the engine, serve until Ctrl-C."""
+    import torch
+    import uvicorn
+
+    from minibatch.checks import check_device, check_int
+
+    check_device(args.device, "--device")
+    check_int(args.port, "--port", 0, 65535)
+    check_int(args.threads, "--threads", 1, 1024)
+    check_int(args.max_num_waiting, "--max-num-waiting", 1)
+    torch.set_num_threads(args.threads)
+    app, engine = build_server(args.model, args.policy, config, device=args.device, draft_model=args.draft_model,
+                               served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting)
+    print(f"serving {args.served_model_name or args.model} under {args.policy} on "
+          f"http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+class ServerThread:
+    """uvicorn serving ``app`` in a daemon thread of this process, on 127.0.0.1 and a free port
+    (``base_url``: ``http://127.0.0.1:PORT/v1``). ``stop()`` (or leaving the ``with``) closes the
+    port and shuts down ``engine``."""
+
+    def __init__(self, app, engine: AsyncEngine | None = None, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.engine = engine
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="off",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, name="minibatch-http", daemon=True)
+        self.host, self.port = host, None
+
+    def start(self, timeout_s: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m minibatch serve ARGS --port PORT`` as a child process, its output in ``log``
+    (a file path); ``start()`` waits for /health. ``stop()`` ends it (and its port)."""
+
+    def __init__(self, args: list[str], log: str, port: int | None = None):
+        self.port = port or free_port()
+        self.args = [sys.executable, "-m", "minibatch", "serve", *args, "--port", str(self.port)]
+        self.log, self.proc = log, None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, timeout_s: float = 180.0) -> "ServerProcess":
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}; see {self.log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):
+                    return self
+            except OSError:
+                time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"the server did not answer /health within {timeout_s} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

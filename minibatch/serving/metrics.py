@@ -1,0 +1,98 @@
+"""Prometheus metrics of a running server, under vLLM's names with our prefix ``minibatch:``.
+
+Gauges are set after every engine step (and after aborts) from the scheduler; counters and
+histograms are fed from the step's :class:`~minibatch.engine.StepRecord` and from each finished
+request's event stamps (TTFT, TPOT, ITL, E2E in seconds, as ``minibatch.metrics`` defines them).
+Each server has its own ``CollectorRegistry``, so several servers can live in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from minibatch.request import Request
+
+PREFIX = "minibatch:"
+disable_created_metrics()  # no *_created series: one line per value, as vLLM shows them
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def kv_capacity_slots(scheduler, max_model_len: int) -> int:
+    """KV slots the scheduler can hand out: its block manager's blocks x block_size (paged,
+    Orca), or, for a static batch with no block manager, max_num_seqs rows of max_model_len."""
+    bm = getattr(scheduler, "block_manager", None)
+    if bm is not None:
+        return bm.num_blocks * bm.block_size
+    return getattr(scheduler, "batch_size", 1) * max_model_len
+
+
+class ServingMetrics:
+    """The server's metrics; ``on_step`` is the AsyncEngine's per-step hook, ``text()`` the
+    /metrics body (Prometheus text format, ``CONTENT_TYPE_LATEST``)."""
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for admission (preempted ones included).")
+        self.swapped = gauge("num_requests_swapped", "Requests preempted with their KV swapped to CPU memory.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache slots in use (reserved), 0..1.")
+        self.preemptions = counter("num_preemptions", "Preemptions (recompute or swap).")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens computed (recomputed prompts included).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.success = Counter(PREFIX + "request_success", "Finished requests by finish_reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "TTFT: arrival to first token.", LATENCY_BUCKETS_S)
+        self.tpot = histogram("time_per_output_token_seconds", "TPOT: mean gap after the first token, per request.",
+                              ITL_BUCKETS_S)
+        self.itl = histogram("inter_token_latency_seconds", "ITL: gap between a request's successive tokens.",
+                             ITL_BUCKETS_S)
+        self.e2e = histogram("e2e_request_latency_seconds", "E2E: arrival to the last token.", LATENCY_BUCKETS_S)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.model_name = model_name
+
+    def on_step(self, engine, record=None, aborted=()) -> None:
+        """Update from the engine after a step (``record``) or after aborts (``aborted`` requests)."""
+        s = engine.scheduler
+        self.running.set(len(s.running))
+        self.waiting.set(len(s.waiting) + len(engine.pending))
+        self.swapped.set(len(s.swapped))
+        self.kv_usage.set(s.num_kv_slots_reserved / max(1, kv_capacity_slots(s, engine.executor.max_model_len)))
+        for r in aborted:
+            self.observe_finished(r)
+        if record is None:
+            return
+        self.preemptions.inc(len(record.preempted))
+        self.prompt_tokens.inc(record.num_prefill_tokens)
+        self.generation_tokens.inc(sum(len(e.token_ids) for e in record.entries))
+        self.iteration_tokens.observe(record.num_scheduled_tokens)
+        for rid in record.finished:
+            self.observe_finished(engine.requests[rid])
+
+    def observe_finished(self, r: Request) -> None:
+        """One finished request's latencies (aborted ones count only in request_success)."""
+        self.success.labels(self.model_name, r.finish_reason or "unknown").inc()
+        if r.finish_reason == "abort" or not r.token_times_s:
+            return
+        times = r.token_times_s
+        self.ttft.observe(times[0] - r.arrival_time_s)
+        self.e2e.observe(times[-1] - r.arrival_time_s)
+        if len(times) > 1:
+            self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+        for a, b in zip(times, times[1:]):
+            self.itl.observe(b - a)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,138 @@
+"""The OpenAI API subset we serve: request bodies (pydantic), checks and error bodies.
+
+What a body may hold: the fields of ``CompletionRequest`` / ``ChatCompletionRequest`` (vLLM's
+extensions ``top_k`` and ``ignore_eos`` included). An OpenAI parameter we do not implement
+(``UNSUPPORTED``: logprobs, penalties, n > 1, tools, ...) is refused with HTTP 400 naming it unless
+it holds its no-op default, and so is any unknown field: never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# OpenAI parameters we do not implement -> the values that mean "off" (accepted, they change nothing)
+UNSUPPORTED = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": (None, {}),
+    "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
+    "min_tokens": (0,), "use_beam_search": (False,),
+}
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI error body: HTTP ``status``, ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind, self.headers = message, param, status, kind, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take: sampling (greedy when temperature is 0), stop strings, streaming."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # vLLM: -1 or 0 = off
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension: run to max_tokens (fixed output lengths for benchmarks)
+    skip_special_tokens: bool = True  # vLLM's extension: leave special tokens out of the text
+    user: str | None = None  # an end-user id; recorded nowhere
+
+    def stop_strings(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+            raise APIError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings, got {stop!r}", "stop")
+        return stop
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions: ``prompt`` is a string or a list of token ids (one prompt)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as text (a list of parts may hold only {"type": "text", "text": ...} parts)."""
+        if isinstance(self.content, str):
+            return self.content
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in self.content):
+            raise APIError("messages: only text content parts are supported", "messages")
+        return "".join(p["text"] for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions: ``messages`` rendered by the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the model's max_model_len
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def parse_body(cls: type[BaseModel], body) -> BaseModel:
+    """``cls`` from a decoded JSON body.
+
+    Raises:
+        APIError: not a JSON object, an unsupported OpenAI parameter with a non-default value,
+            an unknown field, or a field of the wrong type or out of range (``param`` names it).
+    """
+    if not isinstance(body, dict):
+        raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and not any(body[name] == a and type(body[name]) is not bool or body[name] is a
+                                    for a in allowed):
+            raise APIError(f"{name}: not supported by this server (allowed: {', '.join(map(repr, allowed))}), "
+                           f"got {body[name]!r}", name)
+    try:
+        return cls.model_validate({k: v for k, v in body.items() if k not in UNSUPPORTED})
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        what = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        raise APIError(f"{loc}: {what}" + (f", got {err['input']!r}" if err["type"] != "missing" else ""),
+                       str(err["loc"][0]) if err["loc"] else None) from None
+
+
+def one_prompt(prompt) -> str | list[int]:
+    """The single prompt of a completions body (a batch of several is refused)."""
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt:
+        raise APIError("prompt: must not be empty", "prompt")
+    if all(isinstance(x, int) for x in prompt):
+        return list(prompt)
+    if len(prompt) != 1:
+        raise APIError(f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
+    return prompt[0]

@@ -1,0 +1,226 @@
+"""An OpenAI-compatible HTTP server on the engine (FastAPI): /v1/completions and
+/v1/chat/completions (JSON or Server-Sent Events in OpenAI's chunk format), /v1/models, /health
+and /metrics (Prometheus text). A client that disconnects aborts its request; a full waiting
+queue answers 503 with Retry-After; a bad body answers 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from minibatch.request import Request, SamplingParams
+from minibatch.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from minibatch.serving.metrics import ServingMetrics
+from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, one_prompt,
+                                        parse_body)
+from minibatch.serving.text import TextAssembler
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingMetrics) -> FastAPI:
+    """The FastAPI app serving ``engine`` (started by the caller) as ``model_name``."""
+    app = FastAPI(title="minibatch", docs_url=None, redoc_url=None)
+    app.state.engine, app.state.metrics = engine, metrics
+    max_model_len = engine.engine.executor.max_model_len
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(_, e: Exception):  # the server never dies on a request
+        return JSONResponse(APIError(f"internal error: {e!r}", status=500, kind="server_error").body(), 500)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            raise APIError(f"the engine loop stopped: {engine.error!r}", status=503, kind="server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "minibatch", "max_model_len": max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(raw: HTTPRequest):
+        body = parse_body(CompletionRequest, await read_json(raw))
+        prompt = one_prompt(body.prompt)
+        ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+        return await respond(raw, body, ids, max_new_tokens=body.max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: HTTPRequest):
+        body = parse_body(ChatCompletionRequest, await read_json(raw))
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(f"messages: model {model_name!r} has no chat template; use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        return await respond(raw, body, ids, max_new_tokens=body.max_new_tokens, chat=True)
+
+    async def respond(raw, body, prompt_ids: list[int], max_new_tokens: int | None, chat: bool):
+        if body.model not in (None, model_name):
+            raise APIError(f"model: {body.model!r} is not served here; /v1/models lists {model_name!r}", "model",
+                           status=404)
+        stop = body.stop_strings()
+        request = make_request(body, prompt_ids, max_new_tokens, max_model_len, chat)
+        try:
+            stream = engine.submit(request)
+        except QueueFullError as e:
+            raise APIError(str(e), status=503, kind="server_overloaded", headers={"Retry-After": "1"}) from None
+        except EngineDeadError as e:
+            raise APIError(str(e), status=503, kind="server_error") from None
+        except (TypeError, ValueError) as e:
+            raise api_error_of(e) from None
+        text = TextAssembler(tokenizer, stop, skip_special_tokens=body.skip_special_tokens)
+        out = Output(request.request_id, model_name, chat, len(prompt_ids), text)
+        if body.stream:
+            return StreamingResponse(sse(engine, stream, out, body.include_usage), media_type="text/event-stream")
+        return await collect(raw, engine, stream, out)
+
+    return app
+
+
+async def read_json(raw: HTTPRequest):
+    try:
+        return json.loads(await raw.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"the body is not valid JSON: {e}") from None
+
+
+def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, max_model_len: int, chat: bool) -> Request:
+    """The engine Request of a body (max_new_tokens None: whatever fits in max_model_len)."""
+    if max_new_tokens is None:
+        max_new_tokens = max(1, max_model_len - len(prompt_ids))
+    try:
+        sampling = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
+                                  seed=body.seed, ignore_eos=body.ignore_eos)
+        return Request(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt_ids, max_new_tokens, sampling)
+    except (TypeError, ValueError) as e:
+        raise api_error_of(e) from None
+
+
+API_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "prompt (": "prompt ("}
+
+
+def api_error_of(e: Exception) -> APIError:
+    """A 400 from an engine-side check, in the API's field names (max_tokens, prompt)."""
+    message = str(e).split(": ", 1)[-1] if str(e).startswith("request ") else str(e)
+    for ours, theirs in API_NAMES.items():
+        message = message.replace(ours, theirs)
+    param = next((p for p in ("temperature", "top_k", "top_p", "seed", "max_tokens", "prompt") if p in message), None)
+    return APIError(message, param)
+
+
+class Output:
+    """Builds the response bodies of one request (completion or chat, chunk or whole)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, num_prompt_tokens: int, text: TextAssembler):
+        self.id, self.model, self.chat, self.text = request_id, model, chat, text
+        self.created = int(time.time())
+        self.num_prompt_tokens, self.num_output_tokens = num_prompt_tokens, 0
+        self.finish_reason: str | None = None
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_output_tokens,
+                "total_tokens": self.num_prompt_tokens + self.num_output_tokens}
+
+    def feed(self, delta) -> str:
+        """Take a TokenDelta; returns the new text (a stop string sets finish_reason "stop")."""
+        self.num_output_tokens += len(delta.token_ids)
+        piece, stopped = self.text.feed(delta.token_ids, final=delta.finish_reason is not None)
+        if stopped:
+            self.finish_reason = "stop"
+        elif delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+        return piece
+
+    def chunk(self, piece: str, first: bool = False) -> dict:
+        head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model}
+        if self.chat:
+            delta = {"role": "assistant", "content": piece} if first else ({"content": piece} if piece else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason}
+        else:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": self.finish_reason}
+        return {**head, "choices": [choice]}
+
+    def whole(self, text: str) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": self.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
+
+
+def event(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def sse(engine: AsyncEngine, stream, out: Output, include_usage: bool):
+    """The SSE body: a first chunk (chat: the role), a chunk per step with text, the last with
+    finish_reason, a usage chunk if asked, then ``[DONE]``. A stop string ends the request early
+    (finish_reason "stop"); a client that leaves cancels this generator, which aborts the request."""
+    try:
+        if out.chat:
+            yield event(out.chunk("", first=True))
+        async for delta in stream:
+            piece = out.feed(delta)
+            if out.finish_reason is not None:
+                stop_early(engine, out, delta)
+                yield event(out.chunk(piece))
+                break
+            if piece:
+                yield event(out.chunk(piece))
+    except EngineDeadError as e:  # the response has started: the error goes into the stream
+        yield event(APIError(str(e), status=503, kind="server_error").body())
+    finally:
+        await stream.aclose()
+    if include_usage:
+        yield event({"id": out.id, "object": out.chunk("")["object"], "created": out.created, "model": out.model,
+                     "choices": [], "usage": out.usage()})
+    yield event("[DONE]")
+
+
+def stop_early(engine: AsyncEngine, out: Output, delta) -> None:
+    """A stop string ended the text before the engine finished: finish the request ("stop")."""
+    if out.finish_reason == "stop" and delta.finish_reason is None:
+        engine.abort(out.id, reason="stop")
+
+
+async def collect(raw: HTTPRequest, engine: AsyncEngine, stream, out: Output) -> dict:
+    """The whole response; the request is aborted if its client disconnects while waiting."""
+    async def run() -> str:
+        text = ""
+        try:
+            async for delta in stream:
+                text += out.feed(delta)
+                if out.finish_reason is not None:
+                    stop_early(engine, out, delta)
+                    break
+        finally:
+            await stream.aclose()
+        return text
+
+    task = asyncio.ensure_future(run())
+    while not task.done():  # Starlette does not cancel a plain handler whose client left: look
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await raw.is_disconnected():
+            task.cancel()  # closes the stream: the request is aborted
+            return Response(status_code=499)
+    return out.whole(task.result())

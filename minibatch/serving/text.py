@@ -1,0 +1,53 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+The tokens of one request arrive a few at a time; their text is the decode of *all* output ids
+so far (a token's text can depend on its neighbours, and one character may span several byte
+tokens), of which only the new suffix is sent. Text that may still become a stop string, or
+that ends in an incomplete UTF-8 character, is held back until it is settled.
+"""
+
+from __future__ import annotations
+
+
+class TextAssembler:
+    """Turns token ids into text deltas for one request.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``decode`` with ``skip_special_tokens``).
+        stop: stop strings; the text ends before the first one found (OpenAI's ``stop``; the
+            stop string itself is not returned).
+        skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
+    """
+
+    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop string
+        self.token_ids: list[int] = []
+        self.sent = 0  # characters of the text already returned
+        self.stopped = False
+
+    def feed(self, token_ids, final: bool = False) -> tuple[str, bool]:
+        """Add ``token_ids``; returns (new text, whether a stop string was found). ``final``:
+        the request has finished, so everything held back is released."""
+        if self.stopped:
+            return "", True
+        self.token_ids += list(token_ids)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        if self.stop:
+            start = max(0, self.sent - self.hold)
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                piece, self.sent = text[self.sent:max(self.sent, min(hits))], max(self.sent, min(hits))
+                return piece, True
+        end = len(text)
+        if not final:
+            end -= self.hold
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
+                end = min(end, len(text) - 1)
+        if end <= self.sent:
+            return "", False
+        piece, self.sent = text[self.sent:end], end
+        return piece, False

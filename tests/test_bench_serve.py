@@ -1,0 +1,345 @@
+"""bench-serve, the client-side load generator, against a stub OpenAI-compatible server.
+
+The stub is written unlike our server on purpose: the standard library's ThreadingHTTPServer, streaming
+a fixed number of fixed-text SSE chunks with fixed sleeps (first chunk after FIRST_DELAY_S, then one
+every GAP_S), a usage chunk when asked, then ``data: [DONE]``. It counts the requests open at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minibatch.metrics import SLO
+from minibatch.models import tiny_tokenizer
+from minibatch.serving import bench as bench_mod
+from minibatch.serving.bench import (BenchRequest, add_bench_serve_arguments, api_base, bench, default_tokenizer_name,
+                                     first_model_id, run_bench_serve, sample_requests)
+from minibatch.serving.bench_stats import arrival_offsets, summarize
+
+FIRST_DELAY_S, GAP_S, TEXT = 0.05, 0.02, "tok "
+
+
+class Stub:
+    """Settings and counters of one stub server (read by its handler threads)."""
+
+    def __init__(self, chunks=4, tokens_per_chunk=2, usage=True, fail_marker=None, first_delay_s=FIRST_DELAY_S):
+        self.chunks, self.tokens_per_chunk, self.usage = chunks, tokens_per_chunk, usage
+        self.fail_marker, self.first_delay_s = fail_marker, first_delay_s
+        self.lock, self.stopping = threading.Lock(), threading.Event()  # set at teardown: sleeps end at once
+        self.open = self.max_open = 0
+        self.bodies: list[dict] = []
+
+
+def _handler(stub: Stub):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _send_json(self, status: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _event(self, obj) -> None:
+            self.wfile.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+            self.wfile.flush()
+
+        def do_GET(self):
+            if self.path.rstrip("/") == "/v1/models":
+                self._send_json(200, {"object": "list", "data": [{"id": "stub-model", "object": "model",
+                                                                   "created": 0, "owned_by": "stub"}]})
+            else:
+                self._send_json(404, {"error": {"message": "not found"}})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            chat = self.path == "/v1/chat/completions"
+            prompt = body["messages"][0]["content"] if chat else body["prompt"]
+            with stub.lock:
+                stub.bodies.append(body)
+                stub.open += 1
+                stub.max_open = max(stub.max_open, stub.open)
+            try:
+                self._answer(body, chat, prompt)
+            finally:
+                self._leave()
+
+        def _leave(self):
+            if not getattr(self, "left", False):
+                self.left = True
+                with stub.lock:
+                    stub.open -= 1
+
+        def _answer(self, body: dict, chat: bool, prompt: str) -> None:
+            if stub.fail_marker and stub.fail_marker in prompt:
+                self._leave()  # before the client can see the answer, so a freed slot is free here too
+                self._send_json(500, {"error": {"message": "stub failure", "type": "server_error"}})
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            head = {"id": "x", "created": 0, "model": body["model"]}
+            if chat:  # a role-only chunk carries no text: not a token
+                self._event({**head, "object": "chat.completion.chunk",
+                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            for k in range(stub.chunks):
+                if stub.stopping.wait(stub.first_delay_s if k == 0 else GAP_S):
+                    return
+                choice = {"index": 0, "delta": {"content": TEXT}} if chat else {"index": 0, "text": TEXT}
+                self._event({**head, "object": "chat.completion.chunk" if chat else "text_completion",
+                             "choices": [{**choice, "finish_reason": None}]})
+            if stub.usage and (body.get("stream_options") or {}).get("include_usage"):
+                n = stub.chunks * stub.tokens_per_chunk
+                self._event({**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [],
+                             "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}})
+            self._leave()
+            self._event(b"[DONE]")
+
+    return Handler
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = False  # server_close() joins the handler threads: none is left behind
+    request_queue_size = 128  # a burst of connects must not overflow the listen backlog
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that timed out and hung up is fine
+            super().handle_error(request, client_address)
+
+
+@pytest.fixture
+def start_stub():
+    """start_stub(**Stub options) -> (base_url without /v1, stub); every server is shut down afterwards."""
+    running = []
+
+    def start(**options):
+        stub = Stub(**options)
+        server = _Server(("127.0.0.1", 0), _handler(stub))
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+        thread.start()
+        running.append((server, thread, stub))
+        return f"http://127.0.0.1:{server.server_address[1]}", stub
+
+    yield start
+    for server, thread, stub in running:
+        stub.stopping.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    assert not [t for t in threading.enumerate() if "process_request_thread" in t.name]  # handler threads
+
+
+def _requests(n: int, output_len: int = 8, fail_every: int | None = None) -> list[BenchRequest]:
+    return [BenchRequest(("FAIL " if fail_every and i % fail_every == 0 else "") + f"prompt {i}", 3, output_len)
+            for i in range(n)]
+
+
+def _check_record(r: dict, chunks: int) -> None:
+    """The record's metrics equal those recomputed from its own timestamps, exactly."""
+    times, send = r["chunk_times_s"], r["send_time_s"]
+    assert len(times) == chunks and r["text"] == TEXT * chunks
+    assert r["ttft_s"] == times[0] - send
+    assert r["e2e_s"] == times[-1] - send
+    assert r["itl_s"] == [b - a for a, b in zip(times, times[1:])] and len(r["itl_s"]) == chunks - 1
+    n = r["output_tokens"]
+    assert r["tpot_s"] == ((r["e2e_s"] - r["ttft_s"]) / (n - 1) if n > 1 else None)
+    assert r["ttft_s"] >= FIRST_DELAY_S
+
+
+def test_all_requests_complete_with_exact_metrics(start_stub):
+    url, stub = start_stub(chunks=4, tokens_per_chunk=2)
+    out = bench(url + "/v1", "stub-model", _requests(8), progress=False)
+    s, records = out["summary"], out["requests"]
+    assert (s["completed"], s["failed"], len(records)) == (8, 0, 8)
+    assert [r["index"] for r in records] == list(range(8))
+    for r in records:
+        assert r["success"] and r["error"] is None
+        assert (r["output_tokens"], r["output_tokens_source"], r["input_tokens"]) == (8, "usage", 7)
+        _check_record(r, chunks=4)
+    assert all(b["max_tokens"] == 8 and b["temperature"] == 0 and "ignore_eos" not in b for b in stub.bodies)
+    assert s["total_output_tokens"] == 64 and s["total_input_tokens"] == 56
+    assert s["request_throughput"] == 8 / s["duration_s"] and s["output_throughput"] == 64 / s["duration_s"]
+    assert s["goodput"] is None
+
+
+def test_summary_percentiles_equal_numpys(start_stub):
+    url, _ = start_stub(chunks=5)
+    out = bench(url, "stub-model", _requests(6), progress=False)
+    s, records = out["summary"], out["requests"]
+    values = {"ttft": [r["ttft_s"] for r in records], "tpot": [r["tpot_s"] for r in records],
+              "e2e": [r["e2e_s"] for r in records], "itl": [g for r in records for g in r["itl_s"]]}
+    assert len(values["itl"]) == 6 * 4
+    for name, v in values.items():
+        assert s[f"{name}_mean_s"] == float(np.mean(v)) and s[f"{name}_median_s"] == float(np.median(v))
+        for p in (50, 95, 99):
+            assert s[f"{name}_p{p}_s"] == float(np.percentile(v, p))
+    assert s["ttft_p50_s"] == s["ttft_median_s"]
+
+
+def test_no_usage_counts_chunks_and_chat_skips_role_chunk(start_stub):
+    url, stub = start_stub(chunks=3, usage=False)
+    for endpoint in ("completions", "chat"):
+        out = bench(url, "stub-model", _requests(3), endpoint=endpoint, ignore_eos=True, progress=False)
+        for r in out["requests"]:
+            assert (r["output_tokens"], r["output_tokens_source"]) == (3, "chunks")
+            assert r["input_tokens"] == r["prompt_len"] == 3
+            _check_record(r, chunks=3)
+    assert any("messages" in b for b in stub.bodies) and all(b["ignore_eos"] is True for b in stub.bodies)
+
+
+def test_failures_are_counted_not_dropped(start_stub):
+    url, _ = start_stub(chunks=2, fail_marker="FAIL")
+    out = bench(url, "stub-model", _requests(9, fail_every=3), progress=False)
+    s, records = out["summary"], out["requests"]
+    assert (s["completed"], s["failed"], len(records)) == (6, 3, 9)
+    for r in records:
+        failed = r["index"] % 3 == 0
+        assert r["success"] is not failed
+        if failed:
+            assert "500" in r["error"] and r["ttft_s"] is None and r["chunk_times_s"] == []
+    assert s["ttft_p99_s"] == float(np.percentile([r["ttft_s"] for r in records if r["success"]], 99))
+
+
+def test_unreachable_server_and_timeout_are_recorded(start_stub):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed when the block ends: nothing listens there
+    out = bench(f"http://127.0.0.1:{port}", "m", _requests(2), progress=False, timeout_s=5)
+    assert out["summary"]["failed"] == 2 and all("Connection" in r["error"] for r in out["requests"])
+    with pytest.raises(ValueError, match="--base-url"):
+        first_model_id(f"http://127.0.0.1:{port}")
+    url, _ = start_stub(chunks=2, first_delay_s=1.0)
+    out = bench(url, "stub-model", _requests(2), progress=False, timeout_s=0.2)
+    assert out["summary"]["failed"] == 2 and all("timed out" in r["error"] for r in out["requests"])
+
+
+def test_goodput_counts_requests_meeting_every_slo(start_stub):
+    url, _ = start_stub(chunks=3)
+    out = bench(url, "stub-model", _requests(6), slo=SLO(ttft_s=FIRST_DELAY_S / 10), progress=False)
+    assert out["summary"]["num_good"] == 0 and out["summary"]["goodput"] == 0.0  # TTFT >= the stub's delay
+    records, duration = out["requests"], out["summary"]["duration_s"]
+    ttft = sorted(r["ttft_s"] for r in records)
+    for slo in (SLO(ttft_s=ttft[2]), SLO(e2e_s=1000.0), SLO(ttft_s=ttft[3], tpot_s=1e-9), SLO(tpot_s=1000.0)):
+        good = [r for r in records if all(limit is None or r[name] <= limit for name, limit in
+                                          (("ttft_s", slo.ttft_s), ("tpot_s", slo.tpot_s), ("e2e_s", slo.e2e_s)))]
+        s = summarize(records, duration, slo)
+        assert s["num_good"] == len(good) and s["goodput"] == len(good) / duration
+    one_token = dict(records[0], success=True, output_tokens=1, tpot_s=None)  # vLLM: TPOT counts as 0
+    assert summarize([one_token], 1.0, SLO(tpot_s=1e-9))["num_good"] == 1
+
+
+def test_bench_runs_inside_a_running_event_loop(start_stub):
+    """A notebook cell runs in an event loop, where asyncio.run is refused: bench still works there."""
+    url, _ = start_stub(chunks=2)
+
+    async def cell():
+        return bench(url, "stub-model", _requests(2), progress=False)
+
+    assert asyncio.run(cell())["summary"]["completed"] == 2
+
+
+def test_max_concurrency_bounds_open_requests(start_stub):
+    url, stub = start_stub(chunks=3)
+    out = bench(url, "stub-model", _requests(6), max_concurrency=2, progress=False)
+    assert out["summary"]["completed"] == 6
+    assert 1 <= stub.max_open <= 2
+
+
+def _pairs() -> list[tuple[str, str]]:
+    """ShareGPT-like (human, gpt) pairs; the tiny tokenizer counts one token per byte."""
+    pairs = [(f"question number {i}?", "answer " * (i % 5)) for i in range(40)]
+    return pairs + [("", "empty prompt"), ("   ", "blank prompt"), ("empty reply", ""), ("x" * 500, "too long")]
+
+
+def test_sample_requests_filters_clips_and_is_seeded():
+    tok = tiny_tokenizer()
+    reqs = sample_requests(20, 0, tok, max_prompt_len=64, max_output_len=20, pairs=_pairs())
+    assert len(reqs) == 20 and reqs == sample_requests(20, 0, tok, 64, 20, pairs=_pairs())
+    assert reqs != sample_requests(20, 1, tok, 64, 20, pairs=_pairs())
+    by_prompt = dict(_pairs())
+    for r in reqs:
+        assert r.prompt.strip() and r.prompt_len == len(tok(r.prompt).input_ids) <= 64
+        assert r.output_len == min(max(len(tok(by_prompt[r.prompt]).input_ids), 1), 20)
+    assert {r.output_len for r in reqs} <= {7, 14, 20}  # replies of 7, 14, 21, 28 bytes, clipped to 20
+    assert all(r.output_len == 5 for r in sample_requests(10, 0, tok, 64, 20, output_len=5, pairs=_pairs()))
+    with pytest.raises(ValueError, match="--num-prompts"):
+        sample_requests(33, 0, tok, 64, 20, pairs=_pairs())  # 32 pairs fit
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return add_bench_serve_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_cli_path_writes_json(start_stub, tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_mod, "human_gpt_pairs", lambda: (_pairs(), len(_pairs())))
+    url, stub = start_stub(chunks=2)
+    path = tmp_path / "out" / "bench.json"
+    args = _parse("--base-url", url + "/", "--tokenizer", "tiny-random-llama", "--num-prompts", "5", "--seed", "3",
+                  "--max-output-len", "6", "--slo-ttft-s", "100", "--json", str(path), "--no-progress")
+    result = run_bench_serve(args, command="python -m minibatch bench-serve ...")
+    saved = json.loads(path.read_text())
+    assert saved["command"] == "python -m minibatch bench-serve ..." and saved["environment"]["python"]
+    assert saved["model"] == result["model"] == "stub-model"  # asked from GET /v1/models
+    assert saved["base_url"] == url + "/v1" and saved["config"]["rate"] == "inf"
+    assert saved["summary"]["completed"] == 5 and saved["summary"]["num_good"] == 5
+    assert saved["requests"] == json.loads(json.dumps(result["requests"]))
+    expected = sample_requests(5, 3, tiny_tokenizer(), 256, 6, pairs=_pairs())
+    assert sorted(b["max_tokens"] for b in stub.bodies) == sorted(r.output_len for r in expected)
+    assert "TTFT" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--rate", "0"], "--rate"), (["--rate", "-2"], "--rate"), (["--rate", "nan"], "--rate"),
+    (["--num-prompts", "0"], "--num-prompts"), (["--burstiness", "0"], "--burstiness"),
+    (["--max-concurrency", "0"], "--max-concurrency"), (["--max-prompt-len", "0"], "--max-prompt-len"),
+    (["--max-output-len", "0"], "--max-output-len"), (["--output-len", "0"], "--output-len"),
+    (["--slo-ttft-s", "0"], "--slo-ttft-s"), (["--slo-tpot-s", "-1"], "--slo-tpot-s"),
+    (["--slo-e2e-s", "inf"], "--slo-e2e-s"), (["--timeout-s", "0"], "--timeout-s"),
+])
+def test_bad_options_raise_value_error_naming_the_option(argv, option):
+    with pytest.raises(ValueError, match=option) as e:  # checked before any connection is tried
+        run_bench_serve(_parse("--base-url", "http://127.0.0.1:9", *argv))
+    assert "\n" not in str(e.value)
+
+
+def test_library_checks_options():
+    with pytest.raises(ValueError, match="--endpoint"):
+        bench("http://127.0.0.1:9", "m", _requests(1), endpoint="embeddings")
+    with pytest.raises(ValueError, match="--num-prompts"):
+        bench("http://127.0.0.1:9", "m", [])
+
+
+def test_arrival_offsets():
+    assert arrival_offsets(4) == [0.0] * 4
+    t = arrival_offsets(20000, rate=50.0, burstiness=0.5, seed=1)
+    assert t[0] == 0.0 and t == arrival_offsets(20000, rate=50.0, burstiness=0.5, seed=1)
+    gaps = np.diff(t)
+    assert (gaps >= 0).all() and math.isclose(gaps.mean(), 1 / 50, rel_tol=0.05)
+    assert math.isclose(gaps.std() / gaps.mean(), 1 / math.sqrt(0.5), rel_tol=0.05)  # gamma CV = 1/sqrt(shape)
+
+
+def test_helpers():
+    assert api_base("http://h:8000") == api_base("http://h:8000/v1/") == "http://h:8000/v1"
+    assert default_tokenizer_name("tiny-random-llama") == "tiny-random-llama"
+    assert default_tokenizer_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m"
+
+
+def test_modules_stay_short():
+    folder = Path(bench_mod.__file__).parent
+    for name in ("bench.py", "bench_stats.py"):
+        assert len((folder / name).read_text().splitlines()) <= 300

@@ -1,0 +1,228 @@
+"""The OpenAI-compatible server with a real client (the official ``openai`` package) on 127.0.0.1:
+outputs equal HF generate, concurrent streams share engine steps, disconnects free KV, a full queue
+answers 503, bad bodies 400 naming the field. The server runs in a thread of this process (uvicorn
+on a free port, one torch thread) and is stopped by its fixture."""
+
+import asyncio
+import json
+import re
+import threading
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from minibatch.config import EngineConfig
+from minibatch.models import load_model
+from minibatch.reference import reference_outputs
+from minibatch.request import Request, SamplingParams
+from minibatch.serving.launch import ServerProcess, ServerThread, build_server
+
+MODEL = "tiny-random-llama"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PROMPTS = [[5 + 7 * i + j for j in range(3 + 4 * i)] for i in range(4)]  # token ids, 3..15 tokens
+
+
+@pytest.fixture(scope="module")
+def loaded(one_thread):
+    model, tokenizer = load_model(MODEL)
+    tokenizer.chat_template = CHAT_TEMPLATE  # the tiny tokenizer has none; the server reads the tokenizer's
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    app, engine = build_server(MODEL, "paged", EngineConfig(n_slots=1024, block_size=4, max_num_seqs=8),
+                               loaded=loaded, keep_history=True)
+    with ServerThread(app, engine) as srv:
+        yield srv
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+
+
+def reference_text(loaded, prompt_ids, max_tokens) -> str:
+    model, tokenizer = loaded
+    ref = reference_outputs(model, [Request("r", prompt_ids, max_tokens, SamplingParams(ignore_eos=True))])["r"]
+    return tokenizer.decode(ref, skip_special_tokens=False)
+
+
+def metric(srv, name: str) -> float:
+    text = urllib.request.urlopen(srv.base_url.removesuffix("/v1") + "/metrics").read().decode()
+    return float(re.search(rf"^minibatch:{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+
+
+EXACT = dict(temperature=0, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+
+
+def test_completions_equal_hf_generate(server, loaded):
+    c = client(server)
+    for prompt in PROMPTS:
+        want = reference_text(loaded, prompt, 12)
+        whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **EXACT)
+        assert whole.choices[0].text == want and whole.choices[0].finish_reason == "length"
+        assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(prompt), 12)
+        chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True,
+                                           stream_options={"include_usage": True}, **EXACT))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+        assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_chat_uses_the_template_and_equals_hf_generate(server, loaded):
+    model, tokenizer = loaded
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    want = reference_text(loaded, tokenizer.encode(rendered, add_special_tokens=False), 10)
+    c = client(server)
+    whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, **EXACT)
+    assert whole.choices[0].message.content == want and whole.choices[0].message.role == "assistant"
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True, **EXACT))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+
+
+def test_stop_string_ends_the_text_before_it(server, loaded):
+    want = reference_text(loaded, PROMPTS[1], 16)
+    stop = want[5:8]
+    out = client(server).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, stop=[stop], **EXACT)
+    assert out.choices[0].text == want[:want.index(stop)] and out.choices[0].finish_reason == "stop"
+
+
+async def stream_ids(srv, prompt, max_tokens, started: asyncio.Event | None = None) -> tuple[str, str]:
+    """(request id, text) of one streamed completion; sets ``started`` after its third chunk."""
+    c = openai.AsyncOpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+    text, rid = "", None
+    async with c:
+        stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True, **EXACT)
+        async for i, ch in aenumerate(stream):
+            rid, text = ch.id, text + ch.choices[0].text
+            if started is not None and i == 2:
+                started.set()
+    return rid, text
+
+
+async def aenumerate(it):
+    i = 0
+    async for x in it:
+        yield i, x
+        i += 1
+
+
+def steps_of(engine, rid) -> list[int]:
+    return [rec.step for rec in engine.trace if any(e.request_id == rid for e in rec.entries)]
+
+
+def test_concurrent_streams_share_steps_and_a_late_request_joins(server, loaded):
+    engine = server.engine.engine
+
+    async def three():
+        return await asyncio.gather(*(stream_ids(server, p, 12) for p in PROMPTS[:3]))
+
+    results = asyncio.run(three())
+    for (rid, text), prompt in zip(results, PROMPTS):
+        assert text == reference_text(loaded, prompt, 12)  # as if it ran alone
+    decode_steps = [set(steps_of(engine, rid)) for rid, _ in results]
+    assert len(set.intersection(*decode_steps)) >= 6  # decoded together in the same steps, not one after another
+
+    async def late():
+        started = asyncio.Event()
+        first = asyncio.ensure_future(stream_ids(server, PROMPTS[3], 200, started))
+        await started.wait()
+        second = await stream_ids(server, PROMPTS[0], 5)
+        return await first, second
+
+    (rid_a, _), (rid_b, text_b) = asyncio.run(late())
+    finish_a = next(rec.step for rec in engine.trace if rid_a in rec.finished)
+    assert steps_of(engine, rid_b)[0] < finish_a  # admitted while the first was still streaming
+    assert text_b == reference_text(loaded, PROMPTS[0], 5)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server):
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        rid = json.loads(first[6:])["id"]
+        next(line for line in lines if line.startswith("data: "))
+    engine = server.engine.engine
+    for _ in range(200):
+        if engine.requests[rid].is_finished and metric(server, "kv_cache_usage_perc") == 0:
+            break
+        threading.Event().wait(0.05)
+    assert engine.requests[rid].finish_reason == "abort"
+    assert engine.requests[rid].num_output_tokens < 400
+    assert metric(server, "kv_cache_usage_perc") == 0 and metric(server, "num_requests_running") == 0
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 600}, "max_tokens"),  # prompt + max_tokens > max_model_len 512
+    ({"max_tokens": 4}, "prompt"),
+    ({"prompt": [1, 2, 99999]}, "prompt"),
+    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "colour": "red"}, "colour"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+])
+def test_bad_bodies_get_400_naming_the_field(server, body, param):
+    r = httpx.post(server.base_url + "/completions", json={"model": MODEL, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_other_bad_requests(server):
+    r = httpx.post(server.base_url + "/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.base_url + "/completions", json={"model": "gpt-9", "prompt": "x"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(server.base_url + "/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client(server).completions.create(model=MODEL, prompt="x", logprobs=2)
+    assert httpx.get(server.base_url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+
+
+def test_full_queue_answers_503_with_retry_after(loaded):
+    # a static batch of 4 waits up to 60 s to fill: the first request waits, the second finds the queue full
+    app, engine = build_server(MODEL, "static", EngineConfig(max_num_seqs=4, max_wait_s=60.0), loaded=loaded,
+                               max_num_waiting=1)
+    with ServerThread(app, engine) as srv:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=30) as first:
+            assert first.status_code == 200
+            r = httpx.post(srv.base_url + "/completions", json={**body, "stream": False}, timeout=30)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "max_num_waiting=1" in r.json()["error"]["message"]
+        assert httpx.get(srv.base_url.removesuffix("/v1") + "/health").status_code == 200
+
+
+def test_burst_of_200_at_concurrency_64_all_complete(server):
+    from minibatch.serving.bench import BenchRequest, bench
+
+    requests = [BenchRequest(prompt="hello " * (1 + i % 7), prompt_len=1 + i % 7, output_len=4 + i % 5)
+                for i in range(200)]
+    result = bench(server.base_url, MODEL, requests, max_concurrency=64, ignore_eos=True, progress=False)
+    summary = result["summary"]
+    assert summary["completed"] == 200 and summary["failed"] == 0
+    assert [r["output_tokens"] for r in result["requests"]] == [x.output_len for x in requests]
+    assert httpx.get(server.base_url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+    assert metric(server, "num_requests_running") == 0 and metric(server, "kv_cache_usage_perc") == 0
+
+
+def test_serve_command_runs_as_a_process(tmp_path):
+    log = tmp_path / "server.log"
+    with ServerProcess(["--model", MODEL, "--policy", "chunked", "--threads", "1", "--n-slots", "512"], str(log)) as p:
+        out = openai.OpenAI(base_url=p.base_url, api_key="none", max_retries=0).completions.create(
+            model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3
+    assert p.proc.returncode is not None  # stopped: no process left behind
