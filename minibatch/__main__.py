@@ -158,7 +158,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
         return run_serve(args, EngineConfig(**values))
     if args.command == "bench-serve":
-        run_bench_serve(args)
+        run_bench_serve(args, command)
         return 0
     if args.command in ("compare", "simulate"):
         cfg = config_from_args(args, "model" if args.command == "compare" else "sim", command)

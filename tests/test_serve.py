@@ -226,3 +226,36 @@ def test_serve_command_runs_as_a_process(tmp_path):
             model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
     assert p.proc.returncode is not None  # stopped: no process left behind
+
+
+@pytest.mark.parametrize("policy", ["static", "orca", "chunked"])
+def test_every_policy_serves_a_burst(loaded, policy):
+    """A long-running server (no keep_history) under each policy: 24 concurrent streams all finish,
+    and a later one too (a static batch's finished members stay in their padded batch)."""
+    from minibatch.serving.bench import BenchRequest, bench
+
+    app, engine = build_server(MODEL, policy, EngineConfig(max_num_seqs=4, max_wait_s=0.05), loaded=loaded)
+    with ServerThread(app, engine) as srv:
+        requests = [BenchRequest(prompt="hi " * (1 + i % 5), prompt_len=1 + i % 5, output_len=3 + i % 4)
+                    for i in range(24)]
+        for _ in range(2):
+            summary = bench(srv.base_url, MODEL, requests, ignore_eos=True, progress=False)["summary"]
+            assert summary["completed"] == 24 and summary["failed"] == 0
+        assert engine.is_alive
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["serve", "--policy", "hf_generate"], "--policy"),
+    (["serve", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["serve", "--port", "70000"], "--port"),
+    (["serve", "--max-num-waiting", "0"], "--max-num-waiting"),
+    (["bench-serve", "--base-url", "http://127.0.0.1:9", "--rate", "0"], "--rate"),
+    (["bench-serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "0"], "--num-prompts"),
+])
+def test_serving_commands_refuse_bad_options_in_one_line(argv, names, capsys):
+    from minibatch.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and names in err and len(err.strip().splitlines()) == 1, err

@@ -11,6 +11,7 @@ step boundary. The engine runs on a :class:`~minibatch.clock.LiveClock` (real ti
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -18,7 +19,7 @@ from typing import AsyncIterator, Callable
 from minibatch.engine import Engine
 from minibatch.request import Request
 
-MAX_TRACE = 10_000  # StepRecords a server keeps without keep_history
+MAX_HISTORY = 10_000  # finished requests and StepRecords a server keeps without keep_history
 IDLE_POLL_S = 0.005  # how often the loop looks again while requests wait (a static batch filling up)
 
 
@@ -50,7 +51,8 @@ class AsyncEngine:
             running; preempted ones count); one more raises :class:`QueueFullError`. >= 1.
         keep_history: keep every finished request in ``engine.requests`` and every StepRecord in
             ``engine.trace`` (tests and notebooks read them); otherwise a long-running server
-            forgets finished requests once delivered and keeps the last ``MAX_TRACE`` records.
+            keeps the last ``MAX_HISTORY`` finished requests and ``MAX_HISTORY`` records (a finished
+            member of a static batch stays in its padded batch for a while, so not fewer).
         on_step: called in the loop thread after every step as ``on_step(engine, record)`` and
             after aborts as ``on_step(engine, None, aborted_requests)``: the server's metrics.
 
@@ -65,6 +67,7 @@ class AsyncEngine:
         self.max_num_waiting = check_int(max_num_waiting, "max_num_waiting", 1)
         self.on_step = on_step
         self.keep_history = keep_history
+        self._finished: collections.deque[str] = collections.deque()  # oldest first
         self._lock = threading.Lock()  # guards the inbox and the streams table
         self._inbox: list[tuple[str, object]] = []  # ("add", Request) | ("abort", (request_id, reason))
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -177,11 +180,12 @@ class AsyncEngine:
                 self._deliver(value[0], TokenDelta((), value[1]))
         return aborted
 
-    def _forget(self, record) -> None:
-        for rid in record.finished:
-            self.engine.requests.pop(rid, None)
-        if len(self.engine.trace) > 2 * MAX_TRACE:
-            del self.engine.trace[:-MAX_TRACE]
+    def _forget(self, finished_ids) -> None:
+        self._finished.extend(finished_ids)
+        while len(self._finished) > MAX_HISTORY:
+            self.engine.requests.pop(self._finished.popleft(), None)
+        if len(self.engine.trace) > 2 * MAX_HISTORY:
+            del self.engine.trace[:-MAX_HISTORY]
 
     def _loop(self) -> None:
         engine = self.engine
@@ -190,8 +194,8 @@ class AsyncEngine:
                 aborted = self._apply_inbox()
                 if aborted and self.on_step:
                     self.on_step(engine, None, aborted)
-                for r in aborted if not self.keep_history else ():
-                    engine.requests.pop(r.request_id, None)
+                if aborted and not self.keep_history:
+                    self._forget([r.request_id for r in aborted])
                 if not engine.has_unfinished():
                     self._wake.wait()
                     self._wake.clear()
@@ -209,7 +213,7 @@ class AsyncEngine:
                 if self.on_step:
                     self.on_step(engine, record)
                 if not self.keep_history:
-                    self._forget(record)
+                    self._forget(record.finished)
         except BaseException as e:  # noqa: BLE001 -- every open stream must learn why it ends
             self.error = e
         finally:

@@ -122,16 +122,19 @@ def summarize(records: list[dict], duration_s: float, slo: SLO | None = None) ->
 
     Throughputs are per second of ``duration_s``: request_throughput (req/s), output_throughput
     (output tok/s), total_token_throughput (prompt + output tok/s), goodput (req/s meeting ``slo``;
-    None without one). Only successful requests enter the latencies and token counts.
+    None without one). Only successful requests enter the token counts, and only those that
+    streamed text (``num_empty`` did not) the latencies and goodput.
     """
-    ok = [r for r in records if r["success"]]
-    total_in = sum(r["input_tokens"] for r in ok)
-    total_out = sum(r["output_tokens"] for r in ok)
+    done = [r for r in records if r["success"]]
+    ok = [r for r in done if r["ttft_s"] is not None]
+    total_in = sum(r["input_tokens"] for r in done)
+    total_out = sum(r["output_tokens"] for r in done)
     num_good = sum(meets_slo(r, slo) for r in ok) if slo is not None else None
     summary = {
-        "completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration_s,
+        "completed": len(done), "failed": len(records) - len(done), "num_empty": len(done) - len(ok),
+        "duration_s": duration_s,
         "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": _per_second(len(ok), duration_s),
+        "request_throughput": _per_second(len(done), duration_s),
         "output_throughput": _per_second(total_out, duration_s),
         "total_token_throughput": _per_second(total_in + total_out, duration_s),
         "num_good": num_good, "goodput": _per_second(num_good, duration_s) if slo is not None else None,

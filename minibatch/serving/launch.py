@@ -145,11 +145,15 @@ def free_port() -> int:
 
 class ServerProcess:
     """``python -m minibatch serve ARGS --port PORT`` as a child process, its output in ``log``
-    (a file path); ``start()`` waits for /health. ``stop()`` ends it (and its port)."""
+    (a file path); ``start()`` waits for /health. ``stop()`` ends it (and its port).
 
-    def __init__(self, args: list[str], log: str, port: int | None = None):
+    command: another server's command line instead (e.g. ``transformers serve``), "{port}" in it
+    replaced by the port; it must answer GET /health."""
+
+    def __init__(self, args: list[str], log: str, port: int | None = None, command: list[str] | None = None):
         self.port = port or free_port()
-        self.args = [sys.executable, "-m", "minibatch", "serve", *args, "--port", str(self.port)]
+        self.args = ([x.replace("{port}", str(self.port)) for x in command] if command else
+                     [sys.executable, "-m", "minibatch", "serve", *args, "--port", str(self.port)])
         self.log, self.proc = log, None
 
     @property
