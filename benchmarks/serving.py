@@ -62,12 +62,11 @@ def main() -> int:
                                args.max_output_len)
     result = {"command": " ".join(["python"] + sys.argv), "environment": environment(), "config": vars(args),
               "runs": []}
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    os.environ.update(env)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the child servers' thread pools
+    logs = tempfile.mkdtemp(prefix="serving-bench-")
     for name, server in servers(args).items():
-        with tempfile.NamedTemporaryFile(suffix=".log", delete=False) as log:
-            pass
-        with ServerProcess(server.get("args", []), log.name, command=server.get("command")) as srv:
+        log = os.path.join(logs, f"{name}.log")
+        with ServerProcess(server.get("args", []), log, command=server.get("command")) as srv:
             model = server.get("model", args.model)
             bench(srv.base_url, model, requests[:2], progress=False)  # warm-up, not measured
             for rate in rates:

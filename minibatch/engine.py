@@ -102,8 +102,7 @@ class Engine:
         if any(r is request for _, _, r in self.pending):
             self.pending = [x for x in self.pending if x[2] is not request]
             heapq.heapify(self.pending)
-        self.scheduler.abort(request, reason)
-        request.finish_reason, request.status = reason, RequestStatus.FINISHED
+        self.scheduler.abort(request, reason)  # also finishes it (a not-yet-arrived one too)
         self.executor.free([request_id])
         request.finish_time_s = self.clock.now_s
         return True

@@ -137,8 +137,7 @@ class OrcaScheduler(Scheduler):
 
     def _release(self, r: Request) -> None:
         self.running.remove(r)
-        self.block_manager.free(r.request_id)
-        self.n_rsrv -= self._reservation(r)
+        self.free_kv(r)
         del self.rows[r.request_id]
 
     @property

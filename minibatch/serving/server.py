@@ -113,7 +113,7 @@ def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, max_mo
         raise api_error_of(e) from None
 
 
-API_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt", "prompt (": "prompt ("}
+API_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
 
 def api_error_of(e: Exception) -> APIError:
@@ -148,9 +148,12 @@ class Output:
             self.finish_reason = delta.finish_reason
         return piece
 
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
     def chunk(self, piece: str, first: bool = False) -> dict:
-        head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model}
+        head = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model}
         if self.chat:
             delta = {"role": "assistant", "content": piece} if first else ({"content": piece} if piece else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason}
@@ -192,7 +195,7 @@ async def sse(engine: AsyncEngine, stream, out: Output, include_usage: bool):
     finally:
         await stream.aclose()
     if include_usage:
-        yield event({"id": out.id, "object": out.chunk("")["object"], "created": out.created, "model": out.model,
+        yield event({"id": out.id, "object": out.chunk_object, "created": out.created, "model": out.model,
                      "choices": [], "usage": out.usage()})
     yield event("[DONE]")
 
