@@ -115,26 +115,59 @@ def steps_of(engine, rid) -> list[int]:
     return [rec.step for rec in engine.trace if any(e.request_id == rid for e in rec.entries)]
 
 
+class StepGate:
+    """Holds the engine's step loop while closed, so a test decides which requests are queued
+    before the next step runs (the tiny model steps faster than clients connect)."""
+
+    def __init__(self, engine):
+        self.engine, self.step, self.open = engine, engine.step, threading.Event()
+        self.open.set()
+        engine.step = self._step  # an instance attribute shadows Engine.step
+
+    def _step(self):
+        assert self.open.wait(30), "the step gate stayed closed"
+        return self.step()
+
+    def close(self):
+        del self.engine.step
+
+
+async def open_when_waiting(srv, gate: StepGate, n: int) -> None:
+    """Open the gate once ``n`` requests wait for admission."""
+    while srv.engine.num_waiting() < n:
+        await asyncio.sleep(0.005)
+    gate.open.set()
+
+
 def test_concurrent_streams_share_steps_and_a_late_request_joins(server, loaded):
     engine = server.engine.engine
+    gate = StepGate(engine)
+    try:
+        async def three():
+            gate.open.clear()  # all three are queued before the first step that could admit them
+            streams = asyncio.gather(*(stream_ids(server, p, 12) for p in PROMPTS[:3]))
+            await open_when_waiting(server, gate, 3)
+            return await streams
 
-    async def three():
-        return await asyncio.gather(*(stream_ids(server, p, 12) for p in PROMPTS[:3]))
+        results = asyncio.run(three())
+        for (rid, text), prompt in zip(results, PROMPTS):
+            assert text == reference_text(loaded, prompt, 12)  # as if it ran alone
+        decode_steps = [set(steps_of(engine, rid)) for rid, _ in results]
+        assert len(set.intersection(*decode_steps)) >= 6  # decoded together in the same steps
 
-    results = asyncio.run(three())
-    for (rid, text), prompt in zip(results, PROMPTS):
-        assert text == reference_text(loaded, prompt, 12)  # as if it ran alone
-    decode_steps = [set(steps_of(engine, rid)) for rid, _ in results]
-    assert len(set.intersection(*decode_steps)) >= 6  # decoded together in the same steps, not one after another
+        async def late():
+            started = asyncio.Event()
+            first = asyncio.ensure_future(stream_ids(server, PROMPTS[3], 200, started))
+            await started.wait()
+            gate.open.clear()  # the first is mid-stream; hold it there until the second is queued
+            second = asyncio.ensure_future(stream_ids(server, PROMPTS[0], 5))
+            await open_when_waiting(server, gate, 1)
+            return await first, await second
 
-    async def late():
-        started = asyncio.Event()
-        first = asyncio.ensure_future(stream_ids(server, PROMPTS[3], 200, started))
-        await started.wait()
-        second = await stream_ids(server, PROMPTS[0], 5)
-        return await first, second
-
-    (rid_a, _), (rid_b, text_b) = asyncio.run(late())
+        (rid_a, _), (rid_b, text_b) = asyncio.run(late())
+    finally:
+        gate.open.set()
+        gate.close()
     finish_a = next(rec.step for rec in engine.trace if rid_a in rec.finished)
     assert steps_of(engine, rid_b)[0] < finish_a  # admitted while the first was still streaming
     assert text_b == reference_text(loaded, PROMPTS[0], 5)
