@@ -19,7 +19,8 @@ def kernel_check(seq_lens=(5, 11, 18), q_lens=(5, 1, 4), block_size: int = 4, nu
     the last ``q_lens`` positions of each request as packed causal queries. Returns the max
     absolute differences (Triton - reference) and each call's time in ms ("timings_ms"; under
     TRITON_INTERPRET=1 the kernels run in numpy, orders of magnitude slower than on a GPU), or
-    {"skipped": reason} when the kernels cannot run here.
+    {"skipped": reason} when the kernels cannot run here. ``dtype`` may be float32, bfloat16 or float16,
+    interpreted or compiled.
     """
     from minibatch import kernels
 

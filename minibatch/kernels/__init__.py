@@ -20,6 +20,9 @@ kernels raise a RuntimeError that says so (``INTERPRETER_TOO_LATE``).
 ``triton_probe`` sets it when CUDA is not available; ``setdefault`` keeps a value the user chose. The
 variable is process-wide: other libraries' ``@triton.jit`` functions are interpreted too.
 
+bf16 and fp16 work both ways. The interpreter keeps bf16 as raw 16-bit integers and cannot do bf16
+arithmetic, so interpreted kernels compute on fp32 copies of their tiles (see ``PREFILL_FP32_TILES``).
+
 If triton cannot be imported at all (it has no wheels for macOS or Windows), this package still
 imports: the ``*_ref`` functions work and the Triton-backed ones raise RuntimeError.
 """

@@ -36,6 +36,12 @@ from minibatch.kernels.store_kv import check_kv_cache
 DECODE_BLOCK_N = 32
 PREFILL_BLOCK_M = 16
 PREFILL_BLOCK_N = 32
+# Triton's interpreter stores bf16 as raw 16-bit integers: loads, stores and `.to(tl.float32)` are exact, but bf16
+# arithmetic and tl.dot compute on the integer bit patterns, and its fp32 -> bf16 `.to` truncates instead of
+# rounding to nearest even (probed in tests/test_kernels.py). So, interpreted, the prefill kernel upcasts its
+# q/k/v tiles to fp32 (the decode kernel always does) and torch rounds bf16 outputs; compiled, tl.dot takes the
+# bf16/fp16 tiles as they are, with an fp32 accumulator.
+PREFILL_FP32_TILES = IS_INTERPRETED
 
 if HAS_TRITON:
     import triton
@@ -102,7 +108,7 @@ if HAS_TRITON:
         block_size, num_queries_per_kv, head_dim,
         stride_q_token, stride_q_head, stride_out_token, stride_out_head, stride_bt_req,
         stride_cache_block, stride_cache_offset, stride_cache_head,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP32_TILES: tl.constexpr,
     ):
         """One program per (request, query head, tile of BLOCK_M queries).
 
@@ -112,6 +118,7 @@ if HAS_TRITON:
                        cached in earlier steps  | this step's queries (K/V already stored)
 
         Query j sits at position context_len + j and sees keys 0 .. context_len + j.
+        FP32_TILES: upcast q/k/v tiles to fp32 before the dots (else tl.dot takes q's dtype, P is rounded to it).
         """
         req = tl.program_id(0)
         head = tl.program_id(1)
@@ -131,6 +138,8 @@ if HAS_TRITON:
         mask_d = offs_d < head_dim
         q_offs = (q_start + offs_m)[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :]
         q = tl.load(q_ptr + q_offs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+        if FP32_TILES:
+            q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max per query row
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator per row
@@ -146,6 +155,9 @@ if HAS_TRITON:
             mask_nd = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_cache_ptr + kv_offs, mask=mask_nd, other=0.0)
             v = tl.load(v_cache_ptr + kv_offs, mask=mask_nd, other=0.0)
+            if FP32_TILES:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
 
             # "ieee": fp32 inputs are not rounded to tf32 (bf16/fp16 inputs are unaffected).
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BLOCK_M, BLOCK_N)
@@ -187,6 +199,11 @@ def _check_attention_args(q, kv_cache, layer, block_tables, seq_lens, num_reqs) 
     return block_size, q.shape[1] // num_kv_heads
 
 
+def _out_buffer(q: torch.Tensor) -> torch.Tensor:
+    """The kernels' output, like q; fp32 for bf16 under the interpreter (its bf16 cast truncates, torch rounds)."""
+    return torch.empty_like(q, dtype=torch.float32 if IS_INTERPRETED and q.dtype == torch.bfloat16 else q.dtype)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -214,9 +231,9 @@ def paged_decode_attention(
     require_triton(q.device)
     if q.stride(-1) != 1:
         raise ValueError("q needs a contiguous last dim (head_dim)")
-    out = torch.empty_like(q)
+    out = _out_buffer(q)
     if num_seqs == 0:
-        return out
+        return out.to(q.dtype)
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]  # (num_blocks, block_size, num_kv_heads, head_dim)
     _paged_decode_kernel[(num_seqs, num_heads)](
         out, q, k_cache, v_cache, block_tables, seq_lens, scale,
@@ -225,7 +242,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_N=DECODE_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
     )
-    return out
+    return out.to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -250,7 +267,8 @@ def paged_prefill_attention(
     seq_lens: (num_reqs,) int32, cached + new tokens, >= q_len >= 1.
     cu_seqlens_q: (num_reqs + 1,) int32 offsets, cu_seqlens_q[0] == 0.
     max_q_len: the longest q_len, if the caller knows it (else read from cu_seqlens_q: a sync).
-    Returns (num_tokens, num_heads, head_dim) in q's dtype (fp32 accumulation).
+    Returns (num_tokens, num_heads, head_dim) in q's dtype (fp32 accumulation). Compiled, bf16/fp16
+    tiles go to tl.dot as they are and P is rounded to q's dtype for P @ V; interpreted, all math is fp32.
 
     Grid: (num_reqs, num_heads, cdiv(max_q_len, BLOCK_M)); programs past a request's q_len exit.
     """
@@ -264,14 +282,9 @@ def paged_prefill_attention(
     require_triton(q.device)
     if q.stride(-1) != 1:
         raise ValueError("q needs a contiguous last dim (head_dim)")
-    if IS_INTERPRETED and q.dtype == torch.bfloat16:
-        # The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits
-        # (triton-lang/triton#11584; "not supported yet"). The decode kernel upcasts before any
-        # arithmetic, so only this kernel is affected.
-        raise NotImplementedError("Triton's interpreter cannot run tl.dot on bfloat16; use float32 or float16 on CPU")
-    out = torch.empty_like(q)
+    out = _out_buffer(q)
     if num_reqs == 0 or num_tokens == 0:
-        return out
+        return out.to(q.dtype)
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]  # (num_blocks, block_size, num_kv_heads, head_dim)
@@ -282,8 +295,9 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        FP32_TILES=PREFILL_FP32_TILES,
     )
-    return out
+    return out.to(q.dtype)
 
 
 # ---- pure-torch references -------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.kernels.triton_probe import HAS_TRITON, require_triton
+from minibatch.kernels.triton_probe import HAS_TRITON, IS_INTERPRETED, require_triton
 
 if HAS_TRITON:
     import triton
@@ -101,12 +101,15 @@ def store_kv(
     key, value: (num_tokens, num_kv_heads, head_dim), cast to the cache dtype; last dim contiguous.
     slot_mapping: (num_tokens,) int32 or int64; slot = block_id * block_size + offset, -1 = skip.
     Slots must be distinct and < num_blocks * block_size (not checked: that would sync with the
-    GPU). Returns None.
+    GPU). Returns None. A bf16/fp16 key into a cache of the same dtype is copied bit for bit.
     """
     _check_store_args(kv_cache, layer, key, value, slot_mapping)
     require_triton(kv_cache.device)
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value need a contiguous last dim (head_dim)")
+    if IS_INTERPRETED and kv_cache.dtype == torch.bfloat16:
+        # the interpreter's cast to bf16 truncates; torch rounds to nearest even, like the compiled kernel
+        key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
