@@ -29,7 +29,7 @@ SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput"
 def servers(args) -> dict[str, dict]:
     """name -> {"args": our serve options} or {"command": another server's command line}."""
     ours = ["--model", args.model, "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
-            "--n-slots", str(args.n_slots)]
+            "--n-slots", str(args.n_slots), "--dtype", args.dtype]
     out = {p: {"args": ours + ["--policy", p]} for p in args.policies.split(",")}
     if args.transformers_serve:
         from minibatch.hf_load import cache_dir
@@ -38,7 +38,7 @@ def servers(args) -> dict[str, dict]:
         exe = shutil.which("transformers")
         if exe and folder.exists():
             out["transformers_serve_cb"] = {"command": [
-                exe, "serve", str(folder), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+                exe, "serve", str(folder), "--continuous-batching", "--device", "cpu", "--dtype", args.dtype,
                 "--host", "127.0.0.1", "--port", "{port}"], "model": str(folder)}
     return out
 
@@ -54,6 +54,7 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--n-slots", type=int, default=8192)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both servers' dtype")
     p.add_argument("--no-transformers-serve", dest="transformers_serve", action="store_false")
     p.add_argument("--json", default=None)
     args = p.parse_args()

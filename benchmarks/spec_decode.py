@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from minibatch.compare import default_draft, load_draft_runner
+from minibatch.experiment import default_draft, load_draft_runner
 from minibatch.report import environment, write_json
 from minibatch.lessons import speculative as lesson
 from minibatch.request import Request, SamplingParams

@@ -23,7 +23,8 @@ import argparse
 import sys
 import time
 
-from minibatch.compare import CompareConfig, build_trace, load_draft_runner
+from minibatch.compare import CompareConfig, build_trace
+from minibatch.experiment import load_draft_runner
 from minibatch.experiment import load_runner, warm_up
 from minibatch.report import environment, write_json
 from minibatch.files import read_json

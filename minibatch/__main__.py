@@ -16,6 +16,7 @@ import sys
 from minibatch.compare import SIM_DEFAULT_POLICIES, CompareConfig, opt, run_compare
 from minibatch.config import EngineConfig
 from minibatch.policies import POLICIES, load_policy_module
+from minibatch.precision import DTYPES, dtype_name, resolve_dtype
 from minibatch.serving.bench import add_bench_serve_arguments, run_bench_serve
 from minibatch.serving.launch import add_serve_arguments, run_serve
 
@@ -106,10 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="measure step times of a model on this machine and fit the simulator's cost model")
     k.add_argument("--model", default=CompareConfig.model, help="as in compare")
     k.add_argument("--device", default="cpu", help="cpu or cuda")
+    k.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="the dtype to measure (default: auto = bfloat16 where it is fast, else float32)")
     k.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     k.add_argument("--draft-model", default=None, help="also calibrate this draft model (spec policies in simulation)")
     k.add_argument("--scale", type=float, default=1.0, help="shrink the calibration workloads, in (0, 1]")
-    k.add_argument("--out", default=None, help="profile JSON (default data/profiles/<model>-<device>.json)")
+    k.add_argument("--out", default=None, help="profile JSON (default data/profiles/<model>-<device>.json in "
+                   "float32, <model>-<device>-<dtype>.json otherwise)")
     k.add_argument("--draft-only", default=None, metavar="PROFILE",
                    help="measure only --draft-model and add it to this profile (writes --out or PROFILE)")
     k.add_argument("--refit", default=None, metavar="PROFILE",
@@ -209,10 +213,12 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
     check_model_name(args.model, "--model")
     if args.draft_model:
         check_model_name(args.draft_model, "--draft-model")
-    out = args.out or f"data/profiles/{args.model.replace('/', '_')}-{args.device}.json"
+    dtype = dtype_name(resolve_dtype(args.dtype, args.device))
+    out = args.out or f"data/profiles/{args.model.replace('/', '_')}-{args.device}" \
+        f"{'' if dtype == 'float32' else '-' + dtype}.json"
     check_output_file(out, "--out")
     profile = calibrate(args.model, args.device, args.threads, args.scale, args.draft_model,
-                        progress=not args.no_progress, command=command)
+                        progress=not args.no_progress, command=command, dtype=dtype)
     print_profile(profile)
     print(f"wrote {profile.save(out)} ({profile.meta['calibration_time_s']} s)")
     return 0

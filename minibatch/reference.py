@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from minibatch.equivalence import ReferenceOutput, matches_reference  # noqa: F401 -- matches_reference: public here too
 from minibatch.request import Request
 
 CACHE_FORMAT = 1
@@ -153,12 +154,15 @@ def _generation_config(model, r: Request):
     return plain_generation_config(model, r.max_new_tokens, r.sampling)
 
 
-def request_fingerprint(model, r: Request) -> str:
+def request_fingerprint(model, r: Request, logprobs: int = 0) -> str:
     """Hex sha256 of what of ``r`` changes its reference: prompt token ids, max_new_tokens, sampling parameters
-    (ignore_eos too) and the full GenerationConfig given to ``generate`` (the model's EOS and pad ids in it)."""
+    (ignore_eos too), the full GenerationConfig given to ``generate`` (the model's EOS and pad ids in it) and
+    the top logprobs kept per position (when > 0)."""
     fields = {"prompt_token_ids": list(r.prompt_token_ids), "max_new_tokens": r.max_new_tokens,
               "sampling": dataclasses.asdict(r.sampling),
               "generation_config": json.loads(_generation_config(model, r).to_json_string(use_diff=False))}
+    if logprobs:
+        fields["top_logprobs"] = logprobs
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -171,6 +175,15 @@ def cache_path(cache_dir: str | Path, key: dict) -> Path:
 
 def _is_token_list(x) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
+
+
+def _is_entry(x) -> bool:
+    """A cached output: token ids, or {"token_ids", "logprobs": per position [[token id, logprob], ...]}."""
+    if isinstance(x, dict):
+        lps = x.get("logprobs")
+        return (_is_token_list(x.get("token_ids")) and isinstance(lps, list) and len(lps) == len(x["token_ids"])
+                and all(isinstance(p, list) and all(isinstance(e, list) and len(e) == 2 for e in p) for p in lps))
+    return _is_token_list(x)
 
 
 def read_cache(path: str | Path, key: dict) -> dict[str, list[int]]:
@@ -187,7 +200,7 @@ def read_cache(path: str | Path, key: dict) -> dict[str, list[int]]:
     outputs = data.get("outputs")
     if not isinstance(outputs, dict):
         return {}
-    return {fp: ids for fp, ids in outputs.items() if _is_token_list(ids)}
+    return {fp: entry for fp, entry in outputs.items() if _is_entry(entry)}
 
 
 def write_cache(path: str | Path, key: dict, outputs: dict[str, list[int]]) -> bool:
@@ -207,32 +220,43 @@ def write_cache(path: str | Path, key: dict, outputs: dict[str, list[int]]) -> b
 
 # ----------------------------------------------------------------------------- references
 
-def _generate_alone(model, requests: list[Request], progress: bool) -> list[list[int]]:
-    """HF ``generate`` on each request alone (batch of one, no padding): output token ids per request."""
+def _generate_alone(model, requests: list[Request], progress: bool, logprobs: int = 0) -> list:
+    """HF ``generate`` on each request alone (batch of one, no padding): per request its output token ids, or
+    with ``logprobs`` > 0 a cache entry {"token_ids", "logprobs"}: at each position the ``logprobs`` most likely
+    tokens and the chosen one with their logprobs (``runner.sampler.token_logprobs`` of generate's raw logits)."""
     from tqdm.auto import tqdm
 
     from minibatch.baselines import plain_generation
     from minibatch.models import attention_implementation
+    from minibatch.runner.sampler import token_logprobs
 
     outputs = []
     with attention_implementation(model, REFERENCE_ATTENTION):
         for r in tqdm(requests, desc="reference", disable=not progress, leave=False):
             ids = torch.tensor([r.prompt_token_ids], device=model.device)
             with plain_generation(model, _generation_config(model, r)) as cfg:
+                cfg.output_logits, cfg.return_dict_in_generate = logprobs > 0, True
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-            outputs.append(out[0, ids.shape[1]:].tolist())
+            tokens = out.sequences[0, ids.shape[1]:].tolist()
+            if logprobs:
+                top = token_logprobs(torch.cat(out.logits), tokens, [logprobs] * len(tokens))
+                outputs.append({"token_ids": tokens, "logprobs": [[[t, lp] for t, lp in p.items()] for p in top]})
+            else:
+                outputs.append(tokens)
     return outputs
 
 
 @torch.inference_mode()
 def reference_outputs(model, requests: list[Request], progress: bool = False, cache_dir: str | Path | None = None,
-                      model_name: str | None = None) -> dict[str, list[int]]:
+                      model_name: str | None = None, logprobs: int = 0) -> dict:
     """HF ``generate`` on each greedy request alone: the ground truth for matches_reference.
 
     Greedy, ``max_new_tokens``, stopping at the model's EOS unless ``ignore_eos``, and nothing else:
     the checkpoint's generation_config (repetition_penalty, suppress_tokens, ...) is left out
     (``baselines.plain_generation_config``), since our engine implements none of it.
-    Requests that are not greedy are skipped. Returns request_id -> output token ids.
+    Requests that are not greedy are skipped. Returns request_id -> output token ids; with ``logprobs``
+    > 0, request_id -> :class:`~minibatch.equivalence.ReferenceOutput` (token ids and, per position, the
+    ``logprobs`` most likely tokens with their logprobs: what the logprob-close rule needs).
 
     Args:
         cache_dir: a folder (e.g. :func:`default_cache_dir`) where outputs are looked up and stored (see the
@@ -246,23 +270,21 @@ def reference_outputs(model, requests: list[Request], progress: bool = False, ca
     if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not str(cache_dir).strip()):
         raise ValueError(f"cache_dir must be a folder path or None, got {cache_dir!r}")
     greedy = [r for r in requests if r.sampling.is_greedy]
-    if cache_dir is None:
-        return {r.request_id: out for r, out in zip(greedy, _generate_alone(model, greedy, progress))}
-    key = model_key(model, model_name)
-    path = cache_path(cache_dir, key)
-    cached = read_cache(path, key)
-    fingerprints = {r.request_id: request_fingerprint(model, r) for r in greedy}
-    todo = list({fingerprints[r.request_id]: r for r in greedy if fingerprints[r.request_id] not in cached}.items())
-    new = dict(zip([fp for fp, _ in todo], _generate_alone(model, [r for _, r in todo], progress)))
-    if new:
+    fingerprints = {r.request_id: request_fingerprint(model, r, logprobs) for r in greedy}
+    todo = list({fingerprints[r.request_id]: r for r in greedy}.items())
+    key = path = None
+    cached = {}
+    if cache_dir is not None:
+        key = model_key(model, model_name)
+        path = cache_path(cache_dir, key)
+        cached = read_cache(path, key)
+        todo = [(fp, r) for fp, r in todo if fp not in cached]
+    new = dict(zip([fp for fp, _ in todo], _generate_alone(model, [r for _, r in todo], progress, logprobs)))
+    if new and path is not None:
         write_cache(path, key, new)
     outputs = {**cached, **new}
-    return {r.request_id: list(outputs[fingerprints[r.request_id]]) for r in greedy}
-
-
-def matches_reference(requests: list[Request], refs: dict[str, list[int]]) -> bool | None:
-    """True if every greedy request's output equals its reference; None if none is greedy."""
-    greedy = [r for r in requests if r.request_id in refs]
-    if not greedy:
-        return None
-    return all(r.output_token_ids == refs[r.request_id] for r in greedy)
+    entries = {r.request_id: outputs[fingerprints[r.request_id]] for r in greedy}
+    if not logprobs:
+        return {rid: list(e) for rid, e in entries.items()}
+    return {rid: ReferenceOutput(list(e["token_ids"]), [{int(t): float(lp) for t, lp in p} for p in e["logprobs"]])
+            for rid, e in entries.items()}

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 100.0
 MAX_PRIORITY = 2**31 - 1  # |priority|: aging adds seconds / aging_s to it as a float
+MAX_LOGPROBS = 20  # most top logprobs per output token (OpenAI's top_logprobs and vLLM's default limit)
 MAX_ARRIVAL_S = 1e9  # ~31 years: past that, float seconds lose the step times' precision
 
 
@@ -43,6 +44,10 @@ class SamplingParams:
     (``minibatch.spec.rejection_sampler``).
     ``ignore_eos`` makes a request run to exactly ``max_new_tokens`` (as vLLM's benchmarks do,
     so every policy does the same work on a trace).
+    ``logprobs`` (vLLM's name): also record, for every output token, the log probabilities of the
+    ``logprobs`` most likely tokens and of the sampled one, under the model's raw distribution
+    (log_softmax in float32 of the logits before temperature, top-k and top-p), in
+    ``Request.logprobs``; None (default): none. In [0, 20].
 
     temperature is 0 or in [1e-5, 100] (below 1e-5, logits / temperature overflow float32; ask
     for 0, greedy, instead).
@@ -57,6 +62,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         from minibatch.checks import FieldTypeError, check_int, check_real
@@ -67,7 +73,8 @@ class SamplingParams:
                              f"got {self.temperature!r}")
         values = dict(temperature=temperature, top_k=check_int(self.top_k, "top_k (0 = off)", 0),
                       top_p=check_real(self.top_p, "top_p", 0.0, 1.0, low_open=True),
-                      seed=None if self.seed is None else check_int(self.seed, "seed", 0, 2**63 - 1))
+                      seed=None if self.seed is None else check_int(self.seed, "seed", 0, 2**63 - 1),
+                      logprobs=None if self.logprobs is None else check_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS))
         if not isinstance(self.ignore_eos, bool):
             raise FieldTypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name, value in values.items():  # plain Python numbers from here on (numpy, 0-d tensors in)
@@ -120,6 +127,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, with sampling.logprobs
     finish_reason: str | None = None  # "stop" (EOS) | "length" (max_new_tokens)
     eos_token_ids: tuple[int, ...] = ()  # filled by the engine from the model unless ignore_eos
     num_preemptions: int = 0
@@ -208,6 +216,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.output_token_ids = []
+        self.logprobs = []
         self.finish_reason = None
         self.first_scheduled_time_s = None
         self.token_times_s = []

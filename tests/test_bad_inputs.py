@@ -388,7 +388,7 @@ def test_cli_checks_output_paths_before_loading_a_model(tmp_path, capsys, monkey
     for argv, option in ((["--json", str(tmp_path)], "--json"),
                          (["--figures-dir", str(tmp_path / "file")], "--figures-dir"),
                          (["--trace-out", str(tmp_path / "file" / "sub")], "--trace-out")):
-        code, err = run_cli(["compare", "--model", "tiny-random-llama"] + argv, capsys)
+        code, err = run_cli(["compare", "--dtype", "float32", "--model", "tiny-random-llama"] + argv, capsys)
         assert code == 2 and option in err
     assert (tmp_path / "file").read_text() == "keep me"
 
@@ -399,7 +399,8 @@ def test_cli_run_time_input_error_is_one_line(tmp_path, capsys):
 
     path = tmp_path / "t.json"
     save_trace([Request("a", [1, 2, 9999], 3, GREEDY)], path)
-    code, err = run_cli(["compare", "--model", "tiny-random-llama", "--trace", str(path), "--clock", "sim",
+    code, err = run_cli(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--trace", str(path),
+                         "--clock", "sim",
                          "--figures-dir", "", "--no-progress", "--no-reference", "--policies", "orca"], capsys)
     assert code == 2 and "vocab" in err and len(err.strip().splitlines()) == 1
 
@@ -414,7 +415,7 @@ def test_cli_ctrl_c_is_one_line_exit_130_and_keeps_the_old_file(tmp_path, capsys
         raise KeyboardInterrupt
 
     monkeypatch.setattr(minibatch.__main__, "run_compare", interrupted)
-    code, err = run_cli(["compare", "--model", "tiny-random-llama", "--json", str(out)], capsys)
+    code, err = run_cli(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--json", str(out)], capsys)
     assert code == 130 and err.strip() == "minibatch compare: interrupted"
     assert json.loads(out.read_text()) == {"old": True}
 

@@ -13,7 +13,7 @@ KEYS = {"output_throughput_tok_s", "total_throughput_tok_s", "ttft_p50_s", "ttft
 
 def test_compare_tiny_writes_json_and_figures(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = main(["compare", "--model", "tiny-random-llama", "--num-requests", "6", "--rate", "50",
+    rc = main(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--num-requests", "6", "--rate", "50",
                "--max-output-len", "12", "--max-prompt-len", "24", "--no-progress",
                "--policies", "static,orca,hf_generate", "--json", str(out), "--figures-dir", str(tmp_path / "fig")])
     assert rc == 0
@@ -47,7 +47,8 @@ def test_sim_clock_run_is_deterministic(tmp_path):
 
 def test_compare_paged_policies(tmp_path, capsys):
     out = tmp_path / "r.json"
-    main(["compare", "--model", "tiny-random-llama", "--num-requests", "8", "--arrival", "zero", "--clock", "sim",
+    main(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--num-requests", "8", "--arrival",
+          "zero", "--clock", "sim",
           "--max-output-len", "12", "--max-prompt-len", "24", "--no-progress", "--n-slots", "96", "--block-size", "4",
           "--policies", "orca,paged,paged_prefix", "--orca-reservation", "max", "--preemption-mode", "swap",
           "--json", str(out), "--figures-dir", str(tmp_path / "fig")])
@@ -65,7 +66,8 @@ def test_compare_paged_policies(tmp_path, capsys):
 @pytest.mark.parametrize("order", ["fcfs", "sjf", "priority"])
 def test_compare_chunked_on_the_long_prompt_trace(tmp_path, capsys, order):
     out = tmp_path / "r.json"
-    main(["compare", "--model", "tiny-random-llama", "--num-requests", "8", "--clock", "sim", "--rate", "20",
+    main(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--num-requests", "8", "--clock", "sim",
+          "--rate", "20",
           "--max-output-len", "12", "--max-prompt-len", "24", "--no-progress", "--long-prompts", "2",
           "--long-prompt-len", "200", "--max-num-batched-tokens", "32", "--queue-policy", order,
           "--policies", "prefill_first,chunked,chunked_prefix", "--json", str(out), "--figures-dir", ""])
@@ -81,7 +83,8 @@ def test_compare_chunked_on_the_long_prompt_trace(tmp_path, capsys, order):
 def test_compare_speculative_policies(tmp_path, capsys, adaptive):
     """spec (tiny models: the target drafts for itself) and spec_ngram: exact, with their stats."""
     out = tmp_path / "r.json"
-    main(["compare", "--model", "tiny-random-llama", "--num-requests", "6", "--clock", "sim", "--rate", "20",
+    main(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--num-requests", "6", "--clock", "sim",
+          "--rate", "20",
           "--max-output-len", "16", "--max-prompt-len", "24", "--no-progress", "--num-speculative-tokens", "3",
           "--policies", "paged,spec,spec_ngram", "--json", str(out), "--figures-dir", ""]
          + (["--adaptive-k"] if adaptive else []))
@@ -119,7 +122,7 @@ def test_compare_speculative_policies(tmp_path, capsys, adaptive):
 ])
 def test_bad_options_get_a_clear_error(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["compare", "--model", "tiny-random-llama"] + argv)
+        main(["compare", "--dtype", "float32", "--model", "tiny-random-llama"] + argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 

@@ -135,7 +135,8 @@ def test_run_compare_matches_reference_for_every_policy(quirky, tmp_path):
     model, tok, _, _ = quirky
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    result = run_compare(CompareConfig(model=str(tmp_path), num_requests=4, arrival="zero", clock="sim",
+    result = run_compare(CompareConfig(model=str(tmp_path), dtype="float32", num_requests=4, arrival="zero",
+                         clock="sim",
                                        max_prompt_len=16, max_output_len=10, policies=all_policies(),
                                        figures_dir=None, progress=False))
     assert {p: e["matches_reference"] for p, e in result["policies"].items()} == {p: True for p in all_policies()}

@@ -21,15 +21,15 @@ LAYERS = {
     "kv": "kv",  # block manager: free list, prefix hashing
     "scheduler": "scheduler",  # plans (SchedulerOutput) and results (StepResult); no tensors
     # clocks and step shapes; execute a plan on a model; speculation; Triton kernels; model loading (models, the
-    # SmolLM2 GGUF conversion and cache in gguf, quiet from_pretrained and the cache root in hf_load)
-    "runner": "clock runner spec hf_load gguf models kernels",
+    # SmolLM2 GGUF conversion and cache in gguf, quiet from_pretrained and the cache root in hf_load); dtypes
+    "runner": "clock runner spec hf_load gguf models kernels precision",
     "engine": "records engine metrics",  # StepRecords; Engine.step(); metrics reads only the records
     "viz": "viz",  # plots, KV maps, Chrome traces, step widget: read records and requests
     "policies": "policies",  # the policy table, make_engine
     # the simulator's executor and cost model; the package facade re-exports up to here
     "sim": "sim.executor sim.cost_model sim.profile_format sim __init__",
     # experiments: run(), compare, HF baselines, reference outputs, reports, calibration and validation
-    "experiment": "experiment compare baselines sharegpt reference report architectures sim.calibrate "
+    "experiment": "experiment compare baselines sharegpt reference equivalence report architectures sim.calibrate "
                   "sim.validate sim.simulator experiments",
     "serving": "serving",  # live traffic: the async engine front end, the OpenAI-compatible server, bench-serve
     "cli": "__main__",

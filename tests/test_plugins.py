@@ -40,7 +40,8 @@ def test_examples_are_short():
 
 def test_compare_runs_plugins_from_outside_the_package(plugin_dir, tmp_path, one_thread):
     out = tmp_path / "out.json"
-    main(["compare", "--model", "tiny-random-llama", "--policy-module", str(plugin_dir / "srpt.py"),
+    main(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--policy-module",
+          str(plugin_dir / "srpt.py"),
           "--policy-module", str(plugin_dir / "ttft_guard.py"), "--policies", "srpt,ttft_guard,paged",
           "--num-requests", "12", "--rate", "20", "--max-num-seqs", "3",
           "--output-scale", "1", "--max-output-len", "64",

@@ -254,7 +254,8 @@ def test_burst_of_200_at_concurrency_64_all_complete(server):
 
 def test_serve_command_runs_as_a_process(tmp_path):
     log = tmp_path / "server.log"
-    with ServerProcess(["--model", MODEL, "--policy", "chunked", "--threads", "1", "--n-slots", "512"], str(log)) as p:
+    argv = ["--model", MODEL, "--policy", "chunked", "--threads", "1", "--n-slots", "512", "--dtype", "float32"]
+    with ServerProcess(argv, str(log)) as p:
         out = openai.OpenAI(base_url=p.base_url, api_key="none", max_retries=0).completions.create(
             model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3

@@ -137,7 +137,8 @@ def test_profile_round_trip(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory, one_thread):
     path = tmp_path_factory.mktemp("profiles") / "tiny.json"
-    assert main(["calibrate", "--model", "tiny-random-llama", "--scale", "0.25", "--draft-model", "tiny-random-llama",
+    assert main(["calibrate", "--dtype", "float32", "--model", "tiny-random-llama", "--scale", "0.25",
+                 "--draft-model", "tiny-random-llama",
                  "--out", str(path), "--no-progress"]) == 0
     return path
 
@@ -197,7 +198,8 @@ def test_compare_sim_clock_with_profile_is_the_simulator(tiny_profile, tmp_path)
     the same timeline: the schedule does not depend on the tokens (ignore_eos)."""
     common = ["--num-requests", "6", "--max-output-len", "10", "--max-prompt-len", "20", "--rate", "20",
               "--policies", "orca,chunked", "--profile", str(tiny_profile), "--no-progress"]
-    main(["compare", "--model", "tiny-random-llama", "--clock", "sim", "--figures-dir", "", "--no-reference",
+    main(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--clock", "sim", "--figures-dir", "",
+          "--no-reference",
           "--json", str(tmp_path / "c.json")] + common)
     main(["simulate", "--json", str(tmp_path / "s.json")] + common)
     c, s = (json.loads((tmp_path / f"{x}.json").read_text())["policies"] for x in "cs")
@@ -308,7 +310,8 @@ def test_validate_policy_measures_and_simulates(tiny_profile):
     from minibatch.sim.validate import METRICS, validate_policy
 
     model, tok = load_model("tiny-random-llama")
-    cfg = CompareConfig(model="tiny-random-llama", num_requests=6, rate=50.0, max_prompt_len=24, max_output_len=12,
+    cfg = CompareConfig(model="tiny-random-llama", dtype="float32", num_requests=6, rate=50.0, max_prompt_len=24,
+                        max_output_len=12,
                         check_reference=False, figures_dir=None, progress=False)
     requests = build_trace(cfg, None, model.config.vocab_size)
     profile = Profile.load(tiny_profile)

@@ -212,18 +212,19 @@ def batched_decode_attention(
     """All one-token (decode) queries in one call, contexts right-padded and masked.
 
     q: (num_decodes, num_heads, head_dim); k_flat, v_flat: (num_slots, num_kv_heads, head_dim);
-    slots, mask: (num_decodes, max_seq_len). Returns (num_decodes, num_heads, head_dim).
+    slots, mask: (num_decodes, max_seq_len). Returns (num_decodes, num_heads, head_dim) in q's dtype,
+    computed in fp32 (bf16/fp16 K/V are converted after the gather, so scores and softmax are fp32).
     GQA without copying K/V: the `group` query heads sharing a KV head become `group` query rows
     against that head's keys.
     """
     b, num_heads, d = q.shape
     num_kv_heads = k_flat.shape[1]
     group = num_heads // num_kv_heads
-    k = k_flat[slots].transpose(1, 2).to(q.dtype)  # (num_decodes, num_kv_heads, max_seq_len, head_dim)
-    v = v_flat[slots].transpose(1, 2).to(q.dtype)
-    qg = q.view(b, num_kv_heads, group, d)  # (num_decodes, num_kv_heads, group, head_dim)
+    k = k_flat[slots].transpose(1, 2).float()  # (num_decodes, num_kv_heads, max_seq_len, head_dim)
+    v = v_flat[slots].transpose(1, 2).float()
+    qg = q.float().view(b, num_kv_heads, group, d)  # (num_decodes, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
-    return out.reshape(b, num_heads, d)
+    return out.reshape(b, num_heads, d).to(q.dtype)
 
 
 def register() -> str:

@@ -21,7 +21,7 @@ from minibatch.models import eos_token_ids, pad_token_id, set_attention
 from minibatch.request import Request
 from minibatch.runner import attention
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
-from minibatch.runner.sampler import Sampler
+from minibatch.runner.sampler import Sampler, step_logprobs
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
 from minibatch.runner.support import check_packed_support, config_int, config_max_model_len
 from minibatch.scheduler.output import SchedulerOutput, StepResult
@@ -141,9 +141,11 @@ class ModelRunner(KVOwnership):
             logits, request_ids = self._forward_padded(out)
         else:
             logits, request_ids = self.forward_packed(build_packed_batch(out, self._kv(), self.attention_backend))
-        by_id = {s.request_id: s.request for s in out.scheduled}
-        sampled = self.sampler.sample_batch(request_ids, logits, [by_id[rid].sampling for rid in request_ids])
-        return StepResult(sampled={rid: (t,) for rid, t in sampled.items()})
+        sampling = {s.request_id: s.request.sampling for s in out.scheduled}
+        sampled = self.sampler.sample_batch(request_ids, logits, [sampling[rid] for rid in request_ids])
+        tokens = {rid: (t,) for rid, t in sampled.items()}
+        rows = {rid: (logits[i:i + 1], tokens[rid]) for i, rid in enumerate(request_ids)}
+        return StepResult(sampled=tokens, logprobs=step_logprobs(rows, sampling))
 
     def observe_step(self, record) -> None:
         """Nothing to learn from step records (a speculative runner's speculator does)."""

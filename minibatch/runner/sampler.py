@@ -31,6 +31,40 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: list[int]) -> list[dict[int, float]]:
+    """What ``SamplingParams.logprobs`` records for one emitted token per row.
+
+    logits: (num_rows, vocab_size), the unprocessed logits each token was sampled from (any dtype);
+    token_ids: the token sampled from each row; num_logprobs: how many of the most likely tokens each
+    row keeps. Returns per row {token id: logprob}: its top tokens and its sampled token, log_softmax
+    computed in float32 (vLLM's raw logprobs: before temperature, top-k and top-p).
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (num_rows, vocab_size)
+    k = max(num_logprobs, default=0)
+    top = lp.topk(k, dim=-1) if k else None
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device)[:, None])[:, 0].tolist()
+    out = []
+    for i, (t, n) in enumerate(zip(token_ids, num_logprobs)):
+        row = dict(zip(top.indices[i, :n].tolist(), top.values[i, :n].tolist())) if n else {}
+        row[int(t)] = chosen[i]
+        out.append(row)
+    return out
+
+
+def step_logprobs(rows: dict[str, tuple[torch.Tensor, tuple[int, ...]]], sampling: dict) -> dict:
+    """``StepResult.logprobs`` of a step: for each request_id in ``rows`` -- (its logits rows
+    (n, vocab_size), the n tokens emitted from them) -- whose ``sampling[request_id].logprobs`` is set,
+    one :func:`token_logprobs` dict per emitted token."""
+    wanted = [rid for rid in rows if sampling[rid].logprobs is not None]
+    if not wanted:
+        return {}
+    logits = torch.cat([rows[rid][0][:len(rows[rid][1])] for rid in wanted])
+    tokens = [t for rid in wanted for t in rows[rid][1]]
+    counts = [sampling[rid].logprobs for rid in wanted for _ in rows[rid][1]]
+    flat = iter(token_logprobs(logits, tokens, counts))
+    return {rid: tuple(next(flat) for _ in rows[rid][1]) for rid in wanted}
+
+
 class Sampler:
     """Keeps one generator per request (by request_id) until ``free`` is called."""
 

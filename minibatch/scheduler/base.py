@@ -113,8 +113,11 @@ class Scheduler:
                 r.spec_history.append((s.num_spec_tokens, accepted))
             else:
                 r.num_computed_tokens += s.num_new_tokens
-            for t in result.sampled.get(r.request_id, ()):
+            logprobs = result.logprobs.get(r.request_id, ())
+            for i, t in enumerate(result.sampled.get(r.request_id, ())):
                 r.append_token(t)
+                if i < len(logprobs):
+                    r.logprobs.append(logprobs[i])
                 if r.is_finished:
                     break
             r.spec_token_ids = [] if r.is_finished else list(result.spec_token_ids.get(r.request_id, ()))

@@ -144,6 +144,8 @@ class StepResult:
         request; the next schedule() verifies them (cut to fit the token budget).
     draft_forwards: (rows, tokens, context tokens) of each draft forward this step (simulated
         clocks price them); draft_time_s: measured seconds spent proposing.
+    logprobs: request_id -> one {token id: logprob} per token in ``sampled``, for requests whose
+        sampling asks for logprobs (``SamplingParams.logprobs``).
     """
 
     sampled: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
@@ -151,3 +153,4 @@ class StepResult:
     spec_token_ids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     draft_forwards: tuple[tuple[int, int, int], ...] = ()
     draft_time_s: float = 0.0
+    logprobs: Mapping[str, tuple[dict[int, float], ...]] = field(default_factory=dict)

@@ -14,6 +14,7 @@ import urllib.request
 
 from minibatch.clock import LiveClock
 from minibatch.config import EngineConfig
+from minibatch.precision import DTYPES, dtype_name, resolve_dtype
 from minibatch.serving.async_engine import AsyncEngine
 from minibatch.serving.metrics import ServingMetrics
 
@@ -29,16 +30,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights, activations and KV cache (default: auto = bfloat16 where it is fast, else float32)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     p.add_argument("--max-num-waiting", type=int, default=256,
                    help="most requests waiting for admission; one more gets HTTP 503 (default: 256)")
 
 
 def build_server(model: str, policy: str, config: EngineConfig | None = None, *, device: str = "cpu",
-                 draft_model: str | None = None, served_model_name: str | None = None,
+                 dtype="float32", draft_model: str | None = None, served_model_name: str | None = None,
                  max_num_waiting: int = 256, keep_history: bool = False, loaded=None):
     """(FastAPI app, AsyncEngine) for ``model`` under ``policy``; the engine loop is started.
 
+    dtype: a torch dtype or a ``--dtype`` name ("auto": bfloat16 where it is fast); ignored with ``loaded``.
     loaded: an already loaded (model, tokenizer) pair to serve (tests and notebooks share one).
 
     Raises:
@@ -54,12 +58,12 @@ def build_server(model: str, policy: str, config: EngineConfig | None = None, *,
         from minibatch.models import check_model_name, load_model
 
         check_model_name(model, "--model")
-        loaded = load_model(model, device=device)
+        loaded = load_model(model, device=device, dtype=dtype)
     hf_model, tokenizer = loaded
     runner = ModelRunner(hf_model, tokenizer)
     draft_runner = None
     if get_policy(policy).proposer == "draft":
-        from minibatch.compare import default_draft, load_draft_runner
+        from minibatch.experiment import default_draft, load_draft_runner
 
         draft_runner = load_draft_runner(draft_model or default_draft(model), model, hf_model, tokenizer, device)
     engine = make_engine(policy, runner, LiveClock(device), config=config or EngineConfig(),
@@ -85,9 +89,12 @@ def run_serve(args, config: EngineConfig) -> int:
     check_int(args.threads, "--threads", 1, 1024)
     check_int(args.max_num_waiting, "--max-num-waiting", 1)
     torch.set_num_threads(args.threads)
-    app, engine = build_server(args.model, args.policy, config, device=args.device, draft_model=args.draft_model,
+    dtype = resolve_dtype(args.dtype, args.device)
+    app, engine = build_server(args.model, args.policy, config, device=args.device, dtype=dtype,
+                               draft_model=args.draft_model,
                                served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting)
-    print(f"serving {args.served_model_name or args.model} under {args.policy} on "
+    print(f"serving {args.served_model_name or args.model} ({dtype_name(dtype)}) under "
+          f"{args.policy} on "
           f"http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)

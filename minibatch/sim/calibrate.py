@@ -180,8 +180,10 @@ def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Pr
 
 
 def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, scale: float = 1.0,
-              draft_model: str | None = None, progress: bool = True, command: str | None = None) -> Profile:
-    """Measure and fit a Profile for ``model_name`` on ``device`` (see the module docstring).
+              draft_model: str | None = None, progress: bool = True, command: str | None = None,
+              dtype="float32") -> Profile:
+    """Measure and fit a Profile for ``model_name`` on ``device`` in ``dtype`` (a torch dtype or a
+    ``--dtype`` name; the profile's meta records the dtype measured) (see the module docstring).
 
     draft_model: also calibrate this draft (speculative decoding): its decode forwards at
         batch 1..64, fit as ``profile.draft``.
@@ -191,19 +193,21 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
         ValueError: scale out of (0, 1]; an unknown model name (from load_model).
     """
     from minibatch.experiment import load_runner, warm_up
+    from minibatch.precision import dtype_name
     from minibatch.report import environment
 
     if not 0 < scale <= 1:
         raise ValueError(f"scale must be in (0, 1], got {scale}")
     t0 = time.perf_counter()
-    model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads)
+    model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype)
     warm_up(runner)
     samples = measure(runner, scenarios(model.config.vocab_size, scale), progress)
     meta = {"command": command, "environment": environment(), "device": str(device), "scale": scale,
+            "dtype": dtype_name(model.dtype),
             "vocab_size": model.config.vocab_size}  # simulate draws its made-up prompt ids below it
     profile = fit_profile(model_name, samples, meta)
     if draft_model:
-        from minibatch.compare import load_draft_runner
+        from minibatch.experiment import load_draft_runner
 
         draft_runner = load_draft_runner(draft_model, model_name, model, tokenizer, device)
         warm_up(runner, draft_runner)
@@ -247,10 +251,10 @@ def refit(profile: Profile) -> Profile:
 def calibrate_draft(profile: Profile, draft_model: str, device: str = "cpu", threads: int | None = None,
                     scale: float = 1.0, progress: bool = True) -> Profile:
     """Add (or replace) ``profile``'s draft model: measure only the draft's scenarios."""
-    from minibatch.compare import load_draft_runner
+    from minibatch.experiment import load_draft_runner
     from minibatch.experiment import load_runner, warm_up
 
-    model, tokenizer, runner, _ = load_runner(profile.model, device, threads=threads)
+    model, tokenizer, runner, _ = load_runner(profile.model, device, threads=threads, dtype=profile.dtype)
     draft_runner = load_draft_runner(draft_model, profile.model, model, tokenizer, device)
     warm_up(runner, draft_runner)
     samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale), progress)

@@ -175,6 +175,11 @@ class Profile:
     def step_time_s(self, shape: StepShape) -> float:
         return float(self.predict([shape])[0])
 
+    @property
+    def dtype(self) -> str:
+        """The dtype it was measured in ("float32" for profiles that do not say: measured before bf16 existed)."""
+        return self.meta.get("dtype", "float32")
+
     def forward_time_s(self, rows: int, num_tokens: int, context: int) -> float:
         """A draft forward of ``rows`` single-token rows reading ``context`` context tokens."""
         model = self.draft or self.layouts["packed"]

@@ -71,13 +71,14 @@ def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
                          f"{','.join(outside)} need the real model: use compare")
     profile = Profile.load(profile_path)
     requests = build_trace(cfg, None, profile.vocab_size)
-    print(f"profile {profile_path}: {profile.model}, calibrated by {profile.meta.get('command')!r}")
+    print(f"profile {profile_path}: {profile.model} in {profile.dtype}, calibrated by {profile.meta.get('command')!r}")
     print(f"trace: {len(requests)} requests, {sum(r.num_prompt_tokens for r in requests)} prompt + "
           f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over {requests[-1].arrival_time_s:.1f} s")
     runs = simulate_policies(cfg, profile, requests, acceptance_rate)
     result = {"command": cfg.command, "environment": environment(), "profile": str(profile_path),
               "model": profile.model, "num_requests": len(requests), "acceptance_rate": acceptance_rate,
-              "config": asdict(cfg) | {"n_slots": kv_slots(cfg, requests), "policies": list(cfg.policies)},
+              "config": asdict(cfg) | {"n_slots": kv_slots(cfg, requests), "policies": list(cfg.policies),
+                                       "dtype": profile.dtype},
               "policies": {p: r.row() for p, r in runs.items()}}  # run_time_s: the simulator's own wall time
     print_table(result)
     write_json(result, cfg.json_path)

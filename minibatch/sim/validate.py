@@ -7,6 +7,17 @@ calibrated SimClock) of the same requests. Reported per policy:
   error of the simulation, ``(simulated - measured) / measured``;
 * ``replay_error``: the measured run's own steps priced by the profile, against their measured
   durations (sum over the run): the cost model's error alone, without any schedule divergence;
+  ``replay_error_by_kind`` splits it into prefill-only, mixed and decode-only steps (TTFT p50
+  follows the prefill and mixed steps' prices, throughput mostly the decodes');
+* ``error_at_measured_speed``: the simulation again with every step priced ``1 / (1 + replay_error)``
+  times the profile, i.e. on a machine exactly as fast as the measured run's: what remains is the
+  error of the cost model's shape and of the schedule, without the machine's speed drift since
+  calibration (a shared CPU's speed moves by several percent; TTFT p50 of a loaded trace moves
+  several times as much as the step times do, throughput about as much);
+* ``mechanics_error``: the simulation with each step given its *measured* duration
+  (:class:`MeasuredClock`): the engine, the scheduler and the clock's stamping (first tokens at the
+  step's end, arrivals admitted between steps, idle gaps skipped) are the same code on both
+  clocks, so this is ~0 (microsecond rounding) and every TTFT error is a step-time error;
 * speculative decoding: the simulated executor accepts drafts with the per-position acceptance
   rates the real run measured (and, for n-gram lookup, finds drafts as often as it did).
 """
@@ -15,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from minibatch.clock import StepShape
+from minibatch.clock import SimClock, StepCostModel, StepShape
 from minibatch.policies import get_policy
 from minibatch.sim.cost_model import Profile
 
@@ -62,23 +73,112 @@ def measure_policy(policy: str, cfg, runner, requests, draft_runner=None) -> dic
     return row
 
 
-def simulate_measured(row: dict, cfg, requests, profile: Profile) -> dict:
-    """The simulated half, for a row of :func:`measure_policy`: the same requests on ``profile``'s
-    clock; adds "simulated", "error" and "replay_error" (None for spec policies: the records keep
-    no draft forwards' shapes, see the end-to-end error) to a copy of the row."""
-    from minibatch.sim.simulator import simulate_policies
+STEP_KINDS = ("prefill", "mixed", "decode")
+
+
+def step_kind(step) -> str:
+    """"prefill" (only rows of several new tokens), "decode" (only single-token rows) or "mixed"
+    (both) of a stored step (a STEP_FIELDS row); a padded batch's prefill step is a "prefill"."""
+    _, _, prefill_rows, prefill_attention, decode_attention = step[:5]
+    has_prefill = prefill_rows > 0 or prefill_attention > 0
+    return ("mixed" if decode_attention > 0 else "prefill") if has_prefill else "decode"
+
+
+def replay_by_kind(row: dict, profile) -> dict[str, float | None]:
+    """(predicted - measured) / measured of the summed time of each STEP_KINDS kind of the
+    measured steps of ``row`` (a :func:`measure_policy` row), priced by ``profile``; None for a
+    kind the run has none of."""
+    shapes = [StepShape(*s[:-1], padded=row["padded"]) for s in row["steps"]]
+    predicted = profile.predict(shapes) if shapes else []
+    out = {}
+    for kind in STEP_KINDS:
+        idx = [i for i, s in enumerate(row["steps"]) if step_kind(s) == kind]
+        measured = sum(row["steps"][i][-1] for i in idx) / 1e6
+        out[kind] = float(sum(predicted[i] for i in idx) - measured) / measured if idx else None
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledCost:
+    """``model``'s step and draft-forward times (seconds) times ``factor`` (> 0): the same profile
+    on a machine 1 / factor times as fast."""
+
+    model: StepCostModel
+    factor: float
+
+    def step_time_s(self, shape: StepShape) -> float:
+        return self.model.step_time_s(shape) * self.factor
+
+    def forward_time_s(self, rows: int, num_tokens: int, context: int) -> float:
+        return self.model.forward_time_s(rows, num_tokens, context) * self.factor
+
+
+class MeasuredClock(SimClock):
+    """A simulated clock that gives step i the measured duration of step i of a real run (``steps``:
+    STEP_FIELDS rows, time in microseconds; padded: the run's layout). ``diverged_at`` is the first
+    step whose simulated shape differs from the measured one (None: the schedule is the measured
+    one); from there on the durations no longer belong to the steps they are given to.
+
+    Raises:
+        ValueError: the simulation runs more steps than were measured.
+    """
+
+    def __init__(self, steps: list, padded: bool):
+        super().__init__()
+        self.steps, self.padded = steps, padded
+        self.diverged_at: int | None = None
+        self._next = 0
+
+    def end_step(self, record) -> tuple[float, float]:
+        i = self._next
+        if i >= len(self.steps):
+            raise ValueError(f"steps: the simulation ran more steps than the {len(self.steps)} measured")
+        shape = StepShape(*self.steps[i][:-1], padded=self.padded)
+        if self.diverged_at is None and dataclasses.replace(StepShape.of(record), rows=0, context=0) != shape:
+            self.diverged_at = i
+        self._next += 1
+        dt = self.steps[i][-1] / 1e6
+        self.now_s += dt
+        return dt, 0.0
+
+
+def simulate_row(row: dict, cfg, requests, clock_factory):
+    """``row``'s policy (a :func:`measure_policy` row: speculative ones accept drafts at its measured
+    rates) on fresh copies of ``requests`` with the SimExecutor and ``clock_factory()``'s clock;
+    returns the :class:`~minibatch.experiment.Run`."""
+    from minibatch.compare import run_policies
+    from minibatch.sim.simulator import sim_executor
 
     policy = row["policy"]
-    sim = simulate_policies(dataclasses.replace(cfg, policies=(policy,)), profile, requests,
-                            row.get("acceptance_rate_per_pos"), row.get("proposal_rate", 1.0))[policy]
-    sengine, simulated = sim.engine, sim.summary.to_dict()
+    ex = sim_executor(policy, row.get("acceptance_rate_per_pos"), cfg.seed, row.get("proposal_rate", 1.0))
+    return run_policies(dataclasses.replace(cfg, policies=(policy,)), requests, ex, clock_factory)[policy]
+
+
+def simulate_measured(row: dict, cfg, requests, profile: Profile) -> dict:
+    """The simulated half, for a row of :func:`measure_policy`: the same requests on ``profile``'s
+    clock; adds "simulated", "error", "replay_error" and "replay_error_by_kind", and
+    "error_at_measured_speed" and "mechanics_error" (with "diverged_at_step") to a copy of the row
+    (see the module docstring). The replays and the last two are None for spec policies: the
+    records keep no draft forwards' shapes and the acceptance draws differ from the real ones."""
+    spec = bool(get_policy(row["policy"]).proposer)
+    sim = simulate_row(row, cfg, requests, lambda: SimClock(profile, profile))
+    simulated = sim.summary.to_dict()
     shapes = [StepShape(*s[:-1], padded=row["padded"]) for s in row["steps"]]
     measured_busy = sum(s[-1] for s in row["steps"]) / 1e6
     replay = float(profile.predict(shapes).sum() - measured_busy) / measured_busy
-    return {**row, "simulated": {m: simulated[m] for m in METRICS} | {"num_steps": len(sengine.trace),
-                                                                      "duration_s": simulated["duration_s"]},
-            "error": compare_runs(row["measured"], simulated),
-            "replay_error": None if get_policy(policy).proposer else replay}
+    out = {**row, "simulated": {m: simulated[m] for m in METRICS} | {"num_steps": len(sim.engine.trace),
+                                                                     "duration_s": simulated["duration_s"]},
+           "error": compare_runs(row["measured"], simulated), "replay_error": None if spec else replay,
+           "replay_error_by_kind": None if spec else replay_by_kind(row, profile),
+           "error_at_measured_speed": None, "mechanics_error": None}
+    if not spec:
+        scaled = ScaledCost(profile, 1 / (1 + replay))
+        at_speed = simulate_row(row, cfg, requests, lambda: SimClock(scaled, scaled)).summary.to_dict()
+        out["error_at_measured_speed"] = compare_runs(row["measured"], at_speed)
+        clock = MeasuredClock(row["steps"], row["padded"])
+        replayed = simulate_row(row, cfg, requests, lambda: clock).summary.to_dict()
+        out["mechanics_error"] = compare_runs(row["measured"], replayed) | {"diverged_at_step": clock.diverged_at}
+    return out
 
 
 def validate_policy(policy: str, cfg, runner, requests, profile: Profile, draft_runner=None) -> dict:

@@ -32,6 +32,7 @@ import time
 import torch
 
 from minibatch.runner.batch import build_packed_batch
+from minibatch.runner.sampler import step_logprobs
 from minibatch.scheduler.output import SchedulerOutput, StepResult
 from minibatch.spec.proposers import DraftInput
 from minibatch.spec.rejection_sampler import greedy_verify, processed_probs, rejection_sample, sample_verify
@@ -87,7 +88,8 @@ class SpeculativeRunner:
         t0 = time.perf_counter()
         packed = build_packed_batch(out, self.target._kv(), self.target.attention_backend)
         logits, rids = self.target.forward_packed(packed)
-        sampled, accepted = self._verify(out, logits, rids)
+        sampled, accepted, rows_of = self._verify(out, logits, rids)
+        logprobs = step_logprobs(rows_of, {s.request_id: s.request.sampling for s in out.scheduled})
         t1 = time.perf_counter()
         batch = self._draft_inputs(out, sampled, accepted)
         proposals = self.proposer.propose(batch) if batch else {}
@@ -102,13 +104,15 @@ class SpeculativeRunner:
         return StepResult(sampled=sampled, num_accepted=accepted,
                           spec_token_ids={rid: tuple(t) for rid, (t, _) in proposals.items() if t},
                           draft_forwards=tuple(self.proposer.forwards) if batch else (),
-                          draft_time_s=t2 - t1 if batch else 0.0)
+                          draft_time_s=t2 - t1 if batch else 0.0, logprobs=logprobs)
 
     def _verify(self, out: SchedulerOutput, logits: torch.Tensor, rids: list[str]):
         """Sample plain rows; accept a prefix of each verifying row's drafts. Returns (request_id ->
-        emitted tokens, request_id -> accepted drafts for verifying rows)."""
+        emitted tokens, request_id -> accepted drafts for verifying rows, request_id -> (its logits rows, its
+        emitted tokens) for ``step_logprobs``)."""
         sampled: dict[str, tuple[int, ...]] = {}
         accepted: dict[str, int] = {}
+        rows_of: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}  # logits rows and the tokens emitted from them
         by_id = {s.request_id: s for s in out.scheduled}
         row = 0
         while row < len(rids):
@@ -126,11 +130,12 @@ class SpeculativeRunner:
                 tokens = self.rejection_sampler(processed_probs(logits[row:row + n], r.sampling), drafts,
                                                 self.draft_probs[r.request_id][:len(drafts)], gen)
             sampled[r.request_id] = tuple(tokens)
+            rows_of[r.request_id] = (logits[row:row + n], sampled[r.request_id])  # token i came from row i
             if drafts:
                 accepted[r.request_id] = len(tokens) - 1
                 self.stats.observe(len(drafts), len(tokens) - 1)
             row += n
-        return sampled, accepted
+        return sampled, accepted, rows_of
 
     def _draft_inputs(self, out: SchedulerOutput, sampled: dict, accepted: dict) -> list[DraftInput]:
         """Who drafts for the next step, and how many: every row that sampled and goes on
