@@ -322,5 +322,67 @@ def test_validate_policy_measures_and_simulates(tiny_profile):
         assert all(len(s) == 6 and s[-1] > 0 for s in row["steps"])
         if policy == "chunked":
             assert np.isfinite(row["replay_error"])
+            assert set(row["replay_error_by_kind"]) == {"prefill", "mixed", "decode"}
+            assert set(row["error_at_measured_speed"]) == set(METRICS)
+            mechanics = row["mechanics_error"]  # measured step times: the measured timeline, up to us rounding
+            assert mechanics["diverged_at_step"] is None and abs(mechanics["ttft_p50_s"]) < 1e-3
         else:
             assert row["replay_error"] is None and 0 <= row["proposal_rate"] <= 1
+            assert row["error_at_measured_speed"] is None and row["mechanics_error"] is None
+
+
+def test_measured_step_times_rebuild_the_wall_clock_timeline(one_thread):
+    """Given each step's measured duration (MeasuredClock), the simulator (SimExecutor, no model)
+    rebuilds a real WallClock run's timeline exactly, idle gaps and arrivals during a step
+    included: both clocks stamp first tokens at the step's end, admit arrivals between steps and
+    skip idle gaps with the same engine code, so every TTFT error of the simulator is a step-time
+    error."""
+    import dataclasses
+
+    from minibatch.clock import WallClock
+    from minibatch.compare import CompareConfig, build_trace, run_policies
+    from minibatch.models import load_model
+    from minibatch.runner import ModelRunner
+    from minibatch.sim.validate import STEP_FIELDS, MeasuredClock, simulate_row
+
+    model, tok = load_model("tiny-random-llama")
+    cfg = CompareConfig(model="tiny-random-llama", dtype="float32", num_requests=16, rate=400.0, max_prompt_len=48,
+                        max_output_len=10, batch_size=4, max_wait_s=0.01, check_reference=False, figures_dir=None,
+                        progress=False)
+    requests = build_trace(cfg, None, model.config.vocab_size)
+    for r in requests[8:]:  # two bursts: arrivals during steps within each, an idle gap between them
+        r.arrival_time_s += 1.0
+    runner = ModelRunner(model, tok)
+    idle = mid_step = 0
+    for policy in ("static", "orca", "paged", "chunked"):
+        one = dataclasses.replace(cfg, policies=(policy,))
+        real = run_policies(one, requests, runner, WallClock)[policy]
+        trace = real.engine.trace
+        idle += sum(b.start_s > a.end_s for a, b in zip(trace, trace[1:]))
+        mid_step += sum(s.start_s < r.arrival_time_s < s.end_s for s in trace for r in real.requests)
+        steps = [[getattr(StepShape.of(s), f) for f in STEP_FIELDS[:-1]] + [s.duration_s * 1e6] for s in trace]
+        clock = MeasuredClock(steps, padded=trace[0].layout == "padded")
+        sim = simulate_row({"policy": policy}, one, requests, lambda: clock)
+        assert clock.diverged_at is None and len(sim.engine.trace) == len(trace)
+        for a, b in zip(real.requests, sim.requests):
+            assert b.token_times_s == pytest.approx(a.token_times_s, abs=1e-9)
+            assert b.first_scheduled_time_s == pytest.approx(a.first_scheduled_time_s, abs=1e-9)
+    assert idle > 0 and mid_step > 0  # the workload has both cases
+
+
+def test_step_kind_replay_by_kind_and_scaled_cost(tiny_profile):
+    """Stored steps split into prefill / mixed / decode; ScaledCost multiplies both step and
+    draft-forward times; a replay by kind prices each kind's steps against their measured sum."""
+    from minibatch.sim.validate import ScaledCost, replay_by_kind, step_kind
+
+    profile = Profile.load(tiny_profile)
+    steps = [[40, 1, 1, 1600, 0, 0], [43, 4, 1, 1600, 3 * 50, 0], [3, 3, 0, 0, 3 * 50, 0], [8, 2, 0, 64, 0, 0]]
+    assert [step_kind(s) for s in steps] == ["prefill", "mixed", "decode", "prefill"]  # last: a padded prefill
+    for s, t in zip(steps[:3], profile.predict([StepShape(*s[:-1]) for s in steps[:3]])):
+        s[-1] = round(t * 1e6 * 1.25)  # measured 25% slower than priced
+    kinds = replay_by_kind({"padded": False, "steps": steps[:3]}, profile)
+    assert kinds == pytest.approx({"prefill": 1 / 1.25 - 1, "mixed": 1 / 1.25 - 1, "decode": 1 / 1.25 - 1}, abs=2e-3)
+    assert replay_by_kind({"padded": False, "steps": steps[2:3]}, profile)["mixed"] is None
+    scaled, shape = ScaledCost(profile, 2.0), StepShape(*steps[1][:-1])
+    assert scaled.step_time_s(shape) == pytest.approx(2 * profile.step_time_s(shape))
+    assert scaled.forward_time_s(2, 2, 30) == pytest.approx(2 * profile.forward_time_s(2, 2, 30))

@@ -12,8 +12,8 @@ calibrated SimClock) of the same requests. Reported per policy:
 * ``error_at_measured_speed``: the simulation again with every step priced ``1 / (1 + replay_error)``
   times the profile, i.e. on a machine exactly as fast as the measured run's: what remains is the
   error of the cost model's shape and of the schedule, without the machine's speed drift since
-  calibration (a shared CPU's speed moves by several percent; TTFT p50 of a loaded trace moves
-  several times as much as the step times do, throughput about as much);
+  calibration (a shared CPU's speed moves by several percent; throughput follows the step times
+  about 1:1, TTFT p50 of a loaded trace of a few dozen requests by up to several times as much);
 * ``mechanics_error``: the simulation with each step given its *measured* duration
   (:class:`MeasuredClock`): the engine, the scheduler and the clock's stamping (first tokens at the
   step's end, arrivals admitted between steps, idle gaps skipped) are the same code on both
