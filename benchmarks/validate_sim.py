@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--traces", default=",".join(list(TRACES)[:2]), help=f"comma-separated subset of {','.join(TRACES)}")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="measure in this dtype (default profile: data/profiles/<model>-cpu[-bfloat16].json)")
     p.add_argument("--max-num-batched-tokens", type=int, default=128, help="chunked policy's token budget")
     p.add_argument("--measured", default=None,
                    help="JSON of the measured runs (with every step): written after measuring, "
@@ -69,7 +71,8 @@ def main(argv=None) -> int:
                         "run-to-run difference of the measurements, the noise floor of any simulator")
     p.add_argument("--json", default=None, help="the report: measured vs simulated, errors (no steps)")
     args = p.parse_args(argv)
-    profile_path = args.profile or f"data/profiles/{args.model}-cpu.json"
+    suffix = "" if args.dtype == "float32" else "-" + args.dtype
+    profile_path = args.profile or f"data/profiles/{args.model}-cpu{suffix}.json"
     profile = Profile.load(profile_path)
     if args.resimulate:
         if not args.measured:
@@ -78,8 +81,8 @@ def main(argv=None) -> int:
         tokenizer, vocab_size = None, profile.vocab_size
     else:
         measured = {"command": "python " + " ".join(sys.argv), "environment": environment(), "model": args.model,
-                    "max_num_batched_tokens": args.max_num_batched_tokens, "traces": {}}
-        model, tokenizer, runner, _ = load_runner(args.model, threads=args.threads)
+                    "dtype": args.dtype, "max_num_batched_tokens": args.max_num_batched_tokens, "traces": {}}
+        model, tokenizer, runner, _ = load_runner(args.model, threads=args.threads, dtype=args.dtype)
         vocab_size = model.config.vocab_size
         policies = [x for x in args.policies.split(",") if x]
         draft_runner = None
@@ -89,7 +92,8 @@ def main(argv=None) -> int:
         warm_up(runner, draft_runner)
     result = {"command": "python " + " ".join(sys.argv), "measured_command": measured["command"],
               "environment": measured["environment"], "profile": profile_path,
-              "profile_command": profile.meta.get("command"), "model": measured["model"], "traces": {}}
+              "profile_command": profile.meta.get("command"), "model": measured["model"],
+              "dtype": measured.get("dtype", "float32"), "traces": {}}
     repeat = read_json(args.repeat, "measurement") if args.repeat else None
     if repeat is not None:
         result["repeat_command"] = repeat["command"]

@@ -241,6 +241,14 @@ def run_compare(cfg: CompareConfig) -> dict:
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     print(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params in "
           f"{dtype_name(model.dtype)}, loaded in {time.perf_counter() - t0:.1f} s")
+    if cfg.clock == "sim" and cfg.profile:  # a profile prices steps of the dtype it measured
+        from minibatch.sim.cost_model import Profile
+
+        measured_in = Profile.load(cfg.profile).dtype
+        if measured_in != dtype_name(model.dtype):
+            raise ValueError(f"--profile {cfg.profile} was calibrated in {measured_in}, the model runs in "
+                             f"{dtype_name(model.dtype)}: pass --dtype {measured_in} or a {dtype_name(model.dtype)} "
+                             "profile")
     requests = build_trace(cfg, tokenizer, model.config.vocab_size)
     rule = rule_for(model.dtype)
     if rule != "exact":  # the logprob-close rule needs our top logprobs where a greedy output diverges

@@ -158,3 +158,12 @@ def test_logprobs_field_is_checked():
     with pytest.raises(ValueError, match=r"logprobs must be an int in \[0, 20\]"):
         SamplingParams(logprobs=21)
     assert dataclasses.replace(SamplingParams(), logprobs=0).logprobs == 0
+
+
+def test_a_profile_of_another_dtype_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "--dtype", "bfloat16", "--model", MODEL, "--clock", "sim", "--no-reference",
+              "--profile", "data/profiles/smollm2-135m-cpu.json", "--figures-dir", "", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert "was calibrated in float32, the model runs in bfloat16: pass --dtype float32" in err
