@@ -61,12 +61,14 @@ def first_divergence(output: list[int], reference: list[int]) -> int | None:
     return None if len(output) == len(reference) else min(len(output), len(reference))
 
 
-def _divergence(r: Request, ref: ReferenceOutput | list[int], i: int) -> dict:
-    """What the two sides said at position ``i``, and whether it counts as a near-tie flip."""
+def _divergence(r: Request, ref: ReferenceOutput | list[int], i: int, rule: str) -> dict:
+    """What the two sides said at position ``i`` and, for "logprob-close", whether it counts as a near-tie flip."""
     ref_ids = ref.token_ids if isinstance(ref, ReferenceOutput) else ref
     ours = r.output_token_ids[i] if i < len(r.output_token_ids) else None
     theirs = ref_ids[i] if i < len(ref_ids) else None
     d = {"position": i, "token": ours, "reference_token": theirs}
+    if rule == "exact":
+        return d
     if not isinstance(ref, ReferenceOutput) or ours is None or theirs is None:
         return d | {"close": False}
     top = ref.logprobs[i]
@@ -109,8 +111,7 @@ def check_outputs(requests: list[Request], refs: dict, rule: str = "exact") -> d
         matched += window if i is None else min(i, window)
         total += window
         if i is not None:
-            divergences[r.request_id] = _divergence(r, ref, i) if rule == "logprob-close" else \
-                {"position": i, "token": (r.output_token_ids + [None])[i], "reference_token": (ref_ids + [None])[i]}
+            divergences[r.request_id] = _divergence(r, ref, i, rule)
     fraction = matched / total if total else 1.0
     if rule == "exact":
         passed = not divergences

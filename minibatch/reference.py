@@ -156,10 +156,11 @@ def _generation_config(model, r: Request):
 
 def request_fingerprint(model, r: Request, logprobs: int = 0) -> str:
     """Hex sha256 of what of ``r`` changes its reference: prompt token ids, max_new_tokens, sampling parameters
-    (ignore_eos too), the full GenerationConfig given to ``generate`` (the model's EOS and pad ids in it) and
-    the top logprobs kept per position (when > 0)."""
+    (ignore_eos too; not ``logprobs``, which changes no token), the full GenerationConfig given to ``generate``
+    (the model's EOS and pad ids in it) and the top logprobs kept per position (when > 0)."""
+    sampling = {k: v for k, v in dataclasses.asdict(r.sampling).items() if k != "logprobs"}
     fields = {"prompt_token_ids": list(r.prompt_token_ids), "max_new_tokens": r.max_new_tokens,
-              "sampling": dataclasses.asdict(r.sampling),
+              "sampling": sampling,
               "generation_config": json.loads(_generation_config(model, r).to_json_string(use_diff=False))}
     if logprobs:
         fields["top_logprobs"] = logprobs

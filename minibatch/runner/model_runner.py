@@ -144,8 +144,8 @@ class ModelRunner(KVOwnership):
         sampling = {s.request_id: s.request.sampling for s in out.scheduled}
         sampled = self.sampler.sample_batch(request_ids, logits, [sampling[rid] for rid in request_ids])
         tokens = {rid: (t,) for rid, t in sampled.items()}
-        rows = {rid: (logits[i:i + 1], tokens[rid]) for i, rid in enumerate(request_ids)}
-        return StepResult(sampled=tokens, logprobs=step_logprobs(rows, sampling))
+        rows = {rid: (i, tokens[rid]) for i, rid in enumerate(request_ids)}
+        return StepResult(sampled=tokens, logprobs=step_logprobs(logits, rows, sampling))
 
     def observe_step(self, record) -> None:
         """Nothing to learn from step records (a speculative runner's speculator does)."""

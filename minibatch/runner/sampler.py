@@ -51,17 +51,18 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: lis
     return out
 
 
-def step_logprobs(rows: dict[str, tuple[torch.Tensor, tuple[int, ...]]], sampling: dict) -> dict:
-    """``StepResult.logprobs`` of a step: for each request_id in ``rows`` -- (its logits rows
-    (n, vocab_size), the n tokens emitted from them) -- whose ``sampling[request_id].logprobs`` is set,
-    one :func:`token_logprobs` dict per emitted token."""
+def step_logprobs(logits: torch.Tensor, rows: dict[str, tuple[int, tuple[int, ...]]], sampling: dict) -> dict:
+    """``StepResult.logprobs`` of a step. logits: (num_rows, vocab_size), the step's sampled rows;
+    rows: request_id -> (its first row, the tokens it emitted: token i from row first + i). For each
+    request whose ``sampling[request_id].logprobs`` is set, one :func:`token_logprobs` dict per token;
+    the other rows are not touched."""
     wanted = [rid for rid in rows if sampling[rid].logprobs is not None]
     if not wanted:
         return {}
-    logits = torch.cat([rows[rid][0][:len(rows[rid][1])] for rid in wanted])
+    index = [rows[rid][0] + i for rid in wanted for i in range(len(rows[rid][1]))]
     tokens = [t for rid in wanted for t in rows[rid][1]]
     counts = [sampling[rid].logprobs for rid in wanted for _ in rows[rid][1]]
-    flat = iter(token_logprobs(logits, tokens, counts))
+    flat = iter(token_logprobs(logits[index], tokens, counts))
     return {rid: tuple(next(flat) for _ in rows[rid][1]) for rid in wanted}
 
 

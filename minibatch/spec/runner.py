@@ -89,7 +89,7 @@ class SpeculativeRunner:
         packed = build_packed_batch(out, self.target._kv(), self.target.attention_backend)
         logits, rids = self.target.forward_packed(packed)
         sampled, accepted, rows_of = self._verify(out, logits, rids)
-        logprobs = step_logprobs(rows_of, {s.request_id: s.request.sampling for s in out.scheduled})
+        logprobs = step_logprobs(logits, rows_of, {s.request_id: s.request.sampling for s in out.scheduled})
         t1 = time.perf_counter()
         batch = self._draft_inputs(out, sampled, accepted)
         proposals = self.proposer.propose(batch) if batch else {}
@@ -108,11 +108,11 @@ class SpeculativeRunner:
 
     def _verify(self, out: SchedulerOutput, logits: torch.Tensor, rids: list[str]):
         """Sample plain rows; accept a prefix of each verifying row's drafts. Returns (request_id ->
-        emitted tokens, request_id -> accepted drafts for verifying rows, request_id -> (its logits rows, its
-        emitted tokens) for ``step_logprobs``)."""
+        emitted tokens, request_id -> accepted drafts for verifying rows, request_id -> (its first logits row,
+        its emitted tokens) for ``step_logprobs``)."""
         sampled: dict[str, tuple[int, ...]] = {}
         accepted: dict[str, int] = {}
-        rows_of: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}  # logits rows and the tokens emitted from them
+        rows_of: dict[str, tuple[int, tuple[int, ...]]] = {}  # first logits row, the tokens emitted from it on
         by_id = {s.request_id: s for s in out.scheduled}
         row = 0
         while row < len(rids):
@@ -130,7 +130,7 @@ class SpeculativeRunner:
                 tokens = self.rejection_sampler(processed_probs(logits[row:row + n], r.sampling), drafts,
                                                 self.draft_probs[r.request_id][:len(drafts)], gen)
             sampled[r.request_id] = tuple(tokens)
-            rows_of[r.request_id] = (logits[row:row + n], sampled[r.request_id])  # token i came from row i
+            rows_of[r.request_id] = (row, sampled[r.request_id])  # token i came from row + i
             if drafts:
                 accepted[r.request_id] = len(tokens) - 1
                 self.stats.observe(len(drafts), len(tokens) - 1)
