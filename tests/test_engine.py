@@ -1,5 +1,5 @@
 """The engine under static and Orca scheduling: token-exact against HF generate, and the
-iteration-level behaviour the Orca paper describes (seed Phase-12 acceptance tests)."""
+iteration-level behaviour the Orca paper describes."""
 
 import pytest
 import torch
@@ -222,3 +222,27 @@ def test_orca_max_reservation_reserves_the_cap():
     with pytest.raises(ValueError, match="reserve_new_tokens"):
         OrcaScheduler(reserve_new_tokens=0)
 
+
+
+@pytest.mark.parametrize("policy", ["static", "orca", "paged", "chunked", "spec_ngram"])
+def test_the_executor_receives_a_frozen_plan(policy):
+    """The step contract: once schedule() returns, the engine freezes the plan, so an executor (or
+    anyone after it) cannot patch it; what it reports goes into its StepResult."""
+    import dataclasses
+
+    from minibatch.experiment import run
+
+    class Probe(SimExecutor):
+        def execute(self, plan):
+            for change in (lambda: setattr(plan, "layout", "x"), lambda: plan.scheduled.append(None),
+                           lambda: plan.block_tables.__setitem__("r0", [0])):
+                with pytest.raises((dataclasses.FrozenInstanceError, AttributeError, TypeError)):
+                    change()
+            self.num_plans = getattr(self, "num_plans", 0) + 1
+            return super().execute(plan)
+
+    probe = Probe(acceptance_rate=0.5)
+    reqs = [Request(f"r{i}", [1, 2, 3, 4], 5, SamplingParams(ignore_eos=True)) for i in range(3)]
+    result = run(policy, reqs, probe, n_slots=256)
+    assert probe.num_plans == len(result.records) > 0
+    assert all(r.num_output_tokens == 5 for r in result.requests)

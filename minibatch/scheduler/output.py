@@ -1,7 +1,7 @@
 """The step contract: what the scheduler plans and what the executor reports back.
 
-    plan   = scheduler.schedule(now_s)   # SchedulerOutput, frozen once returned
-    result = executor.execute(plan)      # StepResult
+    plan   = scheduler.schedule(now_s).freeze()   # SchedulerOutput; the engine freezes it: read-only
+    result = executor.execute(plan)               # StepResult
     done   = scheduler.update(plan, result)
 
 One writer per object (vLLM v1's SchedulerOutput / ModelRunnerOutput split): the scheduler writes
