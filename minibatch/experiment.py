@@ -65,10 +65,18 @@ class Run:
     def summary(self) -> BenchmarkSummary:
         return summarize(self.requests, self.records or None, self.slo)
 
-    def row(self) -> dict:
-        """The run as a JSON-ready dict: the summary's metrics, then prefix-cache and
-        speculative-decoding statistics where they apply, the clock, the run's own wall time."""
-        row = dict(self.summary.to_dict())
+    def row(self, *fields: str, **extra) -> dict:
+        """The run as a JSON-ready dict: "policy", the summary's metrics, then prefix-cache and
+        speculative-decoding statistics where they apply, the clock, the run's own wall time, then
+        ``self.extra`` and ``extra`` (an experiment's own columns, or a new value for a column).
+
+        fields: keep only these keys, in this order (none: every key). An experiment's table is a
+            selection, e.g. ``run.row("policy", "ttft_p50_s", "itl_max_s", itl_max_s=...)``.
+
+        Raises:
+            ValueError: a field that is neither in the row nor in ``extra`` (the message lists the row's keys).
+        """
+        row = {"policy": self.policy, **self.summary.to_dict()}
         bm = getattr(self.engine.scheduler, "block_manager", None) if self.engine else None
         if bm is not None and bm.enable_prefix_caching:
             row["prefix_cache_hit_rate"] = bm.prefix_cache_hit_rate
@@ -77,7 +85,11 @@ class Run:
             row["spec_decoding"] = stats.as_dict()
         row["clock"] = self.engine.clock.kind if self.engine else "wall"
         row["run_time_s"] = round(self.run_time_s, 3)
-        return row | self.extra
+        row |= self.extra | extra
+        missing = [f for f in fields if f not in row]
+        if missing:
+            raise ValueError(f"row field {missing[0]!r} is not in the run's row; its fields are {', '.join(row)}")
+        return {f: row[f] for f in fields} if fields else row
 
 
 def run(policy: str, requests: list[Request], executor, clock=None, *, config: EngineConfig | None = None,

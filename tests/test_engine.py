@@ -246,3 +246,17 @@ def test_the_executor_receives_a_frozen_plan(policy):
     result = run(policy, reqs, probe, n_slots=256)
     assert probe.num_plans == len(result.records) > 0
     assert all(r.num_output_tokens == 5 for r in result.requests)
+
+
+def test_run_row_selects_fields_in_order_and_adds_an_experiments_columns():
+    from minibatch.experiment import run
+
+    reqs = [Request(f"r{i}", [1, 2, 3, 4], 3 + i, SamplingParams(ignore_eos=True)) for i in range(3)]
+    result = run("paged", reqs, SimExecutor(), n_slots=256)
+    full = result.row()
+    assert full["policy"] == "paged" and full["num_requests"] == 3 and full["total_output_tokens"] == 3 + 4 + 5
+    row = result.row("num_steps", "policy", "mine", policy="paged (16-token blocks)", mine=7)
+    assert list(row) == ["num_steps", "policy", "mine"]
+    assert row == {"num_steps": full["num_steps"], "policy": "paged (16-token blocks)", "mine": 7}
+    with pytest.raises(ValueError, match="row field 'nope'"):
+        result.row("nope")
