@@ -6,7 +6,8 @@
 Every server is a child process on 127.0.0.1 (started, measured at each rate, stopped) with
 ``--threads`` torch threads. The same ShareGPT requests (seeded) go to every server, greedy, with
 max_tokens from the ShareGPT reply (clipped to --max-output-len), stopping at EOS: ``transformers
-serve`` does not know vLLM's ignore_eos, so neither side uses it.
+serve`` does not know vLLM's ignore_eos, so neither side uses it. A peer that cannot run here (no
+``transformers`` executable, no converted model folder) is listed under "skipped" in the JSON, with why.
 """
 
 from __future__ import annotations
@@ -26,21 +27,40 @@ SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput"
                 "tpot_p50_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s")
 
 
-def servers(args) -> dict[str, dict]:
-    """name -> {"args": our serve options} or {"command": another server's command line}."""
+PEER = "transformers_serve_cb"
+
+
+def servers(args) -> tuple[dict[str, dict], list[dict]]:
+    """(name -> {"args": our serve options} or {"command": another server's command line},
+    [{"server": name, "skipped": why}] for a peer that cannot run here)."""
     ours = ["--model", args.model, "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
             "--n-slots", str(args.n_slots), "--dtype", args.dtype]
     out = {p: {"args": ours + ["--policy", p]} for p in args.policies.split(",")}
+    skipped = []
     if args.transformers_serve:
-        from minibatch.hf_load import cache_dir
+        peer, why = transformers_serve(args.model, args.dtype)
+        if peer is None:
+            skipped.append({"server": PEER, "skipped": why})
+        else:
+            out[PEER] = peer
+    return out, skipped
 
-        folder = cache_dir() / "smollm2-135m-instruct"  # the offline SmolLM2, converted by load_model
-        exe = shutil.which("transformers")
-        if exe and folder.exists():
-            out["transformers_serve_cb"] = {"command": [
-                exe, "serve", str(folder), "--continuous-batching", "--device", "cpu", "--dtype", args.dtype,
-                "--host", "127.0.0.1", "--port", "{port}"], "model": str(folder)}
-    return out
+
+def transformers_serve(model: str, dtype: str, exe: str | None = None) -> tuple[dict | None, str | None]:
+    """``transformers serve --continuous-batching`` on the offline SmolLM2's converted folder:
+    (its server entry, None), or (None, why it cannot run here). exe: default ``transformers`` on PATH."""
+    from minibatch.gguf import smollm2_cache_path
+
+    folder = smollm2_cache_path()  # written by load_model("smollm2-135m")
+    exe = exe or shutil.which("transformers")
+    if model != "smollm2-135m":
+        return None, f"the peer serves only the converted smollm2-135m folder, not --model {model}"
+    if exe is None:
+        return None, "no `transformers` executable on PATH (pip install transformers[serving])"
+    if not folder.exists():
+        return None, f"model folder {folder} is missing (load_model('smollm2-135m') converts it once)"
+    return {"command": [exe, "serve", str(folder), "--continuous-batching", "--device", "cpu", "--dtype", dtype,
+                        "--host", "127.0.0.1", "--port", "{port}"], "model": str(folder)}, None
 
 
 def main() -> int:
@@ -61,11 +81,14 @@ def main() -> int:
     rates = [float(x) for x in args.rates.split(",")]
     requests = sample_requests(args.num_prompts, 0, load_tokenizer(args.model), args.max_prompt_len,
                                args.max_output_len)
+    to_run, skipped = servers(args)
     result = {"command": " ".join(["python"] + sys.argv), "environment": environment(), "config": vars(args),
-              "runs": []}
+              "runs": [], "skipped": skipped}
+    for entry in skipped:
+        print(f"{entry['server']}: skipped: {entry['skipped']}", flush=True)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the child servers' thread pools
     logs = tempfile.mkdtemp(prefix="serving-bench-")
-    for name, server in servers(args).items():
+    for name, server in to_run.items():
         log = os.path.join(logs, f"{name}.log")
         with ServerProcess(server.get("args", []), log, command=server.get("command")) as srv:
             model = server.get("model", args.model)

@@ -93,3 +93,31 @@ def test_aborting_some_requests_leaves_the_others_exact(paged_setup, policy, mod
     assert {r.request_id: r.output_token_ids for r in reqs if r.request_id not in ("r2", "r6")} == \
            {k: v for k, v in refs.items() if k not in ("r2", "r6")}
     assert kv_in_use(engine.scheduler) == 0
+
+
+@pytest.mark.parametrize("policy", ["paged", "chunked"])
+def test_aborting_a_swapped_request_frees_its_cpu_blocks(policy):
+    """A small KV under swap preemption: step until a request is swapped out, abort it; its CPU
+    blocks go back at once, it finishes "abort", and every other request still runs to its length."""
+    engine = make_engine(policy, SimExecutor(), SimClock(), n_slots=96, block_size=4, max_num_seqs=6,
+                         preemption_mode="swap")
+    reqs = [Request(f"q{i}", [3] * (8 + 3 * i), 30, GREEDY) for i in range(6)]
+    for r in reqs:
+        engine.add_request(r)
+    bm = engine.scheduler.block_manager
+    for _ in range(100):
+        if engine.scheduler.swapped:
+            break
+        engine.step()
+    assert engine.scheduler.swapped, "no request was swapped out: the KV is not small enough"
+    victim = engine.scheduler.swapped[0]
+    assert victim.status == RequestStatus.SWAPPED and bm.cpu_block_tables[victim.request_id]
+    assert engine.abort_request(victim.request_id)
+    assert victim.request_id not in bm.cpu_block_tables and not bm.cpu_block_tables
+    assert bm.num_free_cpu_blocks == bm.num_cpu_blocks
+    bm.check_invariants()
+    assert victim.is_finished and victim.finish_reason == "abort" and victim not in engine.scheduler.swapped
+    engine.generate([])
+    others = [r for r in reqs if r is not victim]
+    assert all(r.finish_reason == "length" and r.num_output_tokens == r.max_new_tokens for r in others)
+    assert kv_in_use(engine.scheduler) == 0

@@ -5,13 +5,18 @@ on a free port, one torch thread) and is stopped by its fixture."""
 
 import asyncio
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import urllib.request
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from minibatch.config import EngineConfig
 from minibatch.models import load_model
@@ -75,10 +80,14 @@ def test_chat_uses_the_template_and_equals_hf_generate(server, loaded):
     model, tokenizer = loaded
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    want = reference_text(loaded, tokenizer.encode(rendered, add_special_tokens=False), 10)
+    prompt_ids = tokenizer.encode(rendered, add_special_tokens=False)
+    want = reference_text(loaded, prompt_ids, 10)
     c = client(server)
     whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, **EXACT)
     assert whole.choices[0].message.content == want and whole.choices[0].message.role == "assistant"
+    usage = whole.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == \
+           (len(prompt_ids), 10, len(prompt_ids) + 10)
     chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True, **EXACT))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
@@ -191,6 +200,96 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
     assert engine.scheduler.block_manager.num_used_blocks == 0
 
 
+def test_disconnect_while_waiting_for_a_whole_response_aborts_and_frees_kv(server):
+    """A non-streaming client that gives up (a read timeout) aborts its request: the server polls
+    for the disconnect while the request runs. The step loop is held after the request's second
+    token, so it is running, with KV, when the client leaves, and cannot finish on its own."""
+    async_engine, engine = server.engine, server.engine.engine
+    submitted, held, release, aborted = [], threading.Event(), threading.Event(), threading.Event()
+    submit, abort, step = async_engine.submit, async_engine.abort, engine.step
+
+    def recording_submit(request):
+        submitted.append(request)
+        return submit(request)
+
+    def recording_abort(request_id, reason="abort"):
+        aborted.set()
+        abort(request_id, reason)
+
+    def holding_step():
+        if submitted and submitted[0].num_output_tokens >= 2 and not release.is_set():
+            held.set()
+            assert release.wait(30), "the test never released the step loop"
+        return step()
+
+    async_engine.submit, async_engine.abort, engine.step = recording_submit, recording_abort, holding_step
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 450, "ignore_eos": True}
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + "/completions", json=body, timeout=httpx.Timeout(30.0, read=1.0))
+        assert held.wait(30) and engine.scheduler.block_manager.num_used_blocks > 0
+        assert aborted.wait(30), "the server did not notice the disconnect"
+    finally:
+        release.set()
+        del async_engine.submit, async_engine.abort, engine.step  # back to the class's methods
+    request = submitted[0]
+    for _ in range(200):
+        if request.is_finished and metric(server, "kv_cache_usage_perc") == 0:
+            break
+        threading.Event().wait(0.05)
+    assert request.finish_reason == "abort" and request.num_output_tokens < 450
+    assert metric(server, "kv_cache_usage_perc") == 0 and engine.scheduler.block_manager.num_used_blocks == 0
+
+
+GAUGES = ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc")
+COUNTERS = ("num_preemptions", "prompt_tokens", "generation_tokens", "request_success")  # exposed with _total
+HISTOGRAMS = ("time_to_first_token_seconds", "time_per_output_token_seconds", "inter_token_latency_seconds",
+              "e2e_request_latency_seconds", "iteration_tokens_total")
+
+
+def metric_families(srv) -> dict[str, tuple[str, dict[str, float]]]:
+    """/metrics parsed: family name -> (type, {sample name: value summed over labels})."""
+    text = urllib.request.urlopen(srv.base_url.removesuffix("/v1") + "/metrics").read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        sums: dict[str, float] = {}
+        for sample in family.samples:
+            if not sample.name.endswith("_bucket"):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+        out[family.name] = (family.type, sums)
+    return out
+
+
+def test_metrics_have_vllm_names_and_count_one_request(loaded):
+    """A fresh server answers one request; /metrics then has every vLLM-style series under
+    ``minibatch:``, and the request's tokens and latencies are counted once."""
+    app, engine = build_server(MODEL, "paged", EngineConfig(n_slots=512, block_size=4), loaded=loaded)
+    with ServerThread(app, engine) as srv:
+        before = metric_families(srv)
+        out = client(srv).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=9, **EXACT)
+        assert out.usage.completion_tokens == 9
+        ttft = "minibatch:time_to_first_token_seconds"
+        for _ in range(200):  # the step's metrics are recorded just after its tokens are sent
+            after = metric_families(srv)
+            if after.get(ttft, ("", {}))[1].get(ttft + "_count") == 1:
+                break
+            threading.Event().wait(0.05)
+    want = {**{f"minibatch:{n}": "gauge" for n in GAUGES}, **{f"minibatch:{n}": "counter" for n in COUNTERS},
+            **{f"minibatch:{n}": "histogram" for n in HISTOGRAMS}}
+    assert {name: after[name][0] for name in want if name in after} == want
+
+    def grew(family: str, sample: str) -> float:
+        name = "minibatch:" + family
+        return after[name][1][name + sample] - before.get(name, ("", {}))[1].get(name + sample, 0.0)
+
+    assert grew("time_to_first_token_seconds", "_count") == 1 and grew("e2e_request_latency_seconds", "_count") == 1
+    assert grew("time_per_output_token_seconds", "_count") == 1 and grew("inter_token_latency_seconds", "_count") == 8
+    assert grew("generation_tokens", "_total") == 9 and grew("prompt_tokens", "_total") == len(PROMPTS[2])
+    assert grew("request_success", "_total") == 1 and grew("num_preemptions", "_total") == 0
+    assert grew("iteration_tokens_total", "_sum") == len(PROMPTS[2]) + 9 - 1  # the last token is never fed back
+    assert after["minibatch:kv_cache_usage_perc"][1]["minibatch:kv_cache_usage_perc"] == 0
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -260,6 +359,32 @@ def test_serve_command_runs_as_a_process(tmp_path):
             model=MODEL, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
     assert p.proc.returncode is not None  # stopped: no process left behind
+
+
+HEALTH_STUB = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_a_server_process_left_running_ends_with_the_interpreter(tmp_path):
+    """A notebook whose cell failed between start() and stop(): the child still ends at exit."""
+    (tmp_path / "stub.py").write_text(HEALTH_STUB)
+    parent = (f"import sys; from minibatch.serving.launch import ServerProcess; "
+              f"p = ServerProcess([], {str(tmp_path / 'stub.log')!r}, "
+              f"command=[sys.executable, {str(tmp_path / 'stub.py')!r}, '{{port}}']).start(); print(p.proc.pid)")
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout.split()[-1])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return  # ended (and reaped) when its parent exited
+    os.kill(pid, signal.SIGTERM)
+    pytest.fail(f"the child server {pid} outlived its parent")
 
 
 @pytest.mark.parametrize("policy", ["static", "orca", "chunked"])

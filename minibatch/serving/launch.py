@@ -5,6 +5,7 @@ of a test or a notebook (:class:`ServerThread`: uvicorn in a thread of this proc
 from __future__ import annotations
 
 import argparse
+import atexit
 import socket
 import subprocess
 import sys
@@ -150,9 +151,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+RUNNING_CHILDREN: set["ServerProcess"] = set()  # started and not stopped: ended at interpreter exit
+
+
+@atexit.register
+def stop_running_children() -> None:
+    """Stop every ServerProcess still running (registered with ``atexit``: no child outlives us)."""
+    for child in list(RUNNING_CHILDREN):
+        child.stop()
+
+
 class ServerProcess:
     """``python -m minibatch serve ARGS --port PORT`` as a child process, its output in ``log``
-    (a file path); ``start()`` waits for /health. ``stop()`` ends it (and its port).
+    (a file path); ``start()`` waits for /health. ``stop()`` (or leaving the ``with``) ends it (and
+    its port); so does the exit of this interpreter, should nobody call it (a notebook cell that
+    failed between start and stop).
 
     command: another server's command line instead (e.g. ``transformers serve``), "{port}" in it
     replaced by the port; it must answer GET /health."""
@@ -170,6 +183,7 @@ class ServerProcess:
     def start(self, timeout_s: float = 180.0) -> "ServerProcess":
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
+        RUNNING_CHILDREN.add(self)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -183,6 +197,8 @@ class ServerProcess:
         raise RuntimeError(f"the server did not answer /health within {timeout_s} s; see {self.log}")
 
     def stop(self) -> None:
+        """Terminate the child (SIGTERM, then SIGKILL after 15 s) and wait for it; no-op once it ended."""
+        RUNNING_CHILDREN.discard(self)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
