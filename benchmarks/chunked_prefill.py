@@ -15,7 +15,7 @@ experiments on the wall clock, written to JSON.
    per prefill step vs as many as fit.
 
 Every experiment checks that its runs produced the same greedy tokens. The functions are
-``minibatch.lessons.chunked_prefill``'s; the notebook runs them on SimClock.
+``minibatch.experiments.chunked``'s; notebook 05 runs them on SimClock.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import torch
 
 from minibatch import SimClock
 from minibatch.compare import CompareConfig, build_trace
-from minibatch.experiment import load_runner
+from minibatch.experiment import load_runner, run
+from minibatch.experiments import chunked
+from minibatch.lessons.chunked_prefill import PAPER_CLAIMS, print_table
 from minibatch.report import environment, write_json
-from minibatch.lessons import chunked_prefill as lesson
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,21 +85,21 @@ def main(argv=None) -> dict:
                         max_prompt_len=64 if args.quick else 256, max_output_len=16 if args.quick else 256)
     trace = build_trace(cfg, tokenizer, model.config.vocab_size)
     for policy in ("prefill_first", "paged", "chunked"):  # warm-up: no run pays first-call costs
-        lesson.run_policy(policy, trace[:2], runner, SimClock())
+        run(policy, trace[:2], runner, SimClock(), **chunked.ENGINE_DEFAULTS)
     result = {"command": args.command, "environment": environment(), "model": args.model, "clock": args.clock,
               "device": args.device, "trace": {"num_requests": len(trace), "rate_per_s": args.rate,
                                                "long_prompts": args.long_prompts,
                                                "long_prompt_len": args.long_prompt_len,
                                                "prompt_tokens": sum(r.num_prompt_tokens for r in trace),
                                                "output_tokens": sum(r.max_new_tokens for r in trace)},
-              "max_num_seqs": args.max_num_seqs, "n_slots": args.n_slots, "seed_claims": lesson.SEED_CLAIMS}
+              "max_num_seqs": args.max_num_seqs, "n_slots": args.n_slots, "paper_claims": PAPER_CLAIMS}
     print(f"trace: {len(trace)} requests ({args.long_prompts} x {args.long_prompt_len}-token prompts), "
           f"{result['trace']['prompt_tokens']} prompt + {result['trace']['output_tokens']} output tokens")
 
     t = time.perf_counter()
-    rows = lesson.budget_sweep(trace, runner, clock, budgets, baselines=("prefill_first", "paged"),
-                               target_itl_s=targets, max_num_seqs=args.max_num_seqs, n_slots=args.n_slots)
-    lesson.print_table(rows)
+    rows = chunked.budget_sweep(trace, runner, clock, budgets, baselines=("prefill_first", "paged"),
+                                target_itl_s=targets, max_num_seqs=args.max_num_seqs, n_slots=args.n_slots)
+    print_table(rows)
     result["long_prompt"] = {"rows": rows, "acceptance": acceptance(rows), "run_time_s": time.perf_counter() - t}
     for a in result["long_prompt"]["acceptance"]:
         print(f"{a['run']:<18} ITL p99 {a['itl_p99_reduction_x']:.2f}x lower, "
@@ -111,15 +112,16 @@ def main(argv=None) -> dict:
         t = time.perf_counter()
         plain = [r for r in build_trace(CompareConfig(**{**cfg.__dict__, "long_prompts": 0}), tokenizer,
                                         model.config.vocab_size)]
-        mb = lesson.micro_batching_experiment(plain, runner, clock, max_num_seqs=args.max_num_seqs,
-                                              n_slots=args.n_slots)
-        lesson.print_table(mb)
+        mb = chunked.micro_batching_experiment(plain, runner, clock, max_num_seqs=args.max_num_seqs,
+                                               n_slots=args.n_slots)
+        print_table(mb)
         one, batched = mb
         result["micro_batching"] = {"rows": mb, "run_time_s": time.perf_counter() - t,
                                     "ttft_p50_x": one["ttft_p50_s"] / batched["ttft_p50_s"],
                                     "throughput_x": batched["output_throughput_tok_s"] / one["output_throughput_tok_s"]}
         print(f"batched prefills: TTFT p50 {result['micro_batching']['ttft_p50_x']:.2f}x lower, output throughput "
-              f"{result['micro_batching']['throughput_x']:.2f}x (seed: 3.1x and 1.5x); "
+              f"{result['micro_batching']['throughput_x']:.2f}x (Sarathi-Serve: "
+              f"{PAPER_CLAIMS['micro_batching_ttft_p50_x']}x and {PAPER_CLAIMS['micro_batching_throughput_x']}x); "
               f"same outputs: {mb[0]['same_outputs']}")
 
     result["run_time_s"] = time.perf_counter() - t_start

@@ -14,7 +14,8 @@ notebook 04, on the wall clock, written to JSON.
 5. kernels: the Triton kernels vs their torch references (max abs diff; CPU: interpreter).
 
 Every experiment's outputs are compared across its policies (same greedy tokens). The numbers
-come from ``minibatch.lessons.paged_kv``; the notebook runs the same functions on SimClock.
+come from ``minibatch.experiments`` (kv_waste, kv_sharing, preemption, kernel_check); notebook 04
+runs the same functions on SimClock.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ import time
 import torch
 
 from minibatch.compare import CompareConfig, build_trace
-from minibatch.experiment import load_runner
+from minibatch.experiment import load_runner, run
+from minibatch.experiments import kv_sharing, kv_waste, preemption
+from minibatch.experiments.kernel_check import kernel_check
+from minibatch.experiments.paged_kv import GREEDY, variant_options
 from minibatch.report import environment, write_json
-from minibatch.lessons import paged_kv
 from minibatch.request import Request
+from minibatch.viz.paged_kv import VLLM_CLAIM
 from minibatch.prompts import demo_prompts
 
 
@@ -97,20 +101,20 @@ def main(argv=None) -> dict:
 
     result = {"command": args.command, "environment": environment(), "model": args.model, "device": args.device,
               "clock": args.clock, "quick": args.quick, "seed": args.seed, "block_size": args.block_size,
-              "max_num_seqs": args.max_num_seqs, "vllm_claim": paged_kv.VLLM_CLAIM,
+              "max_num_seqs": args.max_num_seqs, "vllm_claim": VLLM_CLAIM,
               "trace": {"num_requests": len(requests), "num_prompt_tokens": sum(r.num_prompt_tokens for r in requests),
                         "num_output_tokens": sum(r.max_new_tokens for r in requests), "longest_request_tokens": longest,
                         "max_output_len": cfg.max_output_len, "rate_per_s": cfg.rate},
               "expected_kv_waste": {
-                  "orca": paged_kv.expected_kv_waste(requests, "orca"),
-                  "orca_max": paged_kv.expected_kv_waste(requests, "orca_max", reserve_new_tokens=orca_max_new),
-                  "paged": paged_kv.expected_kv_waste(requests, "paged", args.block_size)}}
+                  "orca": kv_waste.expected_kv_waste(requests, "orca"),
+                  "orca_max": kv_waste.expected_kv_waste(requests, "orca_max", reserve_new_tokens=orca_max_new),
+                  "paged": kv_waste.expected_kv_waste(requests, "paged", args.block_size)}}
 
     print("\n1. reservation vs paged (same trace, same KV memory)")
     t = time.perf_counter()
     rows = []
     for n_slots in n_slots_list:
-        row = paged_kv.reservation_vs_paged(
+        row = kv_waste.reservation_vs_paged(
             requests, runner, clock, n_slots, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
             orca_max_new_tokens=orca_max_new if n_slots == max(n_slots_list) else None)
         rows.append(row)
@@ -122,14 +126,14 @@ def main(argv=None) -> dict:
 
     print("\n2. prefix caching (shared system prompt)")
     t = time.perf_counter()
-    system_text = paged_kv.SYSTEM_PROMPT[:120] if args.quick else paged_kv.SYSTEM_PROMPT  # quick: tiny contexts
-    system_ids, user_ids = paged_kv.system_and_user_ids(tokenizer, system_text, demo_prompts()[:8])
+    system_text = kv_sharing.SYSTEM_PROMPT[:120] if args.quick else kv_sharing.SYSTEM_PROMPT  # quick: tiny contexts
+    system_ids, user_ids = kv_sharing.system_and_user_ids(tokenizer, system_text, demo_prompts()[:8])
     if args.quick:
         user_ids = [ids[:64] for ids in user_ids]
-    prefix = paged_kv.prefix_caching_experiment(runner, clock, system_ids, user_ids,
-                                                max_new_tokens=4 if args.quick else 16, gap_s=0.5,
-                                                block_size=args.block_size, n_slots=4096,
-                                                max_num_seqs=args.max_num_seqs)
+    prefix = kv_sharing.prefix_caching_experiment(runner, clock, system_ids, user_ids,
+                                                  max_new_tokens=4 if args.quick else 16, gap_s=0.5,
+                                                  block_size=args.block_size, n_slots=4096,
+                                                  max_num_seqs=args.max_num_seqs)
     prefix["run_time_s"] = round(time.perf_counter() - t, 1)
     result["prefix_caching"] = prefix
     for name, m in prefix["policies"].items():
@@ -140,8 +144,8 @@ def main(argv=None) -> dict:
     print("\n3. copy-on-write (parallel sampling, n = 4, greedy)")
     t = time.perf_counter()
     prompt = _long_prompt(tokenizer, 40 if args.quick else 200)
-    cow = paged_kv.cow_experiment(runner, prompt, n=4, max_new_tokens=4 if args.quick else 16,
-                                  block_size=args.block_size, n_slots=4096, clock_factory=clock)
+    cow = kv_sharing.cow_experiment(runner, prompt, n=4, max_new_tokens=4 if args.quick else 16,
+                                    block_size=args.block_size, n_slots=4096, clock_factory=clock)
     cow["run_time_s"] = round(time.perf_counter() - t, 1)
     result["copy_on_write"] = cow
     print(f"  prompt {cow['num_prompt_tokens']} tokens: peak {cow['peak_slots_forked']} slots forked vs "
@@ -151,8 +155,8 @@ def main(argv=None) -> dict:
 
     print(f"\n4. preemption at n_slots {preempt_n_slots}: recompute vs swap")
     t = time.perf_counter()
-    pre = paged_kv.preemption_experiment(requests, runner, clock, preempt_n_slots, max_num_seqs=args.max_num_seqs,
-                                         block_size=args.block_size)
+    pre = preemption.preemption_experiment(requests, runner, clock, preempt_n_slots, max_num_seqs=args.max_num_seqs,
+                                           block_size=args.block_size)
     pre["run_time_s"] = round(time.perf_counter() - t, 1)
     result["preemption"] = pre
     for mode, m in pre["modes"].items():
@@ -161,7 +165,7 @@ def main(argv=None) -> dict:
     print(f"  same outputs: {pre['same_outputs']}")
 
     print("\n5. Triton kernels vs torch references")
-    result["kernels"] = paged_kv.kernel_check(device=args.device)
+    result["kernels"] = kernel_check(device=args.device)
     print("  " + ", ".join(f"{k} {v:.1e}" for k, v in result["kernels"].items() if k.endswith("max_abs_diff")))
 
     result["run_time_s"] = round(time.perf_counter() - t_start, 1)
@@ -182,9 +186,10 @@ def _long_prompt(tokenizer, num_tokens: int) -> list[int]:
 
 def _warm_up(runner, clock) -> None:
     """One tiny request per policy first, so one-time costs do not land on the first measurement."""
-    r = Request("warmup", [5, 6, 7, 8], 2, paged_kv.GREEDY)
-    for policy in ("orca", "paged", "paged_prefix"):
-        paged_kv.run_policy(policy, [r], runner, clock(), n_slots=64, block_size=4)
+    r = Request("warmup", [5, 6, 7, 8], 2, GREEDY)
+    for variant in ("orca", "paged", "paged_prefix"):
+        policy, options = variant_options(variant, n_slots=64, block_size=4)
+        run(policy, [r], runner, clock(), **options)
 
 
 if __name__ == "__main__":

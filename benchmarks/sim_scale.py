@@ -8,7 +8,7 @@ Two clocks, each stated in the output:
   measured by ``python -m minibatch calibrate``); the CPU-sized trace (outputs x 0.25, prompts
   <= 256 tokens, as the main job); at most 32 requests per step, 8192 KV token slots;
 * ``h100-roofline``: an ANALYTICAL roofline of a 7B Llama-shaped model in bf16 on an H100
-  (``lessons.benchmarks.roofline_profile``; not measured: a what-if for the shape of a GPU's
+  (``experiments.rate_sweep.roofline_profile``; not measured: a what-if for the shape of a GPU's
   cost, where a decode step's time hardly grows with the batch); full ShareGPT lengths; at most
   256 requests per step, 120k KV token slots (what an 80 GB H100 holds next to the weights).
 
@@ -24,8 +24,9 @@ import argparse
 import sys
 import time
 
+from minibatch.experiments import rate_sweep
+from minibatch.lessons.benchmarks import CLAIMS
 from minibatch.report import environment, write_json
-from minibatch.lessons import benchmarks as lesson
 from minibatch.sim.cost_model import Profile
 from minibatch.workload import make_trace
 
@@ -46,7 +47,7 @@ SETTINGS = {
 def profile_for(name: str, cpu_profile: str) -> Profile:
     if name == "cpu":
         return Profile.load(cpu_profile)
-    return lesson.roofline_profile("llama-7b (H100 roofline, analytical)", **LLAMA7B)
+    return rate_sweep.roofline_profile("llama-7b (H100 roofline, analytical)", **LLAMA7B)
 
 
 def run(name: str, num_requests: int, cpu_profile: str, seed: int = 0, rates=None) -> dict:
@@ -59,11 +60,12 @@ def run(name: str, num_requests: int, cpu_profile: str, seed: int = 0, rates=Non
         return make_trace(num_requests, rate_per_s=rate, seed=seed, **s["trace"])
 
     # Orca as published reserves prompt + the server's max length per request ("Orca (Max)", vLLM §6.1)
-    setups = {**lesson.DEFAULT_SETUPS, "orca (max)": ("orca", dict(reserve_new_tokens=s["trace"]["max_output_len"]))}
-    sweep = lesson.rate_sweep(profile, trace, rates, setups, **s["engine"])
-    offline = lesson.offline_table(profile, trace(1.0), setups, **s["engine"])
+    orca_max = ("orca", dict(reserve_new_tokens=s["trace"]["max_output_len"]))
+    setups = {**rate_sweep.DEFAULT_SETUPS, "orca (max)": orca_max}
+    sweep = rate_sweep.rate_sweep(profile, trace, rates, setups, **s["engine"])
+    offline = rate_sweep.offline_table(profile, trace(1.0), setups, **s["engine"])
     limit = s["latency_limit_s"]
-    capacity = {setup: lesson.capacity_at(sweep, setup, "normalized_latency_s", limit) for setup in setups}
+    capacity = {setup: rate_sweep.capacity_at(sweep, setup, "normalized_latency_s", limit) for setup in setups}
     return {"clock": name, "profile": profile.model, "profile_meta": {k: v for k, v in profile.meta.items()
                                                                       if k in ("command", "analytical", "assumptions")},
             "num_requests": num_requests, "seed": seed, "trace": s["trace"], "engine": s["engine"],
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    result = {"command": "python " + " ".join(sys.argv), "environment": environment(), "claims": lesson.CLAIMS,
+    result = {"command": "python " + " ".join(sys.argv), "environment": environment(), "claims": CLAIMS,
               "settings": {}}
     for name in args.settings.split(","):
         r = run(name, args.num_requests, args.profile)

@@ -102,17 +102,12 @@ def main(argv=None) -> dict:
 
     batch_rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
-        from minibatch.spec import DraftModelProposer, FixedK
-
-        base, out_a, _ = lesson.run_spec("no speculation", reqs, target_runner, WallClock(), max_num_seqs=B)
-        spec, out_b, _ = lesson.run_spec(f"draft k={args.batch_k}", reqs, target_runner, WallClock(),
-                                         DraftModelProposer(draft_runner), FixedK(args.batch_k), max_num_seqs=B)
+        (base, spec), same = lesson.k_sweep(reqs, target_runner, draft_runner, WallClock, ks=(args.batch_k,),
+                                            max_num_seqs=B, adaptive_max_k=None, ngram=False)
         batch_rows.append({"batch_size": B, "k": args.batch_k, "plain": base, "spec": spec,
-                           "speedup": spec["output_throughput_tok_s"] / base["output_throughput_tok_s"],
-                           "same_outputs": [r.output_token_ids for r in out_a] == [r.output_token_ids for r in out_b]})
+                           "speedup": spec["speedup"], "same_outputs": same})
         print(f"2. batch {B}: no speculation {base['output_throughput_tok_s']:.1f} tok/s, draft k={args.batch_k} "
-              f"{spec['output_throughput_tok_s']:.1f} tok/s -> {batch_rows[-1]['speedup']:.2f}x "
-              f"(same tokens: {batch_rows[-1]['same_outputs']})")
+              f"{spec['output_throughput_tok_s']:.1f} tok/s -> {spec['speedup']:.2f}x (same tokens: {same})")
     result["batch_sweep"] = batch_rows
 
     if args.model == "smollm2-135m":

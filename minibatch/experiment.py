@@ -12,6 +12,7 @@ of :data:`BASELINES`, which run through transformers itself.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -93,12 +94,13 @@ class Run:
 
 
 def run(policy: str, requests: list[Request], executor, clock=None, *, config: EngineConfig | None = None,
-        draft_runner=None, model=None, progress: bool = False, slo: SLO | None = None, **options) -> Run:
+        draft_runner=None, speculator=None, model=None, progress: bool = False, slo: SLO | None = None,
+        **options) -> Run:
     """Run fresh copies of ``requests`` under ``policy``; returns the :class:`Run`.
 
     executor: a ModelRunner or SimExecutor (ignored by BASELINES); clock: default a SimClock.
-    config, options, draft_runner: as ``make_engine`` (a BASELINES policy reads max_num_seqs as
-        its batch size, and max_wait_s); model: BASELINES only (default ``executor.model``).
+    config, options, draft_runner, speculator: as ``make_engine`` (a BASELINES policy reads
+        max_num_seqs as its batch size, and max_wait_s); model: BASELINES only (default ``executor.model``).
     slo: the latency objectives goodput counts.
 
     Raises:
@@ -110,9 +112,16 @@ def run(policy: str, requests: list[Request], executor, clock=None, *, config: E
         cfg = (config or EngineConfig()).engine_config(**options)
         BASELINES[policy](model if model is not None else executor.model, reqs, cfg, progress)
         return Run(policy, reqs, None, time.perf_counter() - t0, slo)
-    engine = make_engine(policy, executor, clock, config=config, draft_runner=draft_runner, **options)
+    engine = make_engine(policy, executor, clock, config=config, draft_runner=draft_runner, speculator=speculator,
+                         **options)
     engine.generate(reqs, progress=progress)
     return Run(policy, reqs, engine, time.perf_counter() - t0, slo)
+
+
+def same_outputs(runs: Iterable[list[Request]]) -> bool:
+    """Whether every run's requests produced the same tokens (True for no runs)."""
+    outputs = [[r.output_token_ids for r in reqs] for reqs in runs]
+    return all(o == outputs[0] for o in outputs)
 
 
 def warm_up(runner, draft_runner=None, policies=None) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from minibatch.checks import FieldTypeError, check_choice
+from minibatch.checks import MAX_SPEC_TOKENS, FieldTypeError, check_choice, check_int
 from minibatch.config import EngineConfig
 from minibatch.engine import Engine
 from minibatch.scheduler import (ChunkedPrefillScheduler, OrcaScheduler, PagedScheduler, PrefillFirstScheduler,
@@ -140,7 +140,7 @@ def get_policy(name: str) -> PolicySpec:
 
 
 def make_engine(policy: str, executor, clock=None, *, config: EngineConfig | None = None, draft_runner=None,
-                **options) -> Engine:
+                speculator=None, **options) -> Engine:
     """An Engine running ``policy`` (a row of the policy table) on ``executor`` (a ModelRunner or
     SimExecutor), on ``clock`` (default: a SimClock).
 
@@ -148,14 +148,21 @@ def make_engine(policy: str, executor, clock=None, *, config: EngineConfig | Non
         use are ignored; options: EngineConfig fields by name: the policy's own, SHARED_OPTIONS, or
         any set to None (not set).
     draft_runner: "spec" (a draft model): a ModelRunner on the draft model with the target's tokenizer.
+    speculator: speculative policies only: a FixedK / AdaptiveK object (e.g. an AdaptiveK told its
+        verify_cost_ratio) used instead of the one num_speculative_tokens / adaptive_k would build;
+        num_speculative_tokens becomes its ``max_k`` (draft tokens per request and step, and the
+        draft model's lookahead KV slots per request).
     Speculative policies wrap a ModelRunner in a SpeculativeRunner; a SimExecutor gets the
     speculator instead (it makes up drafts and accepts them at its acceptance_rate).
 
     Raises:
         ValueError / FieldTypeError: an unknown policy, an option out of range or one the policy
-            does not use, a missing draft_runner (the message names it).
+            does not use, a missing draft_runner, a speculator on a policy without a proposer or with
+            adaptive_k / another num_speculative_tokens also set (the message names the field).
     """
     spec = get_policy(policy)
+    if speculator is not None:
+        options["num_speculative_tokens"] = _speculator_max_k(spec, speculator, options)
     unused = sorted(name for name, value in options.items()
                     if value is not None and name not in spec.options | SHARED_OPTIONS)
     if unused:
@@ -169,14 +176,38 @@ def make_engine(policy: str, executor, clock=None, *, config: EngineConfig | Non
                              f"got {type(executor).__name__}")
     cfg = spec.config((config or EngineConfig()).engine_config(**options))
     if spec.proposer:
-        executor = _speculative_executor(spec, executor, draft_runner, cfg)
+        executor = _speculative_executor(spec, executor, draft_runner, cfg, speculator)
     return Engine(spec.scheduler.from_config(cfg), executor, clock)  # the KV cache is allocated at the first step
 
 
-def _speculative_executor(spec: PolicySpec, executor, draft_runner, cfg: EngineConfig):
+def _speculator_max_k(spec: PolicySpec, speculator, options: dict) -> int:
+    """``speculator.max_k``, the num_speculative_tokens of a run with this speculator object.
+
+    Raises:
+        ValueError / FieldTypeError: ``spec`` has no proposer; speculator has no num_spec_tokens()
+            or a max_k outside 1..MAX_SPEC_TOKENS; ``options`` set adaptive_k, or a num_speculative_tokens
+            other than max_k.
+    """
+    if not spec.proposer:
+        speculative = ",".join(name for name, row in POLICIES.items() if row.proposer)
+        raise ValueError(f"speculator applies only to policies with a proposer ({speculative}), "
+                         f"not to policy {spec.name!r}")
+    if not callable(getattr(speculator, "num_spec_tokens", None)):
+        raise FieldTypeError(f"speculator must be a FixedK or AdaptiveK (has num_spec_tokens()), "
+                             f"got {type(speculator).__name__}")
+    max_k = check_int(getattr(speculator, "max_k", None), "speculator.max_k", 1, MAX_SPEC_TOKENS)
+    if options.get("num_speculative_tokens") not in (None, max_k) or options.get("adaptive_k"):
+        name = "adaptive_k" if options.get("adaptive_k") else "num_speculative_tokens"
+        raise ValueError(f"{name} does not apply with a speculator object (its max_k = {max_k} sets the draft tokens)")
+    return max_k
+
+
+def _speculative_executor(spec: PolicySpec, executor, draft_runner, cfg: EngineConfig, speculator=None):
     from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpeculativeRunner
 
-    speculator = AdaptiveK(max_k=cfg.num_speculative_tokens) if cfg.adaptive_k else FixedK(cfg.num_speculative_tokens)
+    if speculator is None:
+        k = cfg.num_speculative_tokens
+        speculator = AdaptiveK(max_k=k) if cfg.adaptive_k else FixedK(k)
     if getattr(executor, "simulates_drafts", False):  # a SimExecutor makes up drafts and accepts them
         if executor.acceptance_rate is None:
             raise ValueError(f"policy {spec.name!r} on a SimExecutor needs SimExecutor(acceptance_rate=...)")

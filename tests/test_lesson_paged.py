@@ -70,7 +70,7 @@ def test_expected_paged_waste_is_exact_without_preemption():
 def test_orca_max_reserves_what_it_says():
     # prompt + max(max_new_tokens, 12) per request: 5 + 12 = 17, 9 + 14 = 23, 3 + 12 = 15 slots
     reqs = [Request(f"q{i}", [7] * p, n, GREEDY) for i, (p, n) in enumerate([(5, 3), (9, 14), (3, 1)])]
-    engine = paged_kv.policy_engine("orca_max", SimExecutor(), SimClock(), n_slots=64, orca_max_new_tokens=12)
+    engine = paged_kv.variant_engine("orca_max", SimExecutor(), SimClock(), n_slots=64, orca_max_new_tokens=12)
     scheduler = engine.scheduler
     assert [scheduler._reservation(r) for r in reqs] == [17, 23, 15]
     for r in reqs:
@@ -82,14 +82,14 @@ def test_orca_max_reserves_what_it_says():
     assert [r.num_output_tokens for r in reqs] == [3, 14, 1]  # generation still stops at the true length
     # in 48 slots q0 and q1 reserve 17 + 23 = 40, so q2 (15 more) waits for q0 to finish, although the
     # three hold only 5 + 9 + 3 = 17 tokens at step 0 (plain Orca would reserve 8 + 23 + 4 = 35 <= 48)
-    small = paged_kv.policy_engine("orca_max", SimExecutor(), SimClock(), n_slots=48, orca_max_new_tokens=12)
+    small = paged_kv.variant_engine("orca_max", SimExecutor(), SimClock(), n_slots=48, orca_max_new_tokens=12)
     small.generate([r.copy() for r in reqs])
     assert {e.request_id for e in small.trace[0].entries} == {"q0", "q1"}
-    plain = paged_kv.policy_engine("orca", SimExecutor(), SimClock(), n_slots=48)
+    plain = paged_kv.variant_engine("orca", SimExecutor(), SimClock(), n_slots=48)
     plain.generate([r.copy() for r in reqs])
     assert {e.request_id for e in plain.trace[0].entries} == {"q0", "q1", "q2"}
     with pytest.raises(ValueError, match="orca_max_new_tokens"):
-        paged_kv.policy_engine("orca_max", SimExecutor(), SimClock(), n_slots=48)
+        paged_kv.variant_engine("orca_max", SimExecutor(), SimClock(), n_slots=48)
 
 
 def test_orca_max_that_cannot_fit_is_skipped_not_dropped():

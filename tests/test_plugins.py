@@ -95,16 +95,24 @@ def test_bad_policy_module_is_one_line_exit_2(tmp_path, capsys, text, message):
 
 
 def test_policy_names_are_compared_only_in_the_policy_table():
-    """Outside policies.py and experiment.py (the two tables), no module compares a policy name
-    (a lesson's own labels, such as "orca_max", are not policy names)."""
+    """Outside policies.py and experiment.py (the two tables), no module compares a policy name, or a
+    name built on one (such as "orca_max"), nor tests a name's start or end against a part of one
+    (``policy.endswith("_prefix")``): a policy's properties come from its row, a variant's from its table."""
     import re
 
     root = Path(policies.__file__).parent
     names = "|".join(POLICIES)
-    pattern = re.compile(rf"""(==|!=|\bin)\s*\(?["']({names})["']|["']({names})["']\s*(==|!=)""")
+    literal = rf"""["']\w*({names})\w*["']"""
+    compares = re.compile(rf"""(==|!=|\bin)\s*\(?{literal}|{literal}\s*(==|!=)""")
+    affix = re.compile(r"""\.(startswith|endswith)\(\s*\(?\s*["']([^"']+)["']""")
+
+    def offends(line: str) -> bool:
+        if compares.search(line) and not line.strip().startswith("for "):  # a loop over names is fine
+            return True
+        return any(getattr(name, method)(part) for method, part in affix.findall(line) for name in POLICIES)
+
     tables = ("policies.py", "experiment.py")
     files = [p for p in root.rglob("*.py") if p.name not in tables]
     offenders = [f"{p.relative_to(root)}:{i}" for p in files
-                 for i, line in enumerate(p.read_text().splitlines(), 1)
-                 if pattern.search(line) and not line.strip().startswith("for ")]  # a loop over names is fine
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if offends(line)]
     assert not offenders

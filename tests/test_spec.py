@@ -290,6 +290,26 @@ def test_spec_policies_in_make_engine(one_thread, paged_setup):
         Request("x", [1], 3, num_speculative_tokens=-1)
 
 
+def test_make_engine_speculator_override(one_thread, paged_setup):
+    """A speculator object replaces the one num_speculative_tokens / adaptive_k build; its max_k sets
+    the draft model's lookahead KV slots. Refused on a policy without a proposer, or next to a
+    different num_speculative_tokens / adaptive_k."""
+    model, runner, prompts, refs = paged_setup
+    ak = AdaptiveK(max_k=5, verify_cost_ratio=1.5)
+    engine = make_engine("spec", runner, n_slots=512, draft_runner=ModelRunner(perturbed(model, 0.004)), speculator=ak)
+    assert engine.executor.speculator is ak and engine.scheduler.num_lookahead_tokens == 5
+    assert {r.request_id: r.output_token_ids for r in engine.generate(_requests(prompts))} == refs
+    assert make_engine("spec_ngram", runner, speculator=FixedK(2)).scheduler.num_lookahead_tokens == 0
+    with pytest.raises(ValueError, match="speculator"):
+        make_engine("paged", runner, speculator=FixedK(2))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make_engine("spec_ngram", runner, speculator=FixedK(2), num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="adaptive_k"):
+        make_engine("spec_ngram", runner, speculator=FixedK(2), adaptive_k=True)
+    with pytest.raises(ValueError, match="speculator.max_k"):
+        make_engine("spec_ngram", runner, speculator=FixedK(0))
+
+
 def test_stream_yields_every_token(one_thread, paged_setup):
     model, runner, prompts, refs = paged_setup
     engine, _, _ = _engine(model, DraftModelProposer(ModelRunner(model)), FixedK(4))
@@ -332,8 +352,7 @@ def test_adaptive_k_learns_alpha_in_simulation(p):
 
     ak = AdaptiveK(max_k=8, draft_cost_ratio=0.05)
     ex = SimExecutor(acceptance_rate=p, seed=7)
-    engine = make_engine("spec", ex, num_speculative_tokens=8, adaptive_k=True, n_slots=1 << 16, max_num_seqs=16)
-    ex.speculator = ak
+    engine = make_engine("spec", ex, speculator=ak, n_slots=1 << 16, max_num_seqs=16)
     reqs = [Request(f"r{i}", [5] * 8, 400, SamplingParams(ignore_eos=True)) for i in range(8)]
     engine.generate(reqs)
     assert ex.stats.num_draft_tokens >= 1000

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from minibatch.experiment import run
-from minibatch.experiments.paged_kv import GREEDY, num_prefill_tokens, run_metrics, same_outputs
+from minibatch.experiment import run, same_outputs
+from minibatch.experiments.paged_kv import GREEDY, num_prefill_tokens, run_metrics
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams, fork_requests
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from minibatch.experiment import run
-from minibatch.experiments.paged_kv import POLICY_ROWS, policy_options, run_metrics, same_outputs
+from minibatch.experiment import run, same_outputs
+from minibatch.experiments.paged_kv import VARIANTS, run_metrics, variant_options
 from minibatch.policies import get_policy, make_engine
 from minibatch.scheduler import PagedScheduler
 from minibatch.request import Request
@@ -29,7 +29,7 @@ def cannot_admit(policy: str, requests: list[Request], executor, **options) -> s
 def reservation_vs_paged(requests: list[Request], executor, clock_factory: Callable, n_slots: int,
                          max_num_seqs: int = 32, block_size: int = 16, policies=("orca", "paged", "paged_prefix"),
                          orca_max_new_tokens: int | None = None) -> dict:
-    """The same trace in the same KV memory (``n_slots`` slots) under each of ``policies``.
+    """The same trace in the same KV memory (``n_slots`` slots) under each of ``policies`` (VARIANTS names).
 
     "orca" reserves prompt + the request's own max_new_tokens: with ``ignore_eos`` traces the exact
     output length (vLLM's "Orca (Oracle)", §6.1). A real server reserves its cap on max_new_tokens:
@@ -40,13 +40,13 @@ def reservation_vs_paged(requests: list[Request], executor, clock_factory: Calla
     Returns {"n_slots", "max_num_seqs", "block_size", "orca_max_new_tokens", "policies": {name:
     :func:`run_metrics`}, "same_outputs": every policy that ran produced the same tokens}.
     """
-    policies = tuple(policies) + (("orca_max",) if orca_max_new_tokens and "orca_max" not in policies else ())
+    policies = dict.fromkeys((*policies, "orca_max") if orca_max_new_tokens else policies)  # in order, once each
     result = {"n_slots": n_slots, "max_num_seqs": max_num_seqs, "block_size": block_size,
               "orca_max_new_tokens": orca_max_new_tokens, "policies": {}}
     runs = {}
     for policy in policies:
-        row, options = policy_options(policy, n_slots=n_slots, max_num_seqs=max_num_seqs, block_size=block_size,
-                                      orca_max_new_tokens=orca_max_new_tokens)
+        row, options = variant_options(policy, n_slots=n_slots, max_num_seqs=max_num_seqs, block_size=block_size,
+                                       orca_max_new_tokens=orca_max_new_tokens)
         refused = cannot_admit(row, requests, executor, **options)
         if refused:
             result["policies"][policy] = {"policy": policy, "skipped": refused}
@@ -69,8 +69,9 @@ def expected_kv_waste(requests: list[Request], policy: str, block_size: int = 16
     the schedule or on n_slots: only on the reservation rule and the lengths.
     """
     used = reserved = 0
-    cap = reserve_new_tokens if policy == "orca_max" else None
-    reserves = not issubclass(get_policy(POLICY_ROWS[policy]).scheduler, PagedScheduler)  # Orca's reservation
+    row, reserves_cap = VARIANTS[policy]
+    cap = reserve_new_tokens if reserves_cap else None
+    reserves = not issubclass(get_policy(row).scheduler, PagedScheduler)  # Orca's reservation
     for r in requests:
         p, o = r.num_prompt_tokens, r.max_new_tokens
         for c in range(p, p + o - 1):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Callable
 
 from minibatch.engine import StepRecord
-from minibatch.experiment import run
-from minibatch.experiments.paged_kv import num_prefill_tokens, run_metrics, same_outputs
+from minibatch.experiment import run, same_outputs
+from minibatch.experiments.paged_kv import num_prefill_tokens, run_metrics
 from minibatch.request import Request
 
 

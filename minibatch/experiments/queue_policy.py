@@ -9,7 +9,7 @@ and strict priority let the whole stream overtake it, and priority with aging (o
 from __future__ import annotations
 
 from minibatch.clock import SimClock
-from minibatch.experiments.chunked import run_policy
+from minibatch.experiment import run
 from minibatch.request import Request, SamplingParams
 from minibatch.sim.executor import SimExecutor
 
@@ -37,8 +37,8 @@ def starvation_experiment(policy: str = "chunked", aging_s: float = 1.0, max_num
             ("sjf (low has a long prompt)", "sjf", None, starvation_trace(low_priority=0, low_prompt_len=40)),
             ("priority, no aging", "priority", None, starvation_trace(**trace_kwargs)),
             (f"priority, aging {aging_s:g} s/level", "priority", aging_s, starvation_trace(**trace_kwargs))):
-        reqs, _ = run_policy(policy, trace, SimExecutor(), SimClock(), max_num_seqs=max_num_seqs, queue_policy=order,
-                             aging_s=aging)
+        reqs = run(policy, trace, SimExecutor(), SimClock(), max_num_seqs=max_num_seqs, queue_policy=order,
+                   aging_s=aging).requests
         low = next(r for r in reqs if r.request_id == "low")
         rows.append({"queue_policy": name, "low_wait_s": low.first_scheduled_time_s - low.arrival_time_s,
                      "overtaken_by": sum(r.arrival_time_s > low.arrival_time_s

@@ -21,13 +21,12 @@ from __future__ import annotations
 import numpy as np
 
 from minibatch.clock import SimClock
-from minibatch.experiment import run
-from minibatch.metrics import summarize
+from minibatch.experiment import Run, run
 from minibatch.request import Request
 from minibatch.sim.cost_model import FEATURES, LayoutModel, Profile
 from minibatch.sim.executor import SimExecutor
 
-# Setups: name -> (make_engine policy, its options). Static batching is request-level batching
+# Setups: name -> (policy-table row, its options). Static batching is request-level batching
 # (FasterTransformer's); orca reserves prompt + max_new_tokens per request ("Orca (Max)" when the
 # reservation is the server's length limit); paged and chunked allocate blocks on demand.
 DEFAULT_SETUPS = {
@@ -38,53 +37,44 @@ DEFAULT_SETUPS = {
     "paged": ("paged", {}),
     "chunked": ("chunked", dict(max_num_batched_tokens=512)),
 }
+# Engine options of every setup unless the caller's or the setup's own say otherwise
+ENGINE_DEFAULTS = {"max_num_seqs": 256, "n_slots": 65536, "max_wait_s": 0.5}
+# The columns of :func:`summary_row`, in order (``Run.row`` fields and the sweep's own)
+FIELDS = ("setup", "rate", "num_requests", "request_throughput_req_s", "output_throughput_tok_s", "ttft_p50_s",
+          "ttft_p99_s", "e2e_p50_s", "e2e_p99_s", "tpot_p50_s", "normalized_latency_s", "mean_batch_size",
+          "num_preemptions", "num_steps")
 
 
-def run_sim(profile: Profile, policy: str, requests: list[Request], *, max_num_seqs: int = 256, n_slots: int = 65536,
-            max_wait_s: float = 0.5, **kwargs):
-    """Fresh copies of ``requests`` under ``policy`` (a row of the policy table; kwargs: EngineConfig
-    fields) on a SimExecutor and ``profile``'s clock; returns (requests, engine). Raises what
-    :func:`minibatch.experiment.run` raises."""
-    result = run(policy, requests, SimExecutor(), SimClock(profile, profile), max_num_seqs=max_num_seqs,
-                 n_slots=n_slots, max_wait_s=max_wait_s, **kwargs)
-    return result.requests, result.engine
+def summary_row(result: Run, name: str, rate: float | None) -> dict:
+    """One row of a sweep or table: ``result.row`` of FIELDS, the setup ``name`` and the rate (requests/s).
+    normalized_latency_s is vLLM's normalized latency: mean over requests of end-to-end latency / output length."""
+    e2e_per_token = [(r.finish_time_s - r.arrival_time_s) / r.num_output_tokens for r in result.requests]
+    return result.row(*FIELDS, setup=name, rate=rate, normalized_latency_s=float(np.mean(e2e_per_token)))
 
 
-def summary_row(name: str, rate: float | None, reqs: list[Request], engine) -> dict:
-    """One row of a sweep or table: the setup, the rate (requests/s) and the run's metrics."""
-    s = summarize(reqs, engine.trace)
-    e2e_per_token = [(r.finish_time_s - r.arrival_time_s) / r.num_output_tokens for r in reqs]
-    return {"setup": name, "rate": rate, "num_requests": s.num_requests,
-            "request_throughput_req_s": s.request_throughput_req_s,
-            "output_throughput_tok_s": s.output_throughput_tok_s,
-            "ttft_p50_s": s.ttft_p50_s, "ttft_p99_s": s.ttft_p99_s, "e2e_p50_s": s.e2e_p50_s, "e2e_p99_s": s.e2e_p99_s,
-            "tpot_p50_s": s.tpot_p50_s,
-            # vLLM's normalized latency: mean over requests of end-to-end latency / output length
-            "normalized_latency_s": float(np.mean(e2e_per_token)),
-            "mean_batch_size": s.mean_batch_size, "num_preemptions": s.num_preemptions, "num_steps": s.num_steps}
+def setup_rows(profile: Profile, requests: list[Request], rate: float | None, setups: dict | None = None,
+               **engine_kwargs) -> list[dict]:
+    """:func:`summary_row` of each setup (default DEFAULT_SETUPS) run on ``requests`` with a SimExecutor and
+    ``profile``'s clock; engine options: ENGINE_DEFAULTS, then ``engine_kwargs``, then the setup's own."""
+    rows = []
+    for name, (policy, kwargs) in (setups or DEFAULT_SETUPS).items():
+        result = run(policy, requests, SimExecutor(), SimClock(profile, profile),
+                     **{**ENGINE_DEFAULTS, **engine_kwargs, **kwargs})
+        rows.append(summary_row(result, name, rate))
+    return rows
 
 
 def rate_sweep(profile: Profile, trace_fn, rates, setups: dict | None = None, **engine_kwargs) -> list[dict]:
     """For each rate (requests/s) and setup: ``trace_fn(rate)`` (a list of requests) through the
-    setup on the simulated clock. Rows: setup, rate, throughputs, TTFT / E2E p50 and p99,
-    normalized latency (s per output token), mean batch size, preemptions."""
-    rows = []
-    for rate in rates:
-        requests = trace_fn(rate)
-        for name, (policy, kwargs) in (setups or DEFAULT_SETUPS).items():
-            reqs, engine = run_sim(profile, policy, requests, **{**engine_kwargs, **kwargs})
-            rows.append(summary_row(name, rate, reqs, engine))
-    return rows
+    setup on the simulated clock. Rows (:func:`summary_row`): setup, rate, throughputs, TTFT / E2E p50
+    and p99, normalized latency (s per output token), mean batch size, preemptions."""
+    return [row for rate in rates for row in setup_rows(profile, trace_fn(rate), rate, setups, **engine_kwargs)]
 
 
 def offline_table(profile: Profile, requests: list[Request], setups: dict | None = None, **engine_kwargs) -> list[dict]:
     """Every request at t = 0 (arrivals ignored): each setup's request and output throughput."""
     at_zero = [Request(r.request_id, r.prompt_token_ids, r.max_new_tokens, r.sampling) for r in requests]
-    rows = []
-    for name, (policy, kwargs) in (setups or DEFAULT_SETUPS).items():
-        reqs, engine = run_sim(profile, policy, at_zero, **{**engine_kwargs, **kwargs})
-        rows.append(summary_row(name, None, reqs, engine))
-    return rows
+    return setup_rows(profile, at_zero, None, setups, **engine_kwargs)
 
 
 def capacity_at(rows: list[dict], setup: str, key: str = "normalized_latency_s", limit: float = 1.0) -> float | None:

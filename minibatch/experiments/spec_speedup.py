@@ -2,13 +2,16 @@
 
 At batch 1 a verify forward over k+1 tokens costs ``verify_cost_ratio`` (v) plain decodes and a
 draft forward ``draft_cost_ratio`` (c) of one, so the speedup is E[tokens](alpha, k) / (v + c k)
-(Leviathan et al. 2023). A larger batch makes each step compute-bound: verifying k+1 tokens
-per request then costs ~k+1 times a decode, so the speedup falls and crosses 1.
+(Leviathan et al. 2023), where alpha is Leviathan's per-token acceptance probability, not vLLM's
+acceptance rate (accepted / drafted, (alpha + ... + alpha^k) / k). A larger batch makes each step
+compute-bound: verifying k+1 tokens per request then costs ~k+1 times a decode, so the speedup falls
+and crosses 1.
 Times are seconds on the simulated clock.
 """
 
 from __future__ import annotations
 
+from minibatch.checks import MAX_SPEC_TOKENS, check_int, check_real
 from minibatch.clock import CostModel, SimClock
 from minibatch.experiment import run
 from minibatch.experiments.speculative import BLOCK_SIZE
@@ -25,12 +28,13 @@ def sim_verify_cost_ratio(k: int = 4, context: int = 128, cost_model=None) -> fl
 
 
 def predicted_speedup(alpha: float, k: int, verify_cost_ratio: float, draft_cost_ratio: float) -> float:
-    """Batch-1 speedup over plain decoding: E[tokens](alpha, k) / (v + c k), in decode-step units."""
+    """Batch-1 speedup over plain decoding: E[tokens](alpha, k) / (v + c k), in decode-step units
+    (alpha: Leviathan's per-token acceptance probability)."""
     return expected_tokens(alpha, k) / (verify_cost_ratio + draft_cost_ratio * k) if k else 1.0
 
 
 def break_even_alpha(k: int, verify_cost_ratio: float, draft_cost_ratio: float, target: float = 1.0) -> float:
-    """The acceptance rate at which ``predicted_speedup`` reaches ``target`` (bisection)."""
+    """The per-token alpha at which ``predicted_speedup`` reaches ``target`` (bisection)."""
     lo, hi = 0.0, 1.0
     for _ in range(50):
         mid = (lo + hi) / 2
@@ -38,10 +42,27 @@ def break_even_alpha(k: int, verify_cost_ratio: float, draft_cost_ratio: float, 
     return hi
 
 
+def alpha_from_acceptance_length(mean_acceptance_length: float, k: int) -> float:
+    """Leviathan's per-token alpha whose E[tokens](alpha, k) equals a measured mean acceptance length
+    (tokens per verification of k drafts, SpecDecodingStats.mean_acceptance_length; bisection).
+
+    Raises:
+        ValueError: k outside 1..MAX_SPEC_TOKENS, or mean_acceptance_length outside [1, k + 1].
+    """
+    k = check_int(k, "k", 1, MAX_SPEC_TOKENS)
+    target = check_real(mean_acceptance_length, "mean_acceptance_length", 1.0, k + 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
 def batch_sweep_sim(acceptance_rate: float = 0.7, ks=(2, 4), batch_sizes=(1, 2, 4, 8, 16, 32, 64),
                     prompt_len: int = 64, output_len: int = 128, cost_model=None, draft_cost_model=None) -> list[dict]:
     """Speedup of speculative decoding ("spec", fixed k) over plain decoding ("paged") vs batch size,
-    on the simulated clock (SimExecutor: drafts accepted i.i.d. with ``acceptance_rate``); lengths in
+    on the simulated clock (SimExecutor: each draft token accepted independently with probability
+    ``acceptance_rate``, i.e. Leviathan's per-token alpha); lengths in
     tokens. Rows: {batch_size, k, speedup, plain_s, spec_s}."""
     rows = []
     for B in batch_sizes:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 from minibatch.experiments.rate_sweep import DEFAULT_SETUPS, capacity_at, offline_table, rate_sweep  # noqa: F401
-from minibatch.experiments.rate_sweep import roofline_profile, run_sim, summary_row  # noqa: F401
+from minibatch.experiments.rate_sweep import roofline_profile, summary_row  # noqa: F401
 from minibatch.sim.cost_model import Profile, StepShape
 from minibatch.viz.simulation import plot_calibration, plot_rate_sweep, plot_validation  # noqa: F401
 
 CLAIMS = {
-    "seed_table": "static batching bs=64: 44.2 req/s vs continuous batching: 482 req/s (10.9x), "
+    "quoted_table": "static batching bs=64: 44.2 req/s vs continuous batching: 482 req/s (10.9x), "
                   "the often-quoted table; its model, hardware and trace are not stated there",
     "orca": "Orca (OSDI'22 §6.2): 36.9x the throughput of NVIDIA FasterTransformer (request-level "
             "batching) at the same latency, GPT-3 175B on 16 A100s, synthetic trace",

@@ -15,21 +15,23 @@ from __future__ import annotations
 from typing import Callable
 
 from minibatch.clock import SimClock
+from minibatch.experiment import run
 from minibatch.experiments.chunked import budget_sweep, max_itl_s, micro_batching_experiment  # noqa: F401
-from minibatch.experiments.chunked import run_policy, same_outputs, stall_trace  # noqa: F401
+from minibatch.experiment import same_outputs  # noqa: F401
+from minibatch.experiments.chunked import stall_trace  # noqa: F401
 from minibatch.experiments.queue_policy import starvation_experiment  # noqa: F401
 from minibatch.sim.executor import SimExecutor
 from minibatch.viz.chunked import plot_budget_split, plot_itl_timeline, plot_tradeoff  # noqa: F401
 
-# Sarathi-Serve's figures (its claim, at its scale): chunking cut TPOT from 4187 ms to
-# 204 ms while throughput dropped 3%; batching prefills ("prefill micro-batching") improved
-# TTFT p50 3.1x and throughput 1.5x.
-SEED_CLAIMS = {"chunked_tpot_ms": (4187, 204), "chunked_throughput_change": -0.03,
-               "micro_batching_ttft_p50_x": 3.1, "micro_batching_throughput_x": 1.5}
+# The paper's figures (Sarathi-Serve, OSDI'24: its claim, at its scale): chunking cut TPOT from
+# 4187 ms to 204 ms while throughput dropped 3%; batching prefills ("prefill micro-batching")
+# improved TTFT p50 3.1x and throughput 1.5x.
+PAPER_CLAIMS = {"chunked_tpot_ms": (4187, 204), "chunked_throughput_change": -0.03,
+                "micro_batching_ttft_p50_x": 3.1, "micro_batching_throughput_x": 1.5}
 
 
 def print_table(rows: list[dict]) -> None:
-    """Rows of :func:`budget_sweep` (or any run_metrics rows) as a table; latencies in s or ms."""
+    """Rows of :func:`budget_sweep` (or any ``chunked.run_metrics`` rows) as a table; latencies in s or ms."""
     cols = [("output_throughput_tok_s", "out tok/s", "{:.1f}"), ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
             ("ttft_p99_s", "TTFT p99 s", "{:.3f}"), ("tpot_p50_s", "TPOT p50 ms", "{:.1f}"),
             ("tpot_p99_s", "TPOT p99 ms", "{:.1f}"), ("itl_p50_s", "ITL p50 ms", "{:.1f}"),
@@ -57,9 +59,8 @@ def check_stall_free_plan(fn: Callable, budgets=(1, 7, 16, 64), seed: int = 0) -
         trace = make_trace(12, arrival="poisson", rate_per_s=20, lengths="uniform", prompt_range=(3, 90),
                            output_range=(2, 12), seed=seed + budget)
         reqs = {r.request_id: r for r in trace}
-        _, engine = run_policy("chunked", trace, SimExecutor(), SimClock(), max_num_batched_tokens=budget,
-                               max_num_seqs=8)
-        for rec in engine.trace:
+        result = run("chunked", trace, SimExecutor(), SimClock(), max_num_batched_tokens=budget, max_num_seqs=8)
+        for rec in result.records:
             decodes = [e for e in rec.entries if e.phase == "decode"]
             prefills = [e for e in rec.entries if e.phase == "prefill"]
             left = [reqs[e.request_id].num_prompt_tokens - e.num_computed_tokens for e in prefills]

@@ -6,7 +6,7 @@ PagedAttention", SOSP'23) stores the KV cache in fixed-size blocks handed out on
 §4.2), shares blocks between requests by reference counting (§4.4: parallel sampling with
 copy-on-write, shared prefixes), and preempts by recompute or swap when blocks run out (§4.5).
 The engine pieces are ``minibatch/kv/block_manager.py`` and ``minibatch/scheduler/paged.py``.
-The measurements live in ``minibatch.experiments`` (``paged_kv``: the lesson's policies and a run's
+The measurements live in ``minibatch.experiments`` (``paged_kv``: the lesson's variants and a run's
 numbers; ``kv_waste``: Orca's reservation vs paged blocks; ``kv_sharing``: prefix caching and
 copy-on-write; ``preemption``: recompute vs swap; ``kernel_check``: the Triton kernels vs their torch
 references), the figures in ``minibatch.viz.paged_kv``.
@@ -22,7 +22,7 @@ from minibatch.experiments.kv_sharing import (  # noqa: F401
     SYSTEM_PROMPT, cow_experiment, prefix_caching_experiment, system_and_user_ids,
 )
 from minibatch.experiments.kv_waste import expected_kv_waste, reservation_vs_paged, waste_sweep  # noqa: F401
-from minibatch.experiments.paged_kv import GREEDY, POLICIES, policy_engine, run_policy  # noqa: F401
+from minibatch.experiments.paged_kv import GREEDY, VARIANTS, variant_engine  # noqa: F401
 from minibatch.experiments.preemption import preemption_experiment, recomputed_tokens  # noqa: F401
 from minibatch.viz.paged_kv import VLLM_CLAIM, draw_block_map, plot_waste_sweep  # noqa: F401
 

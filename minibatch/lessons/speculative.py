@@ -5,7 +5,7 @@ of them in ONE forward (k+1 positions), and the rejection sampler keeps a prefix
 follows the target's distribution exactly. It pays when a target forward over k+1 tokens costs
 little more than over one (decode is memory-bound) and the draft is cheap and often right. The
 machinery is ``minibatch/spec``; the experiments are in ``minibatch.experiments``
-(``spec_exactness``: the distribution test; ``speculative``: runs and k sweeps on real models;
+(``spec_exactness``: the distribution test; ``speculative``: k sweeps on real models;
 ``spec_speedup``: the speedup model and the batch sweep), the figures in ``minibatch.viz.speculative``.
 Here: :func:`print_rows`, :func:`plot_speedup_vs_alpha` and :func:`check_rejection_sampler`.
 """
@@ -17,15 +17,17 @@ from typing import Callable
 import numpy as np
 
 from minibatch.experiments.spec_exactness import chi_square_pvalue, first_token_histograms, spec_sequences  # noqa: F401
-from minibatch.experiments.spec_speedup import (batch_sweep_sim, break_even_alpha,  # noqa: F401
-                                                predicted_speedup, sim_verify_cost_ratio)
-from minibatch.experiments.speculative import GROUNDED_PROMPTS, k_sweep, run_spec  # noqa: F401
+from minibatch.experiments.spec_speedup import (alpha_from_acceptance_length, batch_sweep_sim,  # noqa: F401
+                                                break_even_alpha, predicted_speedup, sim_verify_cost_ratio)
+from minibatch.experiments.speculative import GROUNDED_PROMPTS, k_sweep  # noqa: F401
 from minibatch.viz.speculative import plot_distribution, plot_spec_timeline, plot_speedup_vs_batch  # noqa: F401
 from minibatch.viz.speculative import plot_speedup_curves
 
-# Published claims, at their scale: Leviathan et al. 2-3x on T5-XXL (11B) with a T5-small draft;
-# Chen et al. 2-2.5x on Chinchilla 70B with a 4B draft -- both at batch size 1 on accelerators.
-SEED_CLAIMS = {"leviathan_t5xxl_speedup": (2.0, 3.0), "chen_chinchilla_speedup": (2.0, 2.5)}
+# Speedups the papers report, at their scale, both at batch size 1 on accelerators: Leviathan et al.,
+# "Fast Inference from Transformers via Speculative Decoding" (ICML 2023): 2-3x on T5-XXL (11B) with a
+# T5-small draft; Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling"
+# (2023): 2-2.5x on Chinchilla 70B with a 4B draft.
+PAPER_CLAIMS = {"leviathan_t5xxl_speedup": (2.0, 3.0), "chen_chinchilla_speedup": (2.0, 2.5)}
 
 
 def check_rejection_sampler(fn: Callable, n: int = 20_000, seed: int = 3) -> float:
@@ -62,9 +64,10 @@ def print_rows(rows: list[dict]) -> None:
 
 def plot_speedup_vs_alpha(verify_cost_ratio: float, draft_cost_ratio: float, ks=(1, 2, 4, 6), ax=None,
                           measured: list[tuple[float, float, str]] = (), title: str | None = None):
-    """Predicted batch-1 speedup against the acceptance rate for each k, for this machine's v and
-    c; ``measured`` (alpha, speedup, label) points on top. Returns the Axes."""
+    """Predicted batch-1 speedup against Leviathan's per-token alpha (not vLLM's acceptance rate)
+    for each k, for this machine's v and c; ``measured`` (alpha, speedup, label) points on top, their
+    alpha e.g. from :func:`alpha_from_acceptance_length`. Returns the Axes."""
     alphas = np.linspace(0, 0.98, 50)
     curves = {f"k={k}": (alphas, [predicted_speedup(a, k, verify_cost_ratio, draft_cost_ratio) for a in alphas])
               for k in ks}
-    return plot_speedup_curves(curves, ax, measured, title=title)
+    return plot_speedup_curves(curves, ax, measured, xlabel="per-token acceptance probability (alpha)", title=title)

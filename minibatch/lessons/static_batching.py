@@ -1,4 +1,4 @@
-"""Helpers for notebooks 00_tour and 01_static_batching (too long for a notebook cell).
+"""Helpers for notebook 01_static_batching (too long for a notebook cell).
 
 Static batching's three wastes (Orca, Yu et al., OSDI'22, §2.2 and §3):
 
@@ -7,7 +7,7 @@ Static batching's three wastes (Orca, Yu et al., OSDI'22, §2.2 and §3):
 * padding: short prompts are padded to the longest prompt of the batch.
 
 Everything here drives the one :class:`~minibatch.engine.Engine` through
-:func:`~minibatch.policies.make_engine`; nothing re-implements a scheduler.
+:func:`~minibatch.experiment.run` (``make_engine`` to time one step); nothing re-implements a scheduler.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import time
 import numpy as np
 import torch
 
-from minibatch.engine import Engine, StepRecord
+from minibatch.engine import StepRecord
 from minibatch.models import set_attention
 from minibatch.metrics import measured_decode_utilization, utilization_formula
 from minibatch.experiment import run
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
 from minibatch.sim.executor import SimExecutor
-from minibatch.clock import SimClock, WallClock
+from minibatch.clock import WallClock
 from minibatch.prompts import chat_prompt_ids
 from minibatch.workload import sharegpt_lengths
 
@@ -41,13 +41,6 @@ def chat_requests(tokenizer, prompts: list[str], output_lens: list[int],
                 sampling=SamplingParams(ignore_eos=True), arrival_time_s=t, prompt_text=text)
         for i, (text, n, t) in enumerate(zip(prompts, output_lens, arrivals))
     ]
-
-
-def run_policy(policy: str, executor, requests: list[Request], clock=None, **engine_kwargs) -> Engine:
-    """:func:`minibatch.experiment.run` of fresh copies of ``requests`` under ``policy``, returning
-    the engine (its ``trace`` and ``requests``, as the notebook reads them). ``clock`` defaults to a
-    new SimClock."""
-    return run(policy, requests, executor, clock if clock is not None else SimClock(), **engine_kwargs).engine
 
 
 def sim_requests(output_lens: list[int], prompt_len: int = 16, prefix: str = "req") -> list[Request]:
@@ -74,9 +67,9 @@ def utilization_table(num_batches: int, batch_size: int, max_output_len: int = 3
             lens = rng.integers(1, max_output_len + 1, size=batch_size).tolist()
         else:
             lens = [o for _, o in sharegpt_lengths(batch_size, rng)]
-        engine = run_policy("static", SimExecutor(), sim_requests(lens), max_num_seqs=batch_size)
+        result = run("static", sim_requests(lens), SimExecutor(), max_num_seqs=batch_size)
         rows.append({"output_lens": lens, "formula": utilization_formula(lens),
-                     "measured": measured_decode_utilization(engine.trace)})
+                     "measured": measured_decode_utilization(result.records)})
     return rows
 
 
