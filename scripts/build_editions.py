@@ -1,0 +1,18 @@
+"""Build the student and instructor editions of the notebooks (see minibatch/lessons/editions.py).
+
+    python scripts/build_editions.py [--out DIR]      (default: student/ and instructor/ at the repo root)
+"""
+
+import argparse
+from pathlib import Path
+
+from minibatch.lessons.editions import build
+
+ROOT = Path(__file__).resolve().parent.parent
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT), help="folder that gets student/ and instructor/")
+    args = parser.parse_args()
+    paths = build(ROOT / "notebooks", Path(args.out))
+    print(f"wrote {len(paths)} notebooks under {Path(args.out) / 'student'} and {Path(args.out) / 'instructor'}")
