@@ -1,0 +1,40 @@
+"""The course's stable edition: dependency ranges with tested upper bounds, a constraints file inside
+them, one version number."""
+
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+import minibatch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_constraints_pin_every_dependency_inside_its_range():
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if line and not line.startswith("#"))
+    pins = {norm(k): v for k, v in pins.items()}
+    for spec in PROJECT["dependencies"] + PROJECT["optional-dependencies"]["dev"]:
+        req = Requirement(spec)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        assert norm(req.name) in pins, f"constraints.txt does not pin {req.name}"
+        assert req.specifier.contains(pins[norm(req.name)], prereleases=True), \
+            f"constraints.txt pins {req.name}=={pins[norm(req.name)]}, outside {req.specifier}"
+
+
+def test_the_results_changing_dependencies_have_upper_bounds():
+    bounded = {norm(Requirement(s).name): Requirement(s).specifier for s in PROJECT["dependencies"]}
+    for name in ("torch", "transformers", "triton", "numpy", "matplotlib"):
+        assert any(s.operator in ("<", "<=", "==", "~=") for s in bounded[name]), f"{name} has no upper bound"
+
+
+def test_one_version_number():
+    assert PROJECT["version"] == minibatch.__version__
