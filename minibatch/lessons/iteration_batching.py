@@ -1,14 +1,12 @@
-"""Helpers for notebook 02 (Orca iteration-level batching): the step table and the exercise check.
+"""Helpers for notebook 02 (Orca iteration-level batching): the step table, the exercise check and a variant.
 
-Orca (Yu et al., OSDI'22) runs the scheduler again after every *iteration* (step; §3,
-iteration-level scheduling), and Algorithm 1 (§4.2) picks each step's batch: every running
-request, then waiting requests in arrival order while the batch holds fewer than ``max_num_seqs``
-requests and their KV reservations fit, ``n_rsrv + prompt + max_new_tokens <= n_slots``.
+Orca (Yu et al., OSDI'22) runs the scheduler again after every *iteration* (step; §3, iteration-level
+scheduling), and Algorithm 1 (§4.2) picks each step's batch: every running request, then waiting requests in
+arrival order while the batch holds fewer than ``max_num_seqs`` requests and their KV reservations fit.
 
-Everything here reads the schedule trace (the list of :class:`~minibatch.engine.StepRecord`)
-plus the requests' arrival times, so it works both live (after each ``engine.step()``) and on
-a finished run. It assumes Orca's per-token reservation (``block_size=1``): a request reserves
-exactly ``request.max_num_tokens`` = prompt + max_new_tokens slots.
+Everything here reads the schedule trace (the list of :class:`~minibatch.engine.StepRecord`) plus the
+requests' arrival times, so it works both live (after each ``engine.step()``) and on a finished run. It assumes
+Orca's per-token reservation (``block_size=1``): a request reserves ``max_num_tokens`` = prompt + max_new_tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from minibatch.engine import StepEntry, StepRecord
+from minibatch.lessons import exercise
 from minibatch.request import Request
 
 
@@ -38,10 +37,9 @@ class ScheduleState:
 def schedule_states(trace: list[StepRecord], requests: list[Request]) -> list[ScheduleState]:
     """Rebuild the scheduler's inputs of every step of an Orca ``trace``.
 
-    A request is running at step k if it computed tokens in an earlier step and is in step k's
-    batch (Orca runs every running request every step); it is waiting if it arrived by the
-    step's start_s and has not been in any earlier batch. Ties in arrival time keep the order
-    of ``requests`` (the order they were added to the engine).
+    A request is running at step k if it computed tokens in an earlier step and is in step k's batch (Orca
+    runs every running request every step); it is waiting if it arrived by the step's start_s and has not been
+    in any earlier batch. Ties in arrival time keep the order of ``requests`` (the order they were added).
     """
     order = {r.request_id: i for i, r in enumerate(requests)}
     by_arrival = sorted(requests, key=lambda r: (r.arrival_time_s, order[r.request_id]))
@@ -68,11 +66,9 @@ STEP_COLUMNS = (f"{'step':>4} {'time_s':>6}  {'batch (P=prefill, D=decode)':<28}
 
 
 def format_step(record: StepRecord, state: ScheduleState, max_num_seqs: int, n_slots: int) -> str:
-    """One row of the step table (see ``STEP_COLUMNS``).
-
-    n_rsrv is the reservation of this step's batch (Algorithm 1's n_rsrv after Select). The
-    waiting column lists requests still waiting after admission and why the first one was not
-    admitted: "max_num_seqs" (the batch is full) or "n_rsrv + its reservation > n_slots".
+    """One row of the step table (see ``STEP_COLUMNS``). n_rsrv is the reservation of this step's batch
+    (Algorithm 1's n_rsrv after Select); the waiting column lists requests still waiting after admission and
+    why the first one was not admitted: "max_num_seqs" (the batch is full) or "n_rsrv + its reservation > n_slots".
     """
     batch_ids = {e.request_id for e in record.entries}
     n_rsrv = state.n_rsrv + sum(r.max_num_tokens for r in state.waiting if r.request_id in batch_ids)
@@ -108,12 +104,10 @@ SelectFn = Callable[[list[Request], list[Request], int, int, int], tuple[list[Re
 
 def check_select(select: SelectFn, trace: list[StepRecord], requests: list[Request],
                  max_num_seqs: int, n_slots: int) -> list[tuple[int, list[str], list[str]]]:
-    """Replay an Orca ``trace`` through a student's ``select(running, waiting, n_rsrv, max_num_seqs, n_slots)``.
-
-    At every step the function gets the scheduler's inputs (see :func:`schedule_states`) and
-    must return ``(batch, n_rsrv)``: the batch the OrcaScheduler ran, in order, and the slots it
-    then held reserved. Returns the mismatches as (step, expected ids, returned ids); an empty
-    list means the function reproduces Algorithm 1 on this trace.
+    """Replay an Orca ``trace`` through ``select(running, waiting, n_rsrv, max_num_seqs, n_slots)``: at every step
+    it gets the scheduler's inputs (:func:`schedule_states`) and must return ``(batch, n_rsrv)``, the batch the
+    OrcaScheduler ran, in order, and the slots then reserved. Returns the mismatches as (step, expected ids,
+    returned ids); [] means the function reproduces Algorithm 1 on this trace.
 
     Raises:
         TypeError: ``select`` does not return a (batch, n_rsrv) pair (e.g. an unfinished body).
@@ -130,3 +124,26 @@ def check_select(select: SelectFn, trace: list[StepRecord], requests: list[Reque
         if got != expected or n_rsrv != expected_rsrv:
             mismatches.append((record.step, expected, got))
     return mismatches
+
+
+def select_skip_ahead(running, waiting, n_rsrv, max_num_seqs, n_slots):
+    """Not Algorithm 1: a waiting request that does not fit is skipped and later ones may still join (a fuller
+    batch, but a long request can wait forever behind a stream of short ones). Same signature as select()."""
+    batch = list(running)
+    for req in waiting:
+        if len(batch) < max_num_seqs and n_rsrv + req.max_num_tokens <= n_slots:
+            n_rsrv, batch = n_rsrv + req.max_num_tokens, batch + [req]
+    return batch, n_rsrv
+
+
+@exercise.check(hint="all running requests run; then admit waiting ones in order, stop at the first that does not fit")
+def check_my_select(select: SelectFn, trace: list[StepRecord], requests: list[Request], max_num_seqs: int,
+                    n_slots: int) -> str:
+    """The exercise: :func:`check_select` on a learner's ``select``; prints one line (see ``exercise.check``)."""
+    exercise.require(select([], [], 0, max_num_seqs, n_slots), "select()")
+    wrong = check_select(select, trace, requests, max_num_seqs, n_slots)
+    if wrong:
+        step, expected, got = wrong[0]
+        raise AssertionError(f"step {step}: the OrcaScheduler ran {expected}, your select() returned {got}"
+                             + (" with another n_rsrv" if got == expected else ""))
+    return f"select() reproduces the batch of all {len(trace)} steps"

@@ -24,6 +24,7 @@ from minibatch.experiments.kv_sharing import (  # noqa: F401
 from minibatch.experiments.kv_waste import expected_kv_waste, reservation_vs_paged, waste_sweep  # noqa: F401
 from minibatch.experiments.paged_kv import GREEDY, VARIANTS, variant_engine  # noqa: F401
 from minibatch.experiments.preemption import preemption_experiment, recomputed_tokens  # noqa: F401
+from minibatch.lessons import exercise
 from minibatch.viz.paged_kv import VLLM_CLAIM, draw_block_map, plot_waste_sweep  # noqa: F401
 
 
@@ -101,11 +102,15 @@ def library_slot_mapping(block_table: list[int], num_computed_tokens: int, num_n
     return context_slot_table([block_table], [seq_len], block_size)[0, num_computed_tokens:seq_len].tolist()
 
 
+SLOT_MAPPING_CASES = (([7, 2, 5], 0, 10, 4), ([7, 2, 5], 9, 1, 4), ([3], 2, 1, 4), ([4, 1], 3, 2, 4),
+                      ([0, 9, 8], 16, 1, 8))  # (block_table, num_computed_tokens, num_new_tokens, block_size)
+
+
 def check_slot_mapping(fn: Callable, trace: list[StepRecord], block_size: int) -> list[tuple]:
     """Compare a learner's ``fn(block_table, num_computed_tokens, num_new_tokens, block_size)``
     with the runner's slot_mapping on hand-picked cases and on every request of every step of
     ``trace``. Returns the mismatches as (case, expected, returned); [] means all correct."""
-    cases = [([7, 2, 5], 0, 10, 4), ([7, 2, 5], 9, 1, 4), ([3], 2, 1, 4), ([4, 1], 3, 2, 4), ([0, 9, 8], 16, 1, 8)]
+    cases = list(SLOT_MAPPING_CASES)
     for record in trace:
         for e in record.entries:
             cases.append((record.block_tables[e.request_id], e.num_computed_tokens, e.num_new_tokens, block_size))
@@ -115,3 +120,26 @@ def check_slot_mapping(fn: Callable, trace: list[StepRecord], block_size: int) -
         if got is None or [int(x) for x in got] != expected:
             wrong.append((case, expected, got))
     return wrong
+
+
+@exercise.check(hint="the new tokens are positions num_computed_tokens .. num_computed_tokens + num_new_tokens - 1")
+def check_my_slot_mapping(fn: Callable, trace: list[StepRecord], block_size: int) -> str:
+    """The exercise: :func:`check_slot_mapping` on a learner's ``fn``; prints one line (see ``exercise.check``)."""
+    exercise.require(fn([7, 2, 5], 9, 1, 4), "my_slot_mapping(...)")
+    wrong = check_slot_mapping(fn, trace, block_size)
+    if wrong:
+        case, expected, got = wrong[0]
+        raise AssertionError(f"(block_table, num_computed_tokens, num_new_tokens, block_size) = {case}: "
+                             f"the runner writes slots {expected}, yours {got}")
+    num_cases = len(SLOT_MAPPING_CASES) + sum(len(record.entries) for record in trace)
+    return f"your slot mapping matches the runner's on all {num_cases} cases"
+
+
+@exercise.check(hint="a request takes a block at the step that writes the block's first position; with none free, "
+                     "the running request that arrived last is preempted")
+def check_first_preemption(prediction: dict, trace: list[StepRecord]) -> str:
+    """The exercise: ``prediction`` = {"step": int, "preempted": request id}, the first preemption in ``trace``."""
+    first = next((record for record in trace if record.preempted), None)
+    measured = {"step": first.step, "preempted": first.preempted[0]} if first else None
+    assert exercise.require(prediction, "my_prediction") == measured, f"you said {prediction}, the engine: {measured}"
+    return f"the engine's first preemption is at step {first.step}, of {first.preempted[0]}"

@@ -30,6 +30,7 @@ from minibatch.experiments.selective import (  # noqa: F401
 from minibatch.experiments.selective_cost import (  # noqa: F401
     LAYOUTS, ForwardCost, ModelDims, forward_cost, num_padding_tokens,
 )
+from minibatch.lessons import exercise
 from minibatch.runner.batch import PackedBatch
 from minibatch.scheduler.base import SchedulerOutput
 from minibatch.viz.selective import draw_attention_masks, draw_padded_vs_packed, draw_split_merge  # noqa: F401
@@ -50,7 +51,8 @@ def print_cost_table(lens: list[int], dims: ModelDims, layouts: tuple[str, ...] 
 
 def check_mask(mask_fn: Callable[[list[int]], torch.Tensor],
                cases: tuple[list[int], ...] = ([3], [2, 1, 3], [1, 1], [4, 2, 5, 1])) -> list[list[int]]:
-    """The exercise's check: ``mask_fn(seq_lens)`` against :func:`block_diagonal_causal_mask`.
+    """``mask_fn(seq_lens)`` entry by entry against :func:`block_diagonal_causal_mask` (the notebook's check is
+    :func:`check_my_mask`, which compares logits with the runner's split attention instead).
 
     Returns the seq_lens for which the answer differs (wrong shape, dtype or value); [] = correct.
     """
@@ -61,6 +63,23 @@ def check_mask(mask_fn: Callable[[list[int]], torch.Tensor],
         if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and torch.equal(mask, expected)):
             wrong.append(list(lens))
     return wrong
+
+
+@exercise.check(hint="True where query i and key j belong to the same request and j <= i, False elsewhere")
+@torch.inference_mode()
+def check_my_mask(mask_fn: Callable[[list[int]], torch.Tensor], runner,
+                  cases: tuple[list[int], ...] = ([3], [2, 1, 3], [1, 1], [4, 2, 5, 1], [5, 8, 5])) -> str:
+    """The exercise: for each ``seq_lens`` of ``cases``, one SDPA over a packed row of prompts of those lengths
+    with ``mask_fn(seq_lens)`` (:func:`row_forward`) must give the logits of the runner's split attention
+    (:func:`packed_logits`, atol 1e-3)."""
+    for lens in cases:
+        mask, n = exercise.require(mask_fn(list(lens)), "my_block_diagonal_causal_mask(seq_lens)"), sum(lens)
+        got = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        assert got == f"{(n, n)} {torch.bool}", f"for seq_lens {lens} the mask must be ({n}, {n}) torch.bool, got {got}"
+        prompts = [[10 + (7 * i + 3 * k) % 1000 for k in range(length)] for i, length in enumerate(lens)]
+        diff = float((row_forward(runner.model, prompts, mask) - packed_logits(runner, prompts)).abs().max())
+        assert diff < 1e-3, f"for seq_lens {lens} one SDPA with your mask is {diff:.3g} off split attention's logits"
+    return "on every case one SDPA with your mask reproduces the runner's split attention"
 
 
 def print_packed_batch(out: SchedulerOutput, batch: PackedBatch) -> None:

@@ -1,4 +1,4 @@
-"""Helpers for notebook 01_static_batching (too long for a notebook cell).
+"""Helpers for notebook 01_static_batching (too long for a notebook cell) and its exercise checks.
 
 Static batching's three wastes (Orca, Yu et al., OSDI'22, §2.2 and §3):
 
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from minibatch.engine import StepRecord
+from minibatch.lessons import exercise
 from minibatch.models import set_attention
 from minibatch.metrics import measured_decode_utilization, utilization_formula
 from minibatch.experiment import run
@@ -36,11 +37,9 @@ def chat_requests(tokenizer, prompts: list[str], output_lens: list[int],
     if len(prompts) != len(output_lens):
         raise ValueError(f"prompts ({len(prompts)}) and output_lens ({len(output_lens)}) must have the same length")
     arrivals = arrival_times_s if arrival_times_s is not None else [0.0] * len(prompts)
-    return [
-        Request(f"req-{first_index + i}", chat_prompt_ids(tokenizer, text), max_new_tokens=n,
-                sampling=SamplingParams(ignore_eos=True), arrival_time_s=t, prompt_text=text)
-        for i, (text, n, t) in enumerate(zip(prompts, output_lens, arrivals))
-    ]
+    return [Request(f"req-{first_index + i}", chat_prompt_ids(tokenizer, text), max_new_tokens=n,
+                    sampling=SamplingParams(ignore_eos=True), arrival_time_s=t, prompt_text=text)
+            for i, (text, n, t) in enumerate(zip(prompts, output_lens, arrivals))]
 
 
 def sim_requests(output_lens: list[int], prompt_len: int = 16, prefix: str = "req") -> list[Request]:
@@ -51,22 +50,18 @@ def sim_requests(output_lens: list[int], prompt_len: int = 16, prefix: str = "re
 
 def utilization_table(num_batches: int, batch_size: int, max_output_len: int = 32, seed: int = 0,
                       lengths: str = "uniform") -> list[dict]:
-    """Formula vs measured decode utilization of random static batches (SimExecutor, no model).
+    """Formula vs measured decode utilization of random static batches, each run alone (SimExecutor, no model).
 
-    Each batch has ``batch_size`` output lengths and runs alone through a static engine.
-    lengths: "uniform" (1..max_output_len) or "sharegpt" (real chat answers' token lengths,
-    resampled; ``max_output_len`` is ignored). Random draws come from
-    ``numpy.random.default_rng(seed)``. Returns one dict per batch: output_lens, formula, measured.
-    """
+    lengths: "uniform" (1..max_output_len) or "sharegpt" (real chat answers' token lengths, resampled;
+    max_output_len ignored); draws from ``numpy.random.default_rng(seed)``. One dict per batch:
+    output_lens, formula, measured."""
     if lengths not in ("uniform", "sharegpt"):
         raise ValueError(f"lengths must be 'uniform' or 'sharegpt', got {lengths!r}")
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(num_batches):
-        if lengths == "uniform":
-            lens = rng.integers(1, max_output_len + 1, size=batch_size).tolist()
-        else:
-            lens = [o for _, o in sharegpt_lengths(batch_size, rng)]
+        lens = (rng.integers(1, max_output_len + 1, size=batch_size).tolist() if lengths == "uniform"
+                else [o for _, o in sharegpt_lengths(batch_size, rng)])
         result = run("static", sim_requests(lens), SimExecutor(), max_num_seqs=batch_size)
         rows.append({"output_lens": lens, "formula": utilization_formula(lens),
                      "measured": measured_decode_utilization(result.records)})
@@ -74,9 +69,8 @@ def utilization_table(num_batches: int, batch_size: int, max_output_len: int = 3
 
 
 def sharegpt_utilization(batch_sizes: list[int], num_batches: int = 1000, seed: int = 0) -> dict[int, float]:
-    """Mean avg_len / max_len (``utilization_formula``) of ``num_batches`` random static batches
-    per batch size, output lengths resampled from real ShareGPT answers (formula only: no
-    engine run, so it is fast)."""
+    """Mean avg_len / max_len (``utilization_formula``) of ``num_batches`` random static batches per batch
+    size, output lengths resampled from real ShareGPT answers (formula only: no engine run, so it is fast)."""
     rng = np.random.default_rng(seed)
     out = {}
     for b in batch_sizes:
@@ -103,9 +97,21 @@ def print_steps(trace: list[StepRecord]) -> None:
         print(f"{r.step:>4} {r.start_s:>8.3f} {r.end_s:>7.3f}  {rows}")
 
 
-def count_padding_decode_rows(trace: list[StepRecord]) -> int:
-    """Rows of the trace that computed a padding token for an already finished request."""
-    return sum(e.phase == "padding" for r in trace for e in r.entries)
+@exercise.check(hint="a batch runs until its longest member is done; print_steps(trace) shows every row")
+def check_padding_rows(answer: int, trace: list[StepRecord]) -> str:
+    """Exercise: ``answer``, the padding decode rows (rows of already finished requests), against a static run."""
+    measured = sum(e.phase == "padding" for r in trace for e in r.entries)
+    assert exercise.require(answer, "my_answer") == measured, f"you said {answer}, the engine computed {measured}"
+    return f"{measured} padding decode rows, as in the engine's trace"
+
+
+@exercise.check(hint="the prefill step samples a request's first token; Orca refills a freed row in the next step")
+def check_start_steps(prediction: dict, traces: dict[str, list[StepRecord]], request_id: str) -> str:
+    """Exercise: ``prediction`` = {policy: the first step that runs ``request_id``}, against each policy's trace."""
+    measured = {policy: next(r.step for r in trace if request_id in {e.request_id for e in r.entries})
+                for policy, trace in traces.items()}
+    assert exercise.require(prediction, "my_prediction") == measured, f"you said {prediction}, the engine: {measured}"
+    return ", ".join(f"{policy} runs {request_id} first at step {step}" for policy, step in measured.items())
 
 
 @torch.inference_mode()
@@ -116,11 +122,9 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
     * "padded (B, T)": a static engine's first step (prompts left-padded to the longest);
     * "separate": one unpadded forward per prompt, one after the other;
     * "packed (1, num_tokens)": an Orca engine's first step (selective batching, no padding).
-
-    num_threads: torch CPU threads while timing (restored afterwards; None = leave as is).
-    The default, 1, keeps the comparison steady on a shared CPU: when other processes hold
-    the cores, multi-threaded kernels stall on each other and times swing by 10x or more.
-    """
+    num_threads: torch CPU threads while timing (restored afterwards; None = leave as is). The default, 1,
+    keeps the comparison steady on a shared CPU: when other processes hold the cores, multi-threaded
+    kernels stall on each other and times swing by 10x or more."""
     def engine_step(policy: str) -> float:
         reqs = [Request(f"p{i}", ids, 1, SamplingParams(ignore_eos=True)) for i, ids in enumerate(prompts)]
         n_slots = max(1024, sum(r.max_num_tokens for r in reqs))  # a small KV cache, reused across calls
@@ -139,8 +143,7 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
     timers = {"padded (B, T)": lambda: engine_step("static"), "separate": separate,
               "packed (1, num_tokens)": lambda: engine_step("orca")}
     old_threads = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
+    torch.set_num_threads(num_threads or old_threads)
     try:
         return {name: min(fn() for _ in range(repeats)) for name, fn in timers.items()}
     finally:
