@@ -7,7 +7,8 @@ and batching the chunks with the decodes (*stall-free batching*, §4.2) bounds t
 budget's step time, at a small cost in throughput (chunks re-read earlier KV; more steps).
 The experiments are ``minibatch.experiments.chunked`` (the stall, the budget sweep, prefill
 micro-batching) and ``minibatch.experiments.queue_policy`` (starvation), the figures
-``minibatch.viz.chunked``. Here: :func:`print_table` and :func:`check_stall_free_plan`.
+``minibatch.viz.chunked``. Here: :func:`print_table` and the exercise checks
+(:func:`check_stall_free_plan`, :func:`check_budget_prediction`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable
 
 from minibatch.clock import SimClock
 from minibatch.experiment import run
+from minibatch.lessons import exercise
 from minibatch.experiments.chunked import budget_sweep, max_itl_s, micro_batching_experiment  # noqa: F401
 from minibatch.experiment import same_outputs  # noqa: F401
 from minibatch.experiments.chunked import stall_trace  # noqa: F401
@@ -43,17 +45,21 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['policy']:<22}" + "".join(f"{c:>12}" for c in cells))
 
 
-def check_stall_free_plan(fn: Callable, budgets=(1, 7, 16, 64), seed: int = 0) -> int:
+@exercise.check(hint="decodes first, one token each; then each prefill gets min(its tokens left, budget left)")
+def check_stall_free_plan(fn: Callable, budgets=(1, 7, 16, 64), seed: int = 0) -> str:
     """Check ``fn(num_decodes, prefills_left, budget) -> list[int]`` against the chunked
     scheduler: every step of a random run at each budget gives fn the step's decodes and its
     prefills' remaining prompt tokens, and fn must return exactly the tokens the scheduler gave.
-    Returns the number of steps checked.
+    Prints one line (``exercise.check``); returns whether fn matched on every step.
 
-    Raises:
+    Raises (reported as "not yet"):
         AssertionError: naming the first step where fn disagrees.
     """
     from minibatch.workload import make_trace
 
+    example = exercise.require(fn(3, [100, 20], 64), "my_stall_free_plan")
+    want = [1, 1, 1, 61, 0]
+    assert list(example) == want, f"3 decodes, prefills [100, 20], budget 64: expected {want}, got {example}"
     checked = 0
     for budget in budgets:
         trace = make_trace(12, arrival="poisson", rate_per_s=20, lengths="uniform", prompt_range=(3, 90),
@@ -69,4 +75,31 @@ def check_stall_free_plan(fn: Callable, budgets=(1, 7, 16, 64), seed: int = 0) -
             assert got == want, (f"budget {budget}, step {rec.step}: {len(decodes)} decodes, prefills with "
                                  f"{left} tokens left: expected {want}, got {got}")
             checked += 1
-    return checked
+    return f"your plan matches the chunked scheduler on all {checked} steps"
+
+
+@exercise.check(hint="a step's time grows by about the same amount per prefill token; section 3's table gives "
+                     "two budgets' ITL p99")
+def check_budget_prediction(prediction, requests: list, budgets=(128, 160, 192, 224, 256),
+                            target_itl_s: float = 0.3) -> str:
+    """Check a predicted budget: of ``budgets``, the one whose chunked run over ``requests``
+    (SimExecutor, SimClock) has the highest output throughput among those with ITL p99 at most
+    ``target_itl_s`` seconds. Prints one line (``exercise.check``); returns whether it was right.
+
+    Raises (reported as "not yet"):
+        AssertionError: a budget not in ``budgets``, one over the target, or one with less throughput.
+    """
+    prediction = exercise.require(prediction, "my_prediction")
+    assert prediction in budgets, f"choose one of the budgets {list(budgets)}, not {prediction!r}"
+    rows = {r["budget"]: r for r in budget_sweep(requests, SimExecutor(), SimClock, budgets, baselines=())}
+    ok = [b for b in budgets if rows[b]["itl_p99_s"] <= target_itl_s]
+    best = max(ok, key=lambda b: rows[b]["output_throughput_tok_s"]) if ok else None
+    mine, ms = rows[prediction], target_itl_s * 1e3
+    assert mine["itl_p99_s"] <= target_itl_s, (f"budget {prediction}: ITL p99 {mine['itl_p99_s'] * 1e3:.0f} ms, "
+                                               f"over the {ms:.0f} ms target")
+    assert prediction == best, (f"budget {prediction} meets the target (ITL p99 {mine['itl_p99_s'] * 1e3:.0f} ms), "
+                                "but another budget meets it with more output throughput")
+    over = [b for b in budgets if b not in ok]
+    after = f"; budget {over[0]} is over it ({rows[over[0]]['itl_p99_s'] * 1e3:.0f} ms)" if over else ""
+    return (f"budget {best}: ITL p99 {mine['itl_p99_s'] * 1e3:.0f} ms (target {ms:.0f} ms), "
+            f"{mine['output_throughput_tok_s']:.1f} output tok/s{after}")

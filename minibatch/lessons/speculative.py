@@ -7,7 +7,8 @@ little more than over one (decode is memory-bound) and the draft is cheap and of
 machinery is ``minibatch/spec``; the experiments are in ``minibatch.experiments``
 (``spec_exactness``: the distribution test; ``speculative``: k sweeps on real models;
 ``spec_speedup``: the speedup model and the batch sweep), the figures in ``minibatch.viz.speculative``.
-Here: :func:`print_rows`, :func:`plot_speedup_vs_alpha` and :func:`check_rejection_sampler`.
+Here: :func:`print_rows`, :func:`plot_speedup_vs_alpha`, :func:`check_rejection_sampler` and the exercise
+check :func:`check_my_rejection_sample`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from minibatch.experiments.spec_exactness import chi_square_pvalue, first_token_
 from minibatch.experiments.spec_speedup import (alpha_from_acceptance_length, batch_sweep_sim,  # noqa: F401
                                                 break_even_alpha, predicted_speedup, sim_verify_cost_ratio)
 from minibatch.experiments.speculative import GROUNDED_PROMPTS, k_sweep  # noqa: F401
+from minibatch.lessons import exercise
 from minibatch.viz.speculative import plot_distribution, plot_spec_timeline, plot_speedup_vs_batch  # noqa: F401
 from minibatch.viz.speculative import plot_speedup_curves
 
@@ -31,11 +33,12 @@ PAPER_CLAIMS = {"leviathan_t5xxl_speedup": (2.0, 3.0), "chen_chinchilla_speedup"
 
 
 def check_rejection_sampler(fn: Callable, n: int = 20_000, seed: int = 3) -> float:
-    """The exercise check: ``fn(target_probs, draft_tokens, draft_probs, generator)`` must emit
-    tokens distributed exactly as the target (chi-square p > 1e-3 over n sequences). Returns p.
+    """``fn(target_probs, draft_tokens, draft_probs, generator)`` must emit tokens distributed
+    exactly as the target (chi-square p > 1e-3 over n sequences). Returns p.
 
     Raises:
         AssertionError: the distribution is off, or fn returns something other than 1..k+1 ints.
+        exercise.NotYet: fn returns None (a body still ``...``).
     """
     counts, expected = spec_sequences(_checked(fn), n, seed=seed)
     p = chi_square_pvalue(counts, expected)
@@ -43,9 +46,18 @@ def check_rejection_sampler(fn: Callable, n: int = 20_000, seed: int = 3) -> flo
     return p
 
 
+@exercise.check(hint="section 2: accept a draft with probability min(1, p/q); at the first rejection, "
+                     "sample from normalize(max(p - q, 0)); all accepted: a bonus token from the last row of p")
+def check_my_rejection_sample(fn: Callable, n: int = 20_000, seed: int = 3) -> str:
+    """The exercise check: :func:`check_rejection_sampler` on the student's ``fn``, as one printed line
+    (``exercise.check``); returns whether the emitted tokens follow the target."""
+    p = check_rejection_sampler(fn, n, seed)
+    return f"the emitted tokens follow the target (chi-square p = {p:.3f} over {n:,} sequences)"
+
+
 def _checked(fn: Callable) -> Callable:
     def wrapped(p, drafts, q, g):
-        out = fn(p, drafts, q, g)
+        out = exercise.require(fn(p, drafts, q, g), "my_rejection_sample")
         assert isinstance(out, list) and 1 <= len(out) <= len(drafts) + 1, f"must return 1..k+1 tokens, got {out!r}"
         return [int(t) for t in out]
 
