@@ -13,7 +13,7 @@ from torch.testing import assert_close  # noqa: E402
 
 from minibatch import ModelRunner, Request, SamplingParams  # noqa: E402
 from minibatch.lessons.selective_batching import (  # noqa: E402
-    ModelDims, block_diagonal_causal_mask, causal_mask, check_mask, draw_masks, draw_padded_vs_packed,
+    ModelDims, block_diagonal_causal_mask, causal_mask, check_my_mask, draw_masks, draw_padded_vs_packed,
     draw_split_merge, forward_cost, greedy, next_token_alone, num_blocks_used, num_padding_tokens,
     packed_inputs, packed_logits, padded_forward, per_request_max_diff, prefill_output, row_forward, unpad,
 )
@@ -69,11 +69,18 @@ def test_block_diagonal_causal_mask_is_exact():
     assert torch.equal(block_diagonal_causal_mask([4]), causal_mask(4))  # one request: plain causal
 
 
-def test_check_mask_accepts_the_answer_and_rejects_wrong_ones():
-    assert check_mask(block_diagonal_causal_mask) == []
-    # the naive causal mask is right only for a single request
-    assert check_mask(lambda lens: causal_mask(sum(lens))) == [[2, 1, 3], [1, 1], [4, 2, 5, 1]]
-    assert check_mask(lambda lens: block_diagonal_causal_mask(lens).int()) != []  # bool, not 0/1 ints
+def test_the_mask_exercise_accepts_the_answer_and_rejects_wrong_ones(tiny, capsys):
+    _, runner = tiny
+    assert check_my_mask(block_diagonal_causal_mask, runner)
+    # the naive causal mask is right only for a single request: [3] passes, [2, 1, 3] is the first failure
+    assert not check_my_mask(lambda lens: causal_mask(sum(lens)), runner)
+    assert not check_my_mask(lambda lens: block_diagonal_causal_mask(lens).int(), runner)  # bool, not 0/1 ints
+    assert not check_my_mask(lambda lens: None, runner)  # an unfinished body
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("correct:")
+    assert lines[1].startswith("not yet: for seq_lens [2, 1, 3] one SDPA with your mask is")
+    assert lines[2].startswith("not yet: for seq_lens [3] the mask must be (3, 3) torch.bool, got (3, 3) torch.int32")
+    assert lines[3].startswith("not yet: my_block_diagonal_causal_mask(seq_lens) is not implemented yet")
 
 
 def test_prefill_output_gives_each_prompt_its_own_blocks():

@@ -16,10 +16,9 @@ from __future__ import annotations
 from typing import Callable
 
 from minibatch.clock import SimClock
-from minibatch.experiment import run
+from minibatch.experiment import run, same_outputs  # noqa: F401
 from minibatch.lessons import exercise
 from minibatch.experiments.chunked import budget_sweep, max_itl_s, micro_batching_experiment  # noqa: F401
-from minibatch.experiment import same_outputs  # noqa: F401
 from minibatch.experiments.chunked import stall_trace  # noqa: F401
 from minibatch.experiments.queue_policy import starvation_experiment  # noqa: F401
 from minibatch.sim.executor import SimExecutor

@@ -41,6 +41,14 @@ def require(value, name: str):
     return value
 
 
+def expect(answer, measured, name: str = "my_prediction"):
+    """For a predict-then-verify check: ``answer`` must equal what the engine ``measured``; raises
+    :class:`NotYet` for a stub, AssertionError (saying both) when they differ. Returns ``measured``."""
+    if require(answer, name) != measured:
+        raise AssertionError(f"you said {answer}, the engine: {measured}")
+    return measured
+
+
 def check(hint: str = "") -> Callable:
     """Decorator for a check function: it returns a message (correct) or raises AssertionError
     (wrong: its message says what differs) or NotYet (a stub). The wrapped check prints one line,

@@ -100,8 +100,7 @@ def print_steps(trace: list[StepRecord]) -> None:
 @exercise.check(hint="a batch runs until its longest member is done; print_steps(trace) shows every row")
 def check_padding_rows(answer: int, trace: list[StepRecord]) -> str:
     """Exercise: ``answer``, the padding decode rows (rows of already finished requests), against a static run."""
-    measured = sum(e.phase == "padding" for r in trace for e in r.entries)
-    assert exercise.require(answer, "my_answer") == measured, f"you said {answer}, the engine computed {measured}"
+    measured = exercise.expect(answer, sum(e.phase == "padding" for r in trace for e in r.entries), "my_answer")
     return f"{measured} padding decode rows, as in the engine's trace"
 
 
@@ -110,7 +109,7 @@ def check_start_steps(prediction: dict, traces: dict[str, list[StepRecord]], req
     """Exercise: ``prediction`` = {policy: the first step that runs ``request_id``}, against each policy's trace."""
     measured = {policy: next(r.step for r in trace if request_id in {e.request_id for e in r.entries})
                 for policy, trace in traces.items()}
-    assert exercise.require(prediction, "my_prediction") == measured, f"you said {prediction}, the engine: {measured}"
+    exercise.expect(prediction, measured)
     return ", ".join(f"{policy} runs {request_id} first at step {step}" for policy, step in measured.items())
 
 
