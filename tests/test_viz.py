@@ -96,7 +96,19 @@ def test_compare_and_save(runs, tmp_path):
     path = save(fig, "gantt_static_vs_orca", figures_dir=tmp_path / "figures")
     assert path == tmp_path / "figures" / "gantt_static_vs_orca.png"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(fig.axes) == 2
+    assert len(fig.axes) == 4  # each policy's Gantt, then its KV usage strip
+    assert len(compare_gantt({p: t for p, (_, t) in runs.items()}, kv=False).axes) == 2
+
+
+def test_kv_strip_bars_are_the_steps_slot_counts(runs):
+    trace = runs["orca"][1]
+    ax = gantt(trace)
+    strip = ax.figure.axes[1]
+    reserved, used = strip.containers  # drawn reserved first (outline), used on top
+    assert [b.get_height() for b in used] == [r.num_kv_slots_used for r in trace]
+    assert [b.get_height() for b in reserved] == [r.num_kv_slots_reserved for r in trace]
+    assert [b.get_x() for b in used] == [r.step for r in trace]
+    assert max(r.num_kv_slots_reserved for r in trace) >= max(r.num_kv_slots_used for r in trace) > 0
 
 
 @pytest.mark.parametrize("metric", ["ttft", "tpot", "e2e", "itl"])

@@ -33,6 +33,7 @@ PALETTE = {
     "finished": "#F5F5F5",  # near white: done and gone (request rows only)
 }
 HATCH = {"padding": "////", "chunk": "..."}
+KV_COLORS = {"used": "#0072B2", "reserved": "#CC79A7"}  # blue, reddish purple: the KV strip under a Gantt
 MERGE_ABOVE_STEPS = 150  # wider traces draw runs of cells as one rectangle (cells < ~5 px)
 CELL_KINDS = tuple(PALETTE)
 
@@ -118,7 +119,7 @@ def gantt_cells(trace: list[StepRecord], rows: str = "row", x: str = "step",
 
 def gantt(trace: list[StepRecord], ax=None, rows: str = "row", x: str = "step",
           title: str | None = None, requests: list[Request] | None = None, legend: bool = True,
-          merge: bool | None = None):
+          merge: bool | None = None, kv: bool = True):
     """Draw the schedule: rows = batch rows or requests, columns = steps (or time).
 
     Cells: prefill, decode, padding (hatched; a finished request still occupying a static
@@ -126,7 +127,8 @@ def gantt(trace: list[StepRecord], ax=None, rows: str = "row", x: str = "step",
     ``requests`` given). In batch rows each run of one request is labelled with its short id
     when it fits. One PolyCollection per kind, its gid the kind name, one path per cell;
     ``merge`` (default: when there are more than MERGE_ABOVE_STEPS steps, too narrow to see
-    one cell) draws each run of equal adjacent cells as one rectangle instead. Returns the Axes.
+    one cell) draws each run of equal adjacent cells as one rectangle instead. Without ``ax``, a new figure
+    with a :func:`kv_usage` strip under the chart when ``kv`` (its axes is ``fig.axes[1]``). Returns the Axes.
     """
     cells, names = gantt_cells(trace, rows, x, requests)
     if merge is None:
@@ -136,8 +138,14 @@ def gantt(trace: list[StepRecord], ax=None, rows: str = "row", x: str = "step",
                  for r in _runs(cells, lambda c: (c.kind, c.request_id))]
     x_end = (trace[-1].step + 1 if x == "step" else trace[-1].end_s) if trace else 1.0
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(14, 5 + 0.12 * len(trace)), min(10, 1.2 + 0.3 * len(names))),
-                             layout="constrained")
+        height = min(10, 1.2 + 0.3 * len(names))
+        fig, axes = plt.subplots(1 + kv, 1, sharex=True, squeeze=False, layout="constrained",
+                                 figsize=(min(14, 5 + 0.12 * len(trace)), height + 1.1 * kv),
+                                 gridspec_kw={"height_ratios": [height, 1.1][:1 + kv]})
+        ax = axes[0, 0]
+        if kv:
+            kv_usage(trace, axes[1, 0], x=x)
+            ax.set_xlabel("")
     pad = 0.06  # gap between rows, in row heights
     for kind in CELL_KINDS:
         verts = [[(c.x0, c.row + pad), (c.x0 + c.width, c.row + pad),
@@ -163,6 +171,26 @@ def gantt(trace: list[StepRecord], ax=None, rows: str = "row", x: str = "step",
         kinds = [k for k in CELL_KINDS if any(c.kind == k for c in cells)]
         ax.legend(handles=legend_handles(kinds), loc="upper left", bbox_to_anchor=(1.0, 1.0),
                   fontsize=8, frameon=False)
+    return ax
+
+
+def kv_usage(trace: list[StepRecord], ax, x: str = "step", legend: bool = True):
+    """The KV cache strip drawn under a Gantt chart: per step, the KV slots holding computed tokens
+    (``num_kv_slots_used``, filled) and those set aside (``num_kv_slots_reserved``, hatched outline; Orca and
+    static batching reserve prompt + max_new_tokens, a paged cache only whole blocks). x as in :func:`gantt`."""
+    x0 = [r.step if x == "step" else r.start_s for r in trace]
+    width = [1.0 if x == "step" else r.end_s - r.start_s for r in trace]
+    ax.bar(x0, [r.num_kv_slots_reserved for r in trace], width, align="edge", color="white",
+           edgecolor=KV_COLORS["reserved"], hatch="///", linewidth=0.6, label="KV slots reserved")
+    ax.bar(x0, [r.num_kv_slots_used for r in trace], width, align="edge", color=KV_COLORS["used"],
+           linewidth=0, label="KV slots used")
+    ax.set_ylabel("KV slots", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.set_xlabel("step" if x == "step" else "time (s)")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    if legend:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return ax
 
 
@@ -201,19 +229,30 @@ def _label_runs(ax, cells: list[Cell], x_span: float, num_rows: int) -> None:
 
 
 def compare_gantt(traces: dict[str, list[StepRecord]], rows: str = "row", x: str = "step",
-                  requests: dict[str, list[Request]] | None = None, width: float = 12.0):
-    """One :func:`gantt` per policy, stacked on a shared x axis (e.g. static over orca).
+                  requests: dict[str, list[Request]] | None = None, width: float = 12.0, kv: bool = True):
+    """One :func:`gantt` per policy, stacked on a shared x axis (e.g. static over orca), each with a
+    :func:`kv_usage` strip under it when ``kv``.
 
-    Returns the Figure; its axes are ``fig.axes`` (legend once, on the first).
+    Returns the Figure; its axes are ``fig.axes``: each policy's Gantt, then its KV strip (legends once).
     """
     num_rows = [len(row_names(t, rows, (requests or {}).get(n))) for n, t in traces.items()]
-    fig, axes = plt.subplots(len(traces), 1, sharex=True, layout="constrained", squeeze=False,
-                             figsize=(width, sum(min(6.0, 1.0 + 0.3 * n) for n in num_rows)),
-                             gridspec_kw={"height_ratios": [max(n, 1) + 2 for n in num_rows]})
-    for i, (ax, (name, trace)) in enumerate(zip(axes[:, 0], traces.items())):
+    ratios = [r for n in num_rows for r in ([max(n, 1) + 2, 3] if kv else [max(n, 1) + 2])]
+    fig, axes = plt.subplots(len(ratios), 1, sharex=True, layout="constrained", squeeze=False,
+                             figsize=(width, sum(min(6.0, 1.0 + 0.3 * n) + 0.9 * kv for n in num_rows)),
+                             gridspec_kw={"height_ratios": ratios})
+    for i, (name, trace) in enumerate(traces.items()):
+        ax = axes[(1 + kv) * i, 0]
         gantt(trace, ax=ax, rows=rows, x=x, title=name, requests=(requests or {}).get(name), legend=i == 0)
-        if i < len(traces) - 1:
-            ax.set_xlabel("")
+        ax.set_xlabel("")
+        if kv:
+            kv_usage(trace, axes[2 * i + 1, 0], x=x, legend=i == 0)
+    if kv:  # one y scale, so the strips compare memory across policies
+        top = max((max(r.num_kv_slots_reserved, r.num_kv_slots_used) for t in traces.values() for r in t), default=1)
+        for ax in axes[1::2, 0]:
+            ax.set_ylim(0, top * 1.05)
+    for ax in axes[:-1, 0]:
+        ax.set_xlabel("")
+    axes[-1, 0].set_xlabel("step" if x == "step" else "time (s)")
     ends = [t[-1].step + 1 if x == "step" else t[-1].end_s for t in traces.values() if t]
     axes[0, 0].set_xlim(0, max(ends, default=1.0))
     return fig

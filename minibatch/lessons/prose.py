@@ -1,0 +1,157 @@
+"""Prose that agrees with its outputs: scan a notebook's markdown for numbers no cell printed, and for jargon.
+
+A measured number a student reads must be printed by a cell (or set in its code); prose may repeat it, rounded.
+``unbacked_numbers`` lists each number of the markdown that matches nothing the notebook's outputs or code
+contain; ``wrong_direction`` finds ratios below 1 called "higher"/"faster" (write 1.19x higher, not 0.84x lower);
+``jargon`` finds words of the people who built the course rather than of the field. Run it on a notebook::
+
+    python -m minibatch.lessons.prose notebooks/04_paged_kv.ipynb
+
+What is skipped: instructor-only solution blocks, inline code, LaTeX, link targets, headings, integers up to 10
+(counts and small parameters), years, and numbers that are part of a name (SmolLM2-135M, T5-XXL, H100, fp32,
+§4.2, "notebook 04", "Algorithm 1"). Numbers quoted from papers are declared by the caller (``quoted=``).
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import nbformat
+
+from minibatch.lessons.editions import MD_SOLUTION
+
+_SKIP = [re.compile(p, re.S) for p in (
+    MD_SOLUTION.pattern,  # instructor-only solution
+    r"```.*?```", r"`[^`]*`", r"\$\$.*?\$\$", r"\$[^$]*\$",  # code and LaTeX
+    r"\]\([^)]*\)", r"<[^>]+>", r"https?://\S+",  # link targets, html tags, bare URLs
+    r"(?m)^#+ [^\n]*$")]  # headings ("## 3 · ...")
+_REFERENCE = re.compile(r"(?:§|\b(?:notebooks?|sections?|Algorithm|Figure|Fig\.|Table|Eq\.|equation|cell|version|"
+                        r"k|n|top)) ?(?:\d+[,–-] ?| and | or )*$", re.I)
+_NUMBER = re.compile(r"(?<![\w.§/+'-])(\d{1,3}(?:[ ,_]\d{3})+(?!\d)|\d+)(\.\d+)?(?=(x|×|%)?(?![\w-]))")
+_OUTPUT_NUMBER = re.compile(r"(?<![\w.])-?(\d{1,3}(?:[,_ ]\d{3})+|\d+)(\.\d+)?(?:e[-+]?\d+)?")
+_RATIO_WORD = re.compile(r"(\d+(?:\.\d+)?)\s?[x×] (?:lower|smaller|fewer|less|shorter|slower|higher|faster|larger|"
+                         r"more|longer|bigger)\b")
+SUMMARY = re.compile(r"#+ (?:What we (?:measured|saw)|Summary|What to take away)", re.I)
+_PATH = re.compile(r"`((?:\.\./)?(?:minibatch|data|tests|benchmarks|notebooks|figures|scripts|docs|examples)/"
+                   r"[\w./-]*[\w/])`")
+JARGON = {
+    r"\bissues?\b(?! (?:a|one|each|every|the) (?:request|step|forward|prefill|decode))": "the builders' tracker",
+    r"\bclosing note\b": "the builders' notes",
+    r"\bthe seed\b|\bseed(?: design| document| claims?| table|:)": "a design document (name the paper)",
+    r"\bgoal\b": "a development goal (say what is measured and against what)",
+    r"\bacceptance\b(?! (?:rate|length|probabilit|test|criteri|of (?:a |each |the )?drafts?))":
+        "acceptance means accepted drafts here; say threshold or tolerance",
+    r"\btarget \d+(?:\.\d+)?\s?[x×]": "a development target (say what is compared)",
+}
+
+
+def prose_of(cell) -> str:
+    """The markdown a student reads: solution blocks, code, LaTeX, links and headings removed."""
+    text = cell.source
+    for pattern in _SKIP:
+        text = pattern.sub(" ", text)
+    return text
+
+
+def _value(whole: str, frac: str | None) -> float:
+    return float(re.sub(r"[ ,_]", "", whole) + (frac or ""))
+
+
+def evidence(nb, around: int | None = None) -> list[float]:
+    """The numbers code cells set or print (text outputs and plain-text results): all of them, or those of the
+    code cells near markdown cell ``around``, where prose reads its numbers: the 2 after it, and the 2 before it
+    unless it opens a section (a section's prose is about its own cells)."""
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    if around is not None:
+        before = [] if nb.cells[around].source.startswith("#") else [i for i in code if i < around][-2:]
+        code = before + [i for i in code if i > around][:2]
+    texts = []
+    for cell in (nb.cells[i] for i in code):
+        texts.append(cell.source)
+        for out in cell.get("outputs", []):
+            texts.append(out.get("text", "") + out.get("data", {}).get("text/plain", ""))
+    return [_value(m.group(1), m.group(2)) for t in texts for m in _OUTPUT_NUMBER.finditer(t)]
+
+
+def backed(number: float, decimals: int, percent: bool, values: list[float]) -> bool:
+    """Whether ``number`` (written with ``decimals`` places) is some value rounded, or a fraction as a percent."""
+    scales = (1, 100) if percent else (1,)
+    return any(round(abs(v) * s, decimals) == number for v in values for s in scales)
+
+
+def unbacked_numbers(nb, quoted=()) -> list[str]:
+    """The markdown's numbers that no output or code of ``nb`` backs, as "cell N: <number> in '...context...'"."""
+    found, everything = [], evidence(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "markdown":
+            continue
+        text = prose_of(cell)
+        values = everything if SUMMARY.match(cell.source) else evidence(nb, around=i)
+        for m in _NUMBER.finditer(text):
+            whole, frac, suffix = m.group(1), m.group(2), m.group(3)
+            number = _value(whole, frac)
+            if _REFERENCE.search(text[max(0, m.start() - 20):m.start()]):
+                continue
+            if (frac is None and number <= 10 and suffix is None) or (frac is None and 1900 <= number <= 2039):
+                continue
+            token = m.group(0) + (suffix or "")
+            if token in quoted or backed(number, len(frac or ".")-1, suffix == "%", values):
+                continue
+            found.append(f"cell {i}: {token} in '{_context(text, m)}'")
+    return found
+
+
+def wrong_direction(nb) -> list[str]:
+    """Ratios below 1 said with a comparative ("0.84x lower"), in prose or printed: which way does it go?"""
+    return [f"cell {i}: '{m.group(0)}'" for i, text in _texts(nb) for m in _RATIO_WORD.finditer(text)
+            if float(m.group(1)) < 1]
+
+
+def missing_paths(nb, root: Path) -> list[str]:
+    """Files or folders the markdown cites in backticks (`minibatch/x.py`, `../data/y.json`) that ``root`` lacks."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            for m in _PATH.finditer(cell.source):
+                path = m.group(1).removeprefix("../")
+                if not (root / path).exists():
+                    found.append(f"cell {i}: `{m.group(1)}` is not in the repository")
+    return found
+
+
+def jargon(nb) -> list[str]:
+    """Builders' words in markdown, code or printed text, as "cell N: 'word' (why)"."""
+    return [f"cell {i}: '{m.group(0)}' ({why})" for i, text in _texts(nb) for pattern, why in JARGON.items()
+            for m in re.finditer(pattern, text, re.I)]
+
+
+def _texts(nb):
+    """(cell index, text) for what a student reads: prose, code, and printed outputs."""
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            yield i, prose_of(cell)
+        else:
+            yield i, cell.source
+            for out in cell.get("outputs", []):
+                yield i, out.get("text", "") + out.get("data", {}).get("text/plain", "")
+
+
+def _context(text: str, m) -> str:
+    return " ".join(text[max(0, m.start() - 40):m.end() + 30].split())
+
+
+def main(paths: list[str]) -> int:
+    problems = 0
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        root = Path(path).resolve().parents[1]
+        for kind, lines in (("unbacked", unbacked_numbers(nb)), ("direction", wrong_direction(nb)),
+                            ("jargon", jargon(nb)), ("path", missing_paths(nb, root))):
+            for line in lines:
+                print(f"{Path(path).name} {kind} {line}")
+            problems += len(lines)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
