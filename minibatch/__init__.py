@@ -5,7 +5,7 @@ switchable schedulers: static batching, Orca iteration-level batching, paged KV 
 prefill (Sarathi-Serve), speculative decoding.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import os as _os
 

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-TIME = re.compile(r"\*\*Time\.\*\*[^\n]*?about (\d+) minutes")
+TIME = re.compile(r"\*\*Time\.\*\*[^\n]*?about (\d+) minutes", re.I)
 NEXT = re.compile(r"\*\*Next:\*\* \[[^\]]+\]\(([\w.]+\.ipynb)\)")
 
 
@@ -17,7 +17,7 @@ NEXT = re.compile(r"\*\*Next:\*\* \[[^\]]+\]\(([\w.]+\.ipynb)\)")
 def test_each_notebook_opens_with_goals_prerequisites_and_time(path):
     head = nbformat.read(path, as_version=4).cells[0].source
     assert head.startswith(f"# {path.name[:2]} · "), f"{path.name}: cell 0 starts with '# NN · Title'"
-    goals = head.split("**Goals.**")[1].split("**")[0] if "**Goals.**" in head else ""
+    goals = head.split("**Goals.**")[1].split("**Before you start.**")[0] if "**Goals.**" in head else ""
     assert len(re.findall(r"(?m)^\d+\. ", goals)) >= 2, f"{path.name}: a numbered list of learning goals"
     assert "**Before you start.**" in head, f"{path.name}: prerequisites"
     assert TIME.search(head), f"{path.name}: '**Time.** about N minutes'"

@@ -7,9 +7,10 @@ contain; ``wrong_direction`` finds ratios below 1 called "higher"/"faster" (writ
 
     python -m minibatch.lessons.prose notebooks/04_paged_kv.ipynb
 
-What is skipped: instructor-only solution blocks, inline code, LaTeX, link targets, headings, integers up to 10
-(counts and small parameters), years, and numbers that are part of a name (SmolLM2-135M, T5-XXL, H100, fp32,
-§4.2, "notebook 04", "Algorithm 1"). Numbers quoted from papers are declared by the caller (``quoted=``).
+What is skipped: instructor-only solution blocks, inline code, LaTeX, link targets, headings, the **Time.**
+estimate, integers up to 10 (counts and small parameters), years, and numbers that are part of a name
+(SmolLM2-135M, T5-XXL, H100, fp32, §4.2, "notebook 04", "Algorithm 1").
+Numbers quoted from papers are declared by the caller (``quoted=``).
 """
 
 import re
@@ -24,7 +25,7 @@ _SKIP = [re.compile(p, re.S) for p in (
     MD_SOLUTION.pattern,  # instructor-only solution
     r"```.*?```", r"`[^`]*`", r"\$\$.*?\$\$", r"\$[^$]*\$",  # code and LaTeX
     r"\]\([^)]*\)", r"<[^>]+>", r"https?://\S+",  # link targets, html tags, bare URLs
-    r"(?m)^#+ [^\n]*$")]  # headings ("## 3 · ...")
+    r"(?m)^#+ [^\n]*$", r"\*\*Time\.\*\*[^\n]*")]  # headings ("## 3 · ..."), the time estimate
 _REFERENCE = re.compile(r"(?:§|\b(?:notebooks?|sections?|Algorithm|Figure|Fig\.|Table|Eq\.|equation|cell|version|"
                         r"k|n|top)) ?(?:\d+[,–-] ?| and | or )*$", re.I)
 _NUMBER = re.compile(r"(?<![\w.§/+'-])(\d{1,3}(?:[ ,_]\d{3})+(?!\d)|\d+)(\.\d+)?(?=(x|×|%)?(?![\w-]))")

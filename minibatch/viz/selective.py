@@ -7,12 +7,14 @@ from itertools import accumulate
 
 import matplotlib.pyplot as plt
 import torch
-from matplotlib.patches import FancyArrowPatch, Rectangle
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from minibatch.viz.plots import HATCH, PALETTE
 
-# Okabe-Ito colors for requests A, B, C, ... (vermillion is kept for padding and for leaks)
-REQUEST_COLORS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#F0E442", "#000000")
+# Okabe-Ito colors for requests A, B, C, ...: blue, bluish green, reddish purple, black, then sky blue and yellow.
+# No orange: vermillion (hatched) marks padding and leaks, and orange next to it would read as the same colour.
+REQUEST_COLORS = ("#0072B2", "#009E73", "#CC79A7", "#000000", "#56B4E9", "#F0E442")
+LEAK_HATCH = "xxx"  # a score across requests: vermillion, cross-hatched
 
 
 def _color(i: int) -> str:
@@ -136,8 +138,8 @@ def draw_attention_masks(masks: dict[str, torch.Tensor], seq_lens: list[int], na
     keys of ``masks``.
 
     Cells a query may attend to are colored by the query's request when the key is its own
-    request's, vermillion when it is another request's (a leak); masked cells stay light grey.
-    Returns the Figure.
+    request's, vermillion and cross-hatched when it is another request's (a leak); masked cells stay light
+    grey. A legend under the panels names the three. Returns the Figure.
     """
     names = names or [f"req-{i}" for i in range(len(seq_lens))]
     n = sum(seq_lens)
@@ -146,15 +148,12 @@ def draw_attention_masks(masks: dict[str, torch.Tensor], seq_lens: list[int], na
     for ax, (title, mask) in zip(axes[0], masks.items()):
         for q in range(n):
             for k in range(n):
-                if not mask[q, k]:
-                    color = PALETTE["idle"]
-                elif request[q] == request[k]:
-                    color = _color(request[q])
-                else:
-                    color = PALETTE["padding"]
-                ax.add_patch(Rectangle((k, n - 1 - q), 1, 1, facecolor=color, edgecolor="white", linewidth=0.3))
+                leak = bool(mask[q, k]) and request[q] != request[k]
+                color = PALETTE["padding"] if leak else _color(request[q]) if mask[q, k] else PALETTE["idle"]
+                ax.add_patch(Rectangle((k, n - 1 - q), 1, 1, facecolor=color, edgecolor="white", linewidth=0.3,
+                                       hatch=LEAK_HATCH if leak else None))
         num_leaks = int((mask & (torch.tensor(request)[:, None] != torch.tensor(request)[None, :])).sum())
-        ax.set_title(f"{title}\n{int(mask.sum())} scores kept, {num_leaks} across requests (vermillion)",
+        ax.set_title(f"{title}\n{int(mask.sum())} scores kept, {num_leaks} across requests (hatched)",
                      loc="left", fontsize=9)
         starts = [0, *accumulate(seq_lens)]  # cu_seqlens_q
         centers = [(a + b) / 2 for a, b in zip(starts, starts[1:])]
@@ -169,4 +168,10 @@ def draw_attention_masks(masks: dict[str, torch.Tensor], seq_lens: list[int], na
         ax.set_xlabel("key (packed index)")
         ax.set_ylabel("query (packed index)")
         ax.tick_params(length=0)
+    fig.legend(handles=[Patch(facecolor=_color(0), label="kept: a key of the query's own request (one colour per "
+                              "request)"),
+                        Patch(facecolor=PALETTE["padding"], hatch=LEAK_HATCH, edgecolor="white",
+                              label="kept: a key of another request (a leak)"),
+                        Patch(facecolor=PALETTE["idle"], label="masked out")],
+               loc="outside lower center", ncols=3, fontsize=8, frameon=False)
     return fig
