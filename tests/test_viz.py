@@ -98,6 +98,9 @@ def test_compare_and_save(runs, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(fig.axes) == 4  # each policy's Gantt, then its KV usage strip
     assert len(compare_gantt({p: t for p, (_, t) in runs.items()}, kv=False).axes) == 2
+    orca_first = compare_gantt({p: runs[p][1] for p in ("orca", "static")})
+    legend = [t.get_text() for t in orca_first.axes[0].get_legend().get_texts()]
+    assert "padding" in legend and "prefill" in legend  # kinds of every policy, not only the first one's
 
 
 def test_kv_strip_bars_are_the_steps_slot_counts(runs):

@@ -7,7 +7,8 @@ and batching the chunks with the decodes (*stall-free batching*, §4.2) bounds t
 budget's step time, at a small cost in throughput (chunks re-read earlier KV; more steps).
 The experiments are ``minibatch.experiments.chunked`` (the stall, the budget sweep, prefill
 micro-batching) and ``minibatch.experiments.queue_policy`` (starvation), the figures
-``minibatch.viz.chunked``. Here: :func:`print_table` and the exercise checks
+``minibatch.viz.chunked``. Here: :func:`print_table`, :func:`print_versus` (ratios said with their
+direction, :func:`fold`), :func:`bracketing_budgets`, and the exercise checks
 (:func:`check_stall_free_plan`, :func:`check_budget_prediction`).
 """
 
@@ -22,7 +23,7 @@ from minibatch.experiments.chunked import budget_sweep, max_itl_s, micro_batchin
 from minibatch.experiments.chunked import stall_trace  # noqa: F401
 from minibatch.experiments.queue_policy import starvation_experiment  # noqa: F401
 from minibatch.sim.executor import SimExecutor
-from minibatch.viz.chunked import plot_budget_split, plot_itl_timeline, plot_tradeoff  # noqa: F401
+from minibatch.viz.chunked import plot_budget_split, plot_itl_timeline, plot_stall_gantt, plot_tradeoff  # noqa: F401
 
 # The paper's figures (Sarathi-Serve, OSDI'24: its claim, at its scale): chunking cut TPOT from
 # 4187 ms to 204 ms while throughput dropped 3%; batching prefills ("prefill micro-batching")
@@ -42,6 +43,44 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         cells = [fmt.format(r[k] * (1e3 if k in ms else 1)) if r.get(k) is not None else "-" for k, _, fmt in cols]
         print(f"{r['policy']:<22}" + "".join(f"{c:>12}" for c in cells))
+
+
+def fold(before: float, after: float) -> str:
+    """How ``after`` compares with ``before`` (both > 0), as a ratio of at least 1 with its direction:
+    "2.90x lower", "1.19x higher", or "the same (1.00x)" when it rounds to 1."""
+    ratio = before / after if after <= before else after / before
+    if round(ratio, 2) == 1:
+        return "the same (1.00x)"
+    return f"{ratio:.2f}x {'lower' if after < before else 'higher'}"
+
+
+def print_versus(entries: list[dict], baseline: str = "prefill-first") -> None:
+    """One line per run of ``benchmarks/chunked_prefill.py``'s "versus_prefill_first" entries: ITL p99 and
+    TPOT p99 against the baseline's, each said as lower or higher, and output throughput as a share of it."""
+    for v in entries:
+        print(f"  {v['run']:<16} ITL p99 {fold(1.0, 1.0 / v['itl_p99_reduction_x'])}, "
+              f"TPOT p99 {fold(1.0, 1.0 / v['tpot_p99_reduction_x'])}, "
+              f"throughput {v['throughput_ratio']:.0%} of {baseline}")
+
+
+def bracketing_budgets(rows: list[dict], run: str, key: str = "itl_p99_s") -> str:
+    """Where run ``run`` of a :func:`budget_sweep` lands among the fixed budgets on ``key`` (a latency, s):
+    "adaptive-200ms: ITL p99 203.8 ms, between chunked-64 (147.6 ms) and chunked-128 (244.2 ms)", or below the
+    smallest / above the largest. Raises ValueError when ``run`` is not a row or no row has a fixed budget."""
+    mine = next((r for r in rows if r["policy"] == run), None)
+    fixed = sorted((r for r in rows if isinstance(r["budget"], int)), key=lambda r: r[key])
+    if mine is None or not fixed:
+        raise ValueError(f"run must be one of {[r['policy'] for r in rows]} and rows need a fixed budget, got {run!r}")
+    def at(r):
+        return f"{r['policy']} ({r[key] * 1e3:.1f} ms)"
+
+    label = key.removesuffix("_s").replace("_", " ").upper().replace(" P", " p")  # "itl_p99_s" -> "ITL p99"
+    below = [r for r in fixed if r[key] <= mine[key]]
+    above = [r for r in fixed if r[key] > mine[key]]
+    where = (f"between {at(below[-1])} and {at(above[0])}" if below and above else
+             f"above every fixed budget (highest: {at(below[-1])})" if below else
+             f"below every fixed budget (lowest: {at(above[0])})")
+    return f"{run}: {label} {mine[key] * 1e3:.1f} ms, {where}"
 
 
 @exercise.check(hint="decodes first, one token each; then each prefill gets min(its tokens left, budget left)")

@@ -46,6 +46,22 @@ def print_policy_table(rows: list[dict]) -> None:
             print(f"{row['n_slots']:>7}  {name:<13}{cells}")
 
 
+def print_concurrency(rows: list[dict], claim: dict = VLLM_CLAIM) -> None:
+    """Per n_slots of :func:`waste_sweep` results, what the waste changes: the most requests running at once,
+    TTFT p50 (s) and output tokens/s of each policy, and paged's preemptions; then the vLLM paper's figures
+    (KV holding token states, and so wasted, in the existing systems and in vLLM)."""
+    for row in rows:
+        ran = {name: m for name, m in row["policies"].items() if "skipped" not in m}
+        running = ", ".join(f"{n} {m['max_num_running']}" for n, m in ran.items())
+        print(f"{row['n_slots']:>5} slots: most running {running}"
+              + "; TTFT p50 " + ", ".join(f"{n} {m['ttft_p50_s']:.2f} s" for n, m in ran.items())
+              + "; out tok/s " + ", ".join(f"{n} {m['output_throughput_tok_s']:.0f}" for n, m in ran.items())
+              + (f"; paged preempted {ran['paged']['num_preemptions']} times" if "paged" in ran else ""))
+    (lo, hi), vllm = claim["existing_systems_waste"], claim["vllm_waste"]
+    print(f"vLLM paper: KV holding token states {1 - hi:.1%}-{1 - lo:.1%} in existing systems ({lo:.1%}-{hi:.1%} "
+          f"wasted), {1 - vllm:.1%} in vLLM ({vllm:.1%} wasted)")
+
+
 def print_prefix_table(result: dict) -> None:
     """Per request of :func:`prefix_caching_experiment`: prompt length, prefill tokens and TTFT
     without and with prefix caching; then the totals and hit rates."""
@@ -64,6 +80,10 @@ def print_measured(data: dict) -> None:
     print(f"{data['command']}\n{data['model']} on {data['device']}, {data['clock']} clock; torch {env['torch']}, "
           f"{env['cpu_count']} CPUs, {env['torch_threads']} threads; trace {data['trace']['num_requests']} requests")
     print_policy_table(data["reservation_vs_paged"])
+    for row in data["reservation_vs_paged"]:
+        if row.get("orca_max_new_tokens"):
+            print(f"orca_max at {row['n_slots']} slots reserves prompt + {row['orca_max_new_tokens']} slots per "
+                  f"request (the trace's longest output is {data['trace']['max_output_len']} tokens)")
     prefix = data["prefix_caching"]["policies"]
     print(f"prefix caching: hit rate {prefix['paged_prefix']['prefix_cache_hit_rate']:.1%}, prefill tokens "
           f"{prefix['paged']['num_prefill_tokens']} -> {prefix['paged_prefix']['num_prefill_tokens']}, TTFT p50 "

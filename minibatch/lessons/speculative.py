@@ -7,8 +7,14 @@ little more than over one (decode is memory-bound) and the draft is cheap and of
 machinery is ``minibatch/spec``; the experiments are in ``minibatch.experiments``
 (``spec_exactness``: the distribution test; ``speculative``: k sweeps on real models;
 ``spec_speedup``: the speedup model and the batch sweep), the figures in ``minibatch.viz.speculative``.
-Here: :func:`print_rows`, :func:`plot_speedup_vs_alpha`, :func:`check_rejection_sampler` and the exercise
-check :func:`check_my_rejection_sample`.
+Here: :func:`print_rows`, the speedup model against measured runs (:func:`speedup_model`,
+:func:`print_speedup_model`, :func:`plot_speedup_vs_alpha`), :func:`print_against_papers`, :func:`sim_clock_costs`,
+:func:`check_rejection_sampler` and the exercise check :func:`check_my_rejection_sample`.
+
+The speedup model is one function, :func:`predicted_speedup`: k drafts cost k forwards of the draft (c target
+decodes each) and one verify forward (v decodes), and emit E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) tokens
+on average, so the expected speedup over plain decoding is E(alpha, k) / (k c + v) (Leviathan et al. 2023, who
+take v = 1). The break-even alpha, the curves and ``AdaptiveK``'s choice of k all use it.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from minibatch.viz.speculative import plot_speedup_curves
 
 # Speedups the papers report, at their scale, both at batch size 1 on accelerators: Leviathan et al.,
 # "Fast Inference from Transformers via Speculative Decoding" (ICML 2023): 2-3x on T5-XXL (11B) with a
-# T5-small draft; Chen et al., "Accelerating Large Language Model Decoding with Speculative Sampling"
-# (2023): 2-2.5x on Chinchilla 70B with a 4B draft.
-PAPER_CLAIMS = {"leviathan_t5xxl_speedup": (2.0, 3.0), "chen_chinchilla_speedup": (2.0, 2.5)}
+# T5-small draft, and per-token alpha 0.53-0.82 for T5-XXL with T5-small, -base and -large drafts (their table of
+# alpha values, greedy and sampled); Chen et al., "Accelerating Large Language Model Decoding with Speculative
+# Sampling" (2023): 2-2.5x on Chinchilla 70B with a 4B draft.
+PAPER_CLAIMS = {"leviathan_t5xxl_speedup": (2.0, 3.0), "leviathan_t5xxl_alpha": (0.53, 0.82),
+                "chen_chinchilla_speedup": (2.0, 2.5)}
 
 
 def check_rejection_sampler(fn: Callable, n: int = 20_000, seed: int = 3) -> float:
@@ -83,3 +91,63 @@ def plot_speedup_vs_alpha(verify_cost_ratio: float, draft_cost_ratio: float, ks=
     curves = {f"k={k}": (alphas, [predicted_speedup(a, k, verify_cost_ratio, draft_cost_ratio) for a in alphas])
               for k in ks}
     return plot_speedup_curves(curves, ax, measured, xlabel="per-token acceptance probability (alpha)", title=title)
+
+
+def speedup_model(rows: list[dict], verify_cost_ratio: float, draft_cost_ratio: float) -> list[dict]:
+    """The speedup model beside measured runs: for each fixed-k draft run of a k sweep (:func:`k_sweep` rows named
+    "draft k=K"), vLLM's acceptance rate (accepted / drafted), the per-token alpha its mean acceptance length
+    implies (:func:`alpha_from_acceptance_length`), the break-even alpha (:func:`break_even_alpha`), and the
+    speedup :func:`predicted_speedup` gives at that alpha next to the measured decode speedup.
+
+    Returns rows {k, acceptance_rate, alpha, break_even_alpha, predicted, measured} (speedups over plain decoding).
+    """
+    out = []
+    for r in rows:
+        if not r["run"].startswith("draft k="):
+            continue
+        k, spec = int(r["run"].split("=")[1]), r["spec"]
+        alpha = alpha_from_acceptance_length(spec["mean_acceptance_length"], k)
+        out.append({"k": k, "acceptance_rate": spec["acceptance_rate"], "alpha": alpha,
+                    "break_even_alpha": break_even_alpha(k, verify_cost_ratio, draft_cost_ratio),
+                    "predicted": predicted_speedup(alpha, k, verify_cost_ratio, draft_cost_ratio),
+                    "measured": r["decode_speedup"]})
+    return out
+
+
+def print_speedup_model(model_rows: list[dict]) -> None:
+    """The table of :func:`speedup_model`: one line per k."""
+    print(f"{'k':>3}{'acceptance rate':>17}{'alpha':>7}{'break-even alpha':>18}{'predicted':>11}{'measured':>10}")
+    for r in model_rows:
+        print(f"{r['k']:>3}{r['acceptance_rate']:>17.1%}{r['alpha']:>7.2f}{r['break_even_alpha']:>18.2f}"
+              f"{r['predicted']:>10.2f}x{r['measured']:>9.2f}x")
+
+
+def print_against_papers(measured: dict) -> None:
+    """Batch-1 decode speedups of a ``benchmarks/spec_decode.py`` result beside the papers' (:data:`PAPER_CLAIMS`),
+    with this machine's v and c and the per-token alpha of the draft."""
+    b1, v, c = measured["batch1"], measured["verify_cost_ratio"], measured["draft_cost_ratio"]
+    print("decode speedup over no speculation at batch 1, measured here (wall clock):")
+    print(f"  {b1['best_fixed_k'] + ' (the best fixed k)':<36}{b1['best_decode_speedup']:.2f}x "
+          f"(end-to-end {b1['best_speedup']:.2f}x)")
+    rows = [r for r in b1["rows"] if r["run"].startswith(("draft adaptive", "n-gram"))]
+    rows += [dict(r, run=r["run"] + ", input-grounded prompts") for r in measured.get("grounded", {}).get("rows", [])
+             if r["run"].startswith("n-gram")]
+    for r in rows:
+        print(f"  {r['run']:<36}{r['decode_speedup']:.2f}x")
+    alphas = [r["alpha"] for r in speedup_model(b1["rows"], v, c)]
+    print(f"  per-token alpha of the draft: {min(alphas):.2f}-{max(alphas):.2f}; a verify forward costs v = {v:.2f}"
+          f" decodes, a draft forward c = {c:.3f}")
+    (lo, hi), (a_lo, a_hi) = PAPER_CLAIMS["leviathan_t5xxl_speedup"], PAPER_CLAIMS["leviathan_t5xxl_alpha"]
+    c_lo, c_hi = PAPER_CLAIMS["chen_chinchilla_speedup"]
+    print("reported by the papers, batch 1 on accelerators (a verify forward costs about one decode there):")
+    print(f"  Leviathan et al., T5-XXL (11B), T5-small draft: {lo}-{hi}x; alpha {a_lo}-{a_hi} with T5 drafts")
+    print(f"  Chen et al., Chinchilla 70B, 4B draft: {c_lo}-{c_hi}x")
+
+
+def sim_clock_costs(clock) -> str:
+    """What a ``SimClock`` charges (its target and draft ``CostModel``), as one line in milliseconds."""
+    t, d = clock.cost_model, clock.draft_cost_model
+    return (f"simulated clock (not measured): a target forward {t.fixed_s * 1e3:g} ms + {t.per_seq_s * 1e3:g} ms per "
+            f"sequence + {t.per_token_s * 1e3:g} ms per token computed + {t.per_context_token_s * 1e3:g} ms per "
+            f"context token; a draft forward {d.fixed_s * 1e3:g} ms + {d.per_seq_s * 1e3:g} ms per sequence + "
+            f"{d.per_token_s * 1e3:g} ms per token")

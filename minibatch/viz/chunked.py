@@ -1,18 +1,21 @@
-"""Chunked prefill figures (notebook 05): every token's gap on the time axis, each step's split of
-its token budget between decodes and prefill chunks, and the TTFT / TPOT / throughput trade-off
-of a budget sweep. Each returns its Axes; times are seconds, drawn in ms where labelled."""
+"""Chunked prefill figures (notebook 05): every token's gap on the time axis, the schedule as Gantt charts,
+each step's split of its token budget between decodes and prefill chunks, and the ITL / TTFT / throughput
+trade-off of a budget sweep. Each returns its Axes (or Figure); times are seconds, drawn in ms where labelled."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
 from minibatch.records import StepRecord
 from minibatch.request import Request
-from minibatch.viz.plots import HATCH, PALETTE
+from minibatch.viz.plots import CELL_KINDS, HATCH, PALETTE, compare_gantt
 from minibatch.viz.results import policy_colors
 
 LABELS = {"prefill_first": "prefill-first (vLLM v0)", "paged": "mixed, whole prefills (Orca-style)",
           "chunked": "chunked prefill (Sarathi-Serve)"}
+CELL_LABELS = {"prefill": "prefill reaching the prompt's end", "chunk": "prefill chunk (no token yet)"}
+ADAPTIVE_COLOR, ADAPTIVE_MARKERS = "#000000", "DXpho"
 
 
 def itl_points(requests: list[Request]) -> list[tuple[float, float, str]]:
@@ -43,6 +46,19 @@ def plot_itl_timeline(runs: dict[str, list[Request]], ax=None, mark_s: float | N
     return ax
 
 
+def plot_stall_gantt(traces: dict[str, list[StepRecord]], **kwargs):
+    """:func:`minibatch.viz.plots.compare_gantt` with requests as rows on the time axis, and one legend
+    naming every cell kind any of the policies drew (a chunked run's prefill chunks included), on the first
+    chart. kwargs go to compare_gantt. Returns the Figure."""
+    fig = compare_gantt(traces, rows="request", x="time", **kwargs)
+    kinds = {"chunk" if e.is_chunk else e.phase for trace in traces.values() for rec in trace for e in rec.entries}
+    kinds |= {"waiting", "finished"} if kwargs.get("requests") else set()
+    handles = [Patch(facecolor=PALETTE[k], edgecolor="#999999", hatch=HATCH.get(k), label=CELL_LABELS.get(k, k))
+               for k in CELL_KINDS if k in kinds]
+    fig.axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    return fig
+
+
 def budget_split(trace: list[StepRecord]) -> dict[str, list[int]]:
     """Per step: decode tokens, tokens of prefills that finish their prompt, and tokens of
     prefill chunks that do not (``StepEntry.is_chunk``)."""
@@ -69,37 +85,59 @@ def plot_budget_split(trace: list[StepRecord], budget: int | None = None, ax=Non
         bottom = [b + v for b, v in zip(bottom, split[kind])]
     if budget is not None:
         ax.axhline(budget, color="black", ls="--", lw=1, label=f"token budget {budget}")
+    ax.set_ylim(0, 1.45 * max([budget or 0] + bottom))  # headroom: the budget line and the legend clear the top
     ax.set_xlabel("step")
     ax.set_ylabel("tokens in the step")
     if title:
         ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper right", ncols=2)
     return ax
 
 
 def plot_tradeoff(rows: list[dict], axes=None, title: str | None = None):
-    """Left: TTFT p50 (s) against TPOT p99 (ms), one point per budget, the baselines as stars:
-    small budgets buy low TPOT with later first tokens. Right: output throughput per run.
-    Returns the two Axes."""
+    """Left: TTFT p50 (s) against ITL p99 (ms, log scale), one point per run: the fixed budgets as a line
+    labelled with each budget, the baselines as large markers, each adaptive run its own marker labelled with
+    its target ITL. Small budgets buy a low ITL p99 with later first tokens. Right: output throughput per run,
+    coloured as on the left. Returns the two Axes."""
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained")
     ax, bx = axes
-    chunked = [r for r in rows if isinstance(r["budget"], int)]
-    ax.plot([r["tpot_p99_s"] * 1e3 for r in chunked], [r["ttft_p50_s"] for r in chunked], "o-",
-            color="#CC79A7", label="chunked, fixed budget")
-    for r in chunked:
-        ax.annotate(str(r["budget"]), (r["tpot_p99_s"] * 1e3, r["ttft_p50_s"]), xytext=(4, 4),
+    baselines = [r for r in rows if r["budget"] is None]
+    colors = policy_colors([r["policy"] for r in baselines] + ["chunked"])
+    fixed = [r for r in rows if isinstance(r["budget"], int)]
+    ax.plot([r["itl_p99_s"] * 1e3 for r in fixed], [r["ttft_p50_s"] for r in fixed], "o-",
+            color=colors["chunked"], label="chunked, fixed budget (labelled)")
+    for r in fixed:
+        ax.annotate(str(r["budget"]), (r["itl_p99_s"] * 1e3, r["ttft_p50_s"]), xytext=(4, 4),
                     textcoords="offset points", fontsize=8)
-    for r, marker in zip([r for r in rows if r["budget"] is None], "*P"):
-        ax.plot(r["tpot_p99_s"] * 1e3, r["ttft_p50_s"], marker, ms=12, label=LABELS.get(r["policy"], r["policy"]))
-    for r in [r for r in rows if r["budget"] == "adaptive"]:
-        ax.plot(r["tpot_p99_s"] * 1e3, r["ttft_p50_s"], "D", ms=8, color="#009E73", label=r["policy"])
-    ax.set_xlabel("TPOT p99 (ms)")
+    for r, marker in zip(baselines, "*Ps"):
+        ax.plot(r["itl_p99_s"] * 1e3, r["ttft_p50_s"], marker, ms=12, color=colors[r["policy"]],
+                label=LABELS.get(r["policy"], r["policy"]))
+    adaptive = [r for r in rows if r["budget"] == "adaptive"]
+    for r, marker in zip(adaptive, ADAPTIVE_MARKERS):
+        target = f"target ITL {r['target_itl_s'] * 1e3:g} ms"
+        ax.plot(r["itl_p99_s"] * 1e3, r["ttft_p50_s"], marker, ms=8, color=ADAPTIVE_COLOR,
+                label=f"adaptive chunk size, {target}")
+        ax.annotate(target, (r["itl_p99_s"] * 1e3, r["ttft_p50_s"]), xytext=(-8, -12), textcoords="offset points",
+                    ha="right", fontsize=8)
+    ax.set_xscale("log")
+    lo, hi = ax.get_xlim()
+    ticks = [t for t in (10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000) if lo <= t <= hi]
+    if len(ticks) < 4:  # a narrow range: 1-1.5-2-3-5-7 steps
+        ticks = [m * d for d in (10, 100, 1000) for m in (1, 1.5, 2, 3, 5, 7) if lo <= m * d <= hi]
+    ticks = [int(t) for t in ticks]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("ITL p99 (ms, log scale)")
     ax.set_ylabel("TTFT p50 (s)")
+    ax.tick_params(labelsize=8)
     ax.legend(fontsize=8)
-    names = [r["policy"] for r in rows]
-    bx.bar(range(len(rows)), [r["output_throughput_tok_s"] for r in rows], color="#56B4E9")
-    bx.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=8)
+    run_color = {r["policy"]: colors[r["policy"]] for r in baselines}
+    run_color.update({r["policy"]: colors["chunked"] for r in fixed} | {r["policy"]: ADAPTIVE_COLOR for r in adaptive})
+    bx.bar(range(len(rows)), [r["output_throughput_tok_s"] for r in rows],
+           color=[run_color.get(r["policy"], "#56B4E9") for r in rows])
+    bx.set_xticks(range(len(rows)), [r["policy"] for r in rows], rotation=45, ha="right", fontsize=8)
+    bx.tick_params(axis="y", labelsize=8)
     bx.set_ylabel("output throughput (tok/s)")
     if title:
         ax.figure.suptitle(title, fontsize=10)

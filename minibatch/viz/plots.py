@@ -240,16 +240,19 @@ def compare_gantt(traces: dict[str, list[StepRecord]], rows: str = "row", x: str
     fig, axes = plt.subplots(len(ratios), 1, sharex=True, layout="constrained", squeeze=False,
                              figsize=(width, sum(min(6.0, 1.0 + 0.3 * n) + 0.9 * kv for n in num_rows)),
                              gridspec_kw={"height_ratios": ratios})
+    kinds = set()
     for i, (name, trace) in enumerate(traces.items()):
         ax = axes[(1 + kv) * i, 0]
-        gantt(trace, ax=ax, rows=rows, x=x, title=name, requests=(requests or {}).get(name), legend=i == 0)
-        ax.set_xlabel("")
+        gantt(trace, ax=ax, rows=rows, x=x, title=name, requests=(requests or {}).get(name), legend=False)
+        kinds |= {c.get_gid() for c in ax.collections}
         if kv:
             kv_usage(trace, axes[2 * i + 1, 0], x=x, legend=i == 0)
     if kv:  # one y scale, so the strips compare memory across policies
         top = max((max(r.num_kv_slots_reserved, r.num_kv_slots_used) for t in traces.values() for r in t), default=1)
         for ax in axes[1::2, 0]:
             ax.set_ylim(0, top * 1.05)
+    axes[0, 0].legend(handles=legend_handles([k for k in CELL_KINDS if k in kinds]), loc="upper left",
+                      bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)  # every policy's kinds, once
     for ax in axes[:-1, 0]:
         ax.set_xlabel("")
     axes[-1, 0].set_xlabel("step" if x == "step" else "time (s)")

@@ -9,6 +9,10 @@ from matplotlib.patches import Patch
 
 from minibatch.records import StepRecord
 
+# One Okabe-Ito colour and one marker per curve (k = 1, 2, 4, 6, ... in order): two cues, colour-blind safe.
+CURVE_STYLES = (("#0072B2", "o"), ("#E69F00", "s"), ("#009E73", "^"), ("#CC79A7", "D"), ("#D55E00", "v"),
+                ("#56B4E9", "P"))
+
 
 def plot_distribution(hist: dict, ax=None, title: str | None = None):
     """Bars: the target's next-token distribution, the draft's, and what each sampler produced
@@ -72,8 +76,8 @@ def plot_speedup_curves(curves: dict[str, tuple], ax=None, measured: list[tuple[
     the acceptance rate for each k; ``measured`` (x, speedup, label) points on top as stars."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
-    for label, (xs, ys) in curves.items():
-        ax.plot(xs, ys, label=label)
+    for (label, (xs, ys)), (color, marker) in zip(curves.items(), CURVE_STYLES * len(curves)):
+        ax.plot(xs, ys, label=label, color=color, marker=marker, markevery=max(len(xs) // 6, 1), ms=4)
     for a, sp, label in measured:
         ax.plot(a, sp, "k*", ms=10)
         ax.annotate(label, (a, sp), xytext=(5, -12), textcoords="offset points", fontsize=8)
@@ -85,9 +89,9 @@ def plot_speedup_vs_batch(rows: list[dict], ax=None, measured: list[dict] | None
     (no gain). ``measured`` rows ({batch_size, speedup, label}) are drawn as points."""
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5), layout="constrained")
-    for k in sorted({r["k"] for r in rows}):
+    for k, (color, marker) in zip(sorted({r["k"] for r in rows}), CURVE_STYLES * len(rows)):
         pts = [(r["batch_size"], r["speedup"]) for r in rows if r["k"] == k]
-        ax.plot(*zip(*pts), "o-", label=f"simulated, k={k}")
+        ax.plot(*zip(*pts), marker=marker, color=color, label=f"simulated, k={k}")
     for m in measured or []:
         ax.plot(m["batch_size"], m["speedup"], "k*", ms=10)
     if measured:
