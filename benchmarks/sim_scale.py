@@ -36,10 +36,10 @@ LLAMA7B = dict(num_params=6.7e9, num_layers=32, hidden_size=4096, kv_bytes_per_t
 
 SETTINGS = {
     "cpu": dict(trace=dict(max_prompt_len=256, max_output_len=256, output_scale=0.25),
-                engine=dict(max_num_seqs=32, n_slots=8192), rates=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 1.0),
-                latency_limit_s=1.0),
+                engine=dict(max_num_seqs=32, n_slots=8192),
+                rates=(0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9, 1.0), latency_limit_s=1.0),
     "h100-roofline": dict(trace=dict(max_prompt_len=1024, max_output_len=1024, output_scale=1.0),
-                          engine=dict(max_num_seqs=256, n_slots=120_000), rates=(2, 5, 10, 15, 20, 30, 40),
+                          engine=dict(max_num_seqs=256, n_slots=120_000), rates=(2, 5, 7.5, 10, 15, 20, 30, 40),
                           latency_limit_s=0.1),
 }
 

@@ -13,7 +13,7 @@ run to run, and no simulator can be closer to one run than the runs are to each 
 Each trace is a ShareGPT-length Poisson trace made with a seed the calibration never used
 (calibration: seed 1234 and synthetic batches). Every policy runs twice on it: measured (the real
 model, WallClock) and simulated (no model, the profile's clock); ``minibatch.sim.validate`` reports
-the relative error of output throughput and TTFT p50 (acceptance: within 15%, goal 10%).
+the relative error of output throughput and TTFT p50 (the tolerance: within 15%).
 Use the same --threads as the calibration: the profile is only valid for the setting it measured.
 
 Read TTFT p50 with the machine's speed in mind: "step-time replay" is how much slower the profile

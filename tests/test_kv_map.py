@@ -67,7 +67,7 @@ def test_request_colors_stable_sorted_and_cycling():
     colors = request_colors(reversed(ids))
     assert list(colors) == ids
     assert colors == request_colors(ids)
-    assert colors["req-10"] == colors["req-0"] and colors["req-1"] != colors["req-0"]  # 10 hues, cycling
+    assert colors["req-7"] == colors["req-0"] and len({colors[f"req-{i}"] for i in range(7)}) == 7  # 7, cycling
     assert sorted(["b10", "b9", "a"], key=natural_key) == ["a", "b9", "b10"]
 
 

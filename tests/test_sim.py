@@ -277,6 +277,33 @@ def test_chrome_trace_is_valid(tmp_path, policy):
     assert chrome_trace(engine.trace)["traceEvents"]  # requests are optional
 
 
+# ---------------------------------------------------------------------- capacity at a latency bound
+def test_capacity_interpolates_between_the_last_rate_under_the_bound_and_the_first_over():
+    from minibatch.experiments.rate_sweep import capacity_at
+
+    rows = [{"setup": "a", "rate": r, "normalized_latency_s": y} for r, y in ((2, 0.2), (1, 0.1), (4, 1.4), (3, 0.6))]
+    # under the bound of 1.0 up to rate 3 (0.6), over it at rate 4 (1.4): 1.0 is halfway, at rate 3.5
+    assert capacity_at(rows, "a", limit=1.0) == pytest.approx(3.5)
+    assert capacity_at(rows, "a", limit=0.6) == pytest.approx(3.0)  # exactly at a swept rate
+    assert capacity_at(rows, "a", limit=2.0) == 4  # never over: the highest swept rate, a lower bound
+    assert capacity_at(rows, "a", limit=0.05) is None  # over at the lowest rate already
+    # a finer grid moves the estimate only as much as the curve bends between grid points
+    coarse = [r for r in rows if r["rate"] in (1, 4)]
+    assert capacity_at(coarse, "a", limit=1.0) == pytest.approx(1 + 3 * 0.9 / 1.3)
+
+
+def test_capacity_figure_draws_the_bound_and_the_capacities():
+    from minibatch.viz.simulation import plot_capacity
+
+    rows = [{"setup": s, "rate": r, "normalized_latency_s": y * k}
+            for s, k in (("orca", 1.0), ("static bs=8", 4.0)) for r, y in ((1, 0.1), (2, 0.3), (3, 2.0))]
+    ax = plot_capacity(rows, limit=1.0, capacity={"orca": 2.4, "static bs=8": 1.6})
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[:2] == ["orca: 2.4 req/s", "static bs=8: 1.6 req/s"] and labels[2] == "bound: 1 s/token"
+    assert min(t.get_size() for t in ax.get_xticklabels() + ax.get_yticklabels()) >= 8
+    matplotlib.pyplot.close(ax.figure)
+
+
 # ---------------------------------------------------------------------- step-through widget
 def test_step_figure_and_widget():
     from minibatch.viz.step_widget import num_blocks_of, step_figure, step_widget

@@ -78,14 +78,19 @@ def offline_table(profile: Profile, requests: list[Request], setups: dict | None
 
 
 def capacity_at(rows: list[dict], setup: str, key: str = "normalized_latency_s", limit: float = 1.0) -> float | None:
-    """The highest swept rate at which ``setup``'s ``key`` stays <= ``limit`` and every lower
-    rate does too (None: not even the lowest rate)."""
+    """The rate (requests/s) at which ``setup``'s ``key`` reaches ``limit``: linear interpolation of ``key``
+    between the last swept rate under the bound (it and every lower rate <= ``limit``) and the first over it,
+    so the estimate does not jump from one grid point to the next. None: not even the lowest rate is under;
+    the highest swept rate when no rate is over (a lower bound: the sweep stopped first)."""
     best = None
     for r in sorted((r for r in rows if r["setup"] == setup), key=lambda r: r["rate"]):
         if r[key] is None or r[key] > limit:
-            break
-        best = r["rate"]
-    return best
+            if best is None or r[key] is None:
+                return best
+            (r0, y0), (r1, y1) = best, (r["rate"], r[key])
+            return r0 + (r1 - r0) * (limit - y0) / (y1 - y0)
+        best = (r["rate"], r[key])
+    return None if best is None else best[0]
 
 
 def roofline_profile(name: str, num_params: float, num_layers: int, hidden_size: int, kv_bytes_per_token: float,

@@ -3,10 +3,10 @@ exercise checks.
 
 The simulator (``minibatch.sim``) runs our real schedulers on a calibrated clock, so thousands
 of requests take seconds. The experiments (rate sweeps, the offline table, capacity at a latency
-bound, an analytical roofline profile) are ``minibatch.experiments.rate_sweep``, the figures
-``minibatch.viz.simulation``. Here: the papers' headline claims (CLAIMS), the calibrated clock
-checked (:func:`profile_samples`, :func:`plot_cost_model`, :func:`print_validation`) and the exercise
-checks (:func:`check_best_batch`, :func:`check_static_break_rate`).
+bound interpolated between swept rates, an analytical roofline profile) are
+``minibatch.experiments.rate_sweep``, the figures ``minibatch.viz.simulation``. Here: the papers'
+headline claims (CLAIMS), the calibrated clock checked (:func:`profile_samples`, :func:`plot_cost_model`,
+:func:`print_validation`) and the exercise checks (:func:`check_best_batch`, :func:`check_static_break_rate`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from minibatch.experiments.rate_sweep import DEFAULT_SETUPS, capacity_at, offlin
 from minibatch.experiments.rate_sweep import roofline_profile, summary_row  # noqa: F401
 from minibatch.lessons import exercise
 from minibatch.sim.cost_model import Profile, StepShape
-from minibatch.viz.simulation import plot_calibration, plot_rate_sweep, plot_validation  # noqa: F401
+from minibatch.viz.simulation import plot_calibration, plot_capacity, plot_rate_sweep, plot_validation  # noqa: F401
 
 CLAIMS = {
     "quoted_table": "static batching bs=64: 44.2 req/s vs continuous batching: 482 req/s (10.9x), "

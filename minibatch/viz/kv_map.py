@@ -24,6 +24,7 @@ import re
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.collections import PolyCollection
+from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
 from minibatch.engine import StepRecord
@@ -33,7 +34,9 @@ SHARED = -2  # block_map_array value: two or more requests hold it (prefix cache
 SHARED_COLOR = "#4D4D4D"  # dark grey, cross-hatched
 SHARED_HATCH = "xxxx"
 MAX_LEGEND_REQUESTS = 16  # more entries than this crowd the figure; the legend is left out
-REQUEST_COLORMAP = "tab10"  # qualitative, 10 distinct hues; request i takes colour i % 10
+# Okabe-Ito's colour-blind-safe hues (black left out: shared blocks are dark grey); request i takes colour i % 7
+REQUEST_COLORMAP = ListedColormap(["#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7"],
+                                  name="okabe_ito")
 
 
 def natural_key(request_id: str) -> list:
@@ -44,9 +47,9 @@ def natural_key(request_id: str) -> list:
 
 def request_colors(request_ids) -> dict[str, tuple]:
     """request_id -> RGBA colour: ids in natural sorted order take the colours of the
-    qualitative colormap REQUEST_COLORMAP in turn, cycling after 10. The same set of ids always
+    qualitative colormap REQUEST_COLORMAP in turn, cycling after 7. The same set of ids always
     gets the same colours, whatever order they arrive in."""
-    cmap = plt.get_cmap(REQUEST_COLORMAP)
+    cmap = REQUEST_COLORMAP
     return {rid: cmap(i % cmap.N) for i, rid in enumerate(sorted(set(request_ids), key=natural_key))}
 
 

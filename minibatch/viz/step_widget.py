@@ -69,8 +69,11 @@ def step_figure(trace: list, step: int, num_blocks: int | None = None, fig=None)
             if n:
                 ax_batch.barh(y, n, left=x, color=color, hatch=hatch, edgecolor="white", linewidth=0.5)
                 x += n
-        ax_batch.text(x, y, f" {e.num_computed_tokens}+{e.num_new_tokens}", va="center", fontsize=7)
-    ax_batch.set_yticks(range(len(entries)), [f"row {e.row}: {short_id(e.request_id)}" for e in entries], fontsize=7)
+        ax_batch.text(x, y, f" {e.num_computed_tokens}+{e.num_new_tokens}", va="center", fontsize=8)
+    ax_batch.set_yticks(range(len(entries)), [f"row {e.row}: {short_id(e.request_id)}" for e in entries], fontsize=8)
+    for label, e in zip(ax_batch.get_yticklabels(), entries):  # a row label in its request's KV colour
+        label.set_color(colors[e.request_id])
+    ax_batch.margins(x=0.15)  # room for the labels right of the bars
     ax_batch.invert_yaxis()
     ax_batch.set_xlabel("tokens this step (label: num_computed_tokens + num_new_tokens)")
     ax_batch.set_title(f"step {rec.step}: {rec.start_s:.3f}-{rec.end_s:.3f} s, "
@@ -78,7 +81,7 @@ def step_figure(trace: list, step: int, num_blocks: int | None = None, fig=None)
     used = {k for e in rec.entries for k, n in _segments(e).items() if n}
     ax_batch.legend(handles=[Patch(facecolor=c, hatch=h, label=k, edgecolor="white")
                              for k, c, h in SEGMENTS if k in used],
-                    fontsize=7, loc="lower right")
+                    fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
 
     # 2. KV block map
     if num_blocks:
@@ -96,7 +99,8 @@ def step_figure(trace: list, step: int, num_blocks: int | None = None, fig=None)
         ax_kv.set_yticks(np.arange(-0.5, img.shape[0], 1), minor=True)
         ax_kv.grid(which="minor", color="white", linewidth=0.5)
         ax_kv.tick_params(which="both", length=0, labelbottom=False, labelleft=False)
-        ax_kv.set_title(f"KV blocks: {len(owner)} / {num_blocks} used (row-major, {width} per row)", fontsize=9)
+        ax_kv.set_title(f"KV blocks: {len(owner)} / {num_blocks} used (row-major, {width} per row)\n"
+                        "colour: the request, as its row label", fontsize=9)
     else:
         ax_kv.axis("off")
         ax_kv.text(0.5, 0.5, f"no paged KV cache\n{rec.num_kv_slots_used} KV slots used\n"
@@ -108,7 +112,7 @@ def step_figure(trace: list, step: int, num_blocks: int | None = None, fig=None)
     notes = [f"{what}: {', '.join(short_id(r) for r in sorted(ids, key=natural_key))}"
              for what, ids in (("finished", rec.finished), ("preempted", rec.preempted)) if ids]
     if notes:
-        ax_q.text(0.02, 0.98, "\n".join(notes), transform=ax_q.transAxes, va="top", fontsize=7, wrap=True)
+        ax_q.text(0.02, 0.98, "\n".join(notes), transform=ax_q.transAxes, va="top", fontsize=8, wrap=True)
     ax_q.set_ylim(0, max(1, max(r.num_waiting + r.num_running for r in trace)) * 1.3)
     return fig
 

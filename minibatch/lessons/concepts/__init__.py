@@ -19,3 +19,15 @@ def draw(name: str):
     if name not in names():
         raise ValueError(f"concept must be one of {names()}, got {name!r}")
     return importlib.import_module(f"{__name__}.{name}").draw()
+
+
+def cell_legend(fig, labels: dict[str, str]) -> None:
+    """A figure legend under the axes for Gantt cell kinds (keys of ``minibatch.viz.plots.PALETTE``), each with its
+    label, in the course's colours and hatches."""
+    from matplotlib.patches import Patch
+
+    from minibatch.viz.plots import HATCH, PALETTE
+
+    fig.legend(handles=[Patch(facecolor=PALETTE[k], hatch=HATCH.get(k), edgecolor="white", label=label)
+                        for k, label in labels.items()], loc="outside lower center", ncols=len(labels), fontsize=9,
+               frameon=False)

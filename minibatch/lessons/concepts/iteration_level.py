@@ -8,8 +8,9 @@ model, no engine.
 """
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Rectangle
 
+from minibatch.lessons.concepts import cell_legend
 from minibatch.viz.plots import HATCH, PALETTE
 
 OUTPUT_LENS = (4, 12, 6, 16)  # req-0..req-3, all arriving at step 0
@@ -73,9 +74,6 @@ def draw():
     bottom.set_xticks([s + 0.5 for s in range(0, num_steps, 3)], [str(s) for s in range(0, num_steps, 3)],
                       fontsize=8)
     bottom.set_xlabel(f"step ({NUM_ROWS} batch rows in both)", fontsize=9)
-    kinds = {"prefill": "prefill", "decode": "decode (one token)", "padding": "padding (computed, no token)",
-             "waiting": "waiting (arrived, not in the batch)"}
-    fig.legend(handles=[Patch(facecolor=PALETTE[k], hatch=HATCH.get(k), edgecolor="white", label=label)
-                        for k, label in kinds.items()], loc="outside lower center", ncols=4, fontsize=9,
-               frameon=False)
+    cell_legend(fig, {"prefill": "prefill", "decode": "decode (one token)", "padding": "padding (computed, no token)",
+                      "waiting": "waiting (arrived, not in the batch)"})
     return fig

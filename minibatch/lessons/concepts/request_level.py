@@ -7,8 +7,9 @@ the batch runs, waits for the whole batch before it can start (queueing). Hand-s
 """
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Rectangle
 
+from minibatch.lessons.concepts import cell_legend
 from minibatch.viz.plots import HATCH, PALETTE
 
 PROMPT_LENS = (5, 8, 3, 6)  # prompt tokens of req-0..req-3
@@ -76,9 +77,6 @@ def draw():
                                       gridspec_kw={"width_ratios": [1, 3]})
     _prefill_panel(left)
     _timeline_panel(right)
-    kinds = {"prefill": "prefill", "decode": "decode (one token)", "padding": "padding (computed, no token)",
-             "waiting": "waiting"}
-    fig.legend(handles=[Patch(facecolor=PALETTE[k], hatch=HATCH.get(k), edgecolor="white", label=label)
-                        for k, label in kinds.items()], loc="outside lower center", ncols=4, fontsize=9,
-               frameon=False)
+    cell_legend(fig, {"prefill": "prefill", "decode": "decode (one token)", "padding": "padding (computed, no token)",
+                      "waiting": "waiting"})
     return fig
