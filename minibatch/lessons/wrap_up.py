@@ -45,7 +45,8 @@ def claims_table(root: Path) -> list[dict]:
                                   and s["capacity"][b] else f"{b} meets the bound at no swept rate")
     waste = {k: v["kv_waste_fraction"] for k, v in paged["reservation_vs_paged"][0]["policies"].items()}
     (lo, hi), tr = paged["vllm_claim"]["existing_systems_waste"], paged["trace"]
-    before, after = ({r["policy"]: r for r in burst["long_prompt"]["rows"]}[k] for k in ("prefill_first", "chunked-64"))
+    runs = {r["policy"]: r for r in burst["long_prompt"]["rows"]}  # the benchmark's runs, by name
+    before, after = runs["prefill_first"], runs["chunked-64"]
     (t0, t1), change = burst["paper_claims"]["chunked_tpot_ms"], burst["paper_claims"]["chunked_throughput_change"]
     grounded = next(r for r in spec["grounded"]["rows"] if r["run"].startswith("n-gram"))
     k1 = next(r for r in spec["batch1"]["rows"] if r["run"] == spec["batch1"]["best_fixed_k"])
