@@ -93,6 +93,14 @@ def capacity_at(rows: list[dict], setup: str, key: str = "normalized_latency_s",
     return None if best is None else best[0]
 
 
+def roofline_step_s(params: float, tokens, peak_flop_per_s: float, bytes_per_s: float, bytes_per_param: float = 2):
+    """Lower bound on a step's time (s) for each number of tokens: the larger of reading every weight once
+    (params x bytes_per_param / bytes_per_s) and computing 2 FLOPs per parameter per token (/ peak_flop_per_s).
+    KV cache reads, attention FLOPs and kernel launches only add to it. Returns an array shaped like ``tokens``."""
+    tokens = np.asarray(tokens, dtype=float)
+    return np.maximum(params * bytes_per_param / bytes_per_s, 2 * params * tokens / peak_flop_per_s)
+
+
 def roofline_profile(name: str, num_params: float, num_layers: int, hidden_size: int, kv_bytes_per_token: float,
                      bytes_per_param: float = 2.0, hbm_bytes_s: float = 3.35e12, peak_flops: float = 989e12,
                      overhead_s: float = 1e-3, efficiency: float = 0.5) -> Profile:
@@ -102,8 +110,8 @@ def roofline_profile(name: str, num_params: float, num_layers: int, hidden_size:
     hidden FLOPs per query-key pair (prefill). Defaults: an H100 SXM's bf16 peak and HBM3.
     For what-if experiments on the shape of a GPU's cost; it says so in its meta."""
     knots = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-    weights_s = num_params * bytes_per_param / (hbm_bytes_s * efficiency)
-    curve = [overhead_s + max(weights_s, 2 * num_params * n / (peak_flops * efficiency)) for n in knots]
+    curve = (overhead_s + roofline_step_s(num_params, knots, peak_flops * efficiency, hbm_bytes_s * efficiency,
+                                          bytes_per_param)).tolist()
     coef = dict.fromkeys(FEATURES, 0.0)
     coef["decode_attention"] = kv_bytes_per_token / (hbm_bytes_s * efficiency)
     coef["prefill_attention"] = 4 * num_layers * hidden_size / (peak_flops * efficiency)

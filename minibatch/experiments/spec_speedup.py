@@ -17,7 +17,7 @@ from minibatch.experiment import run
 from minibatch.experiments.speculative import BLOCK_SIZE
 from minibatch.request import Request, SamplingParams
 from minibatch.sim.executor import SimExecutor
-from minibatch.spec import expected_tokens
+from minibatch.spec import expected_tokens, predicted_speedup  # noqa: F401 (re-exported for lessons)
 
 
 def sim_verify_cost_ratio(k: int = 4, context: int = 128, cost_model=None) -> float:
@@ -25,12 +25,6 @@ def sim_verify_cost_ratio(k: int = 4, context: int = 128, cost_model=None) -> fl
     tokens already cached; cost_model: default the clock's CostModel)."""
     cm = cost_model or CostModel()
     return cm.forward_time_s(1, k + 1, context + k + 1) / cm.forward_time_s(1, 1, context + 1)
-
-
-def predicted_speedup(alpha: float, k: int, verify_cost_ratio: float, draft_cost_ratio: float) -> float:
-    """Batch-1 speedup over plain decoding: E[tokens](alpha, k) / (v + c k), in decode-step units
-    (alpha: Leviathan's per-token acceptance probability)."""
-    return expected_tokens(alpha, k) / (verify_cost_ratio + draft_cost_ratio * k) if k else 1.0
 
 
 def break_even_alpha(k: int, verify_cost_ratio: float, draft_cost_ratio: float, target: float = 1.0) -> float:

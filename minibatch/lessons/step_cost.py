@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from matplotlib.ticker import MaxNLocator
 
+from minibatch.experiments.rate_sweep import roofline_step_s  # noqa: F401 (notebook 00 uses it from here)
 from minibatch.runner.batch import PackedSequence
 from minibatch.viz.plots import PALETTE
 
@@ -68,14 +69,6 @@ def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     tokens, seconds = np.array(points, dtype=float).T
     per_token_s, fixed_s = np.polyfit(tokens, seconds, 1, w=1 / seconds)
     return float(fixed_s), float(per_token_s)
-
-
-def roofline_step_s(params: float, tokens, peak_flop_per_s: float, bytes_per_s: float, bytes_per_param: int = 2):
-    """Lower bound on a step's time (s) for each number of tokens: the larger of reading every weight once
-    (params x bytes_per_param / bytes_per_s) and computing 2 FLOPs per parameter per token (/ peak_flop_per_s).
-    KV cache reads, attention FLOPs and kernel launches only add to it."""
-    tokens = np.asarray(tokens, dtype=float)
-    return np.maximum(params * bytes_per_param / bytes_per_s, 2 * params * tokens / peak_flop_per_s)
 
 
 def ridge_tokens(peak_flop_per_s: float, bytes_per_s: float, bytes_per_param: int = 2) -> float:

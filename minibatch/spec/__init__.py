@@ -4,8 +4,8 @@ from minibatch.spec.proposers import DraftModelProposer, NgramProposer, ngram_lo
 from minibatch.spec.rejection_sampler import greedy_verify, processed_probs, rejection_sample, sample_verify
 from minibatch.spec.runner import SpeculativeRunner
 from minibatch.spec.speculator import (AdaptiveK, FixedK, SpecDecodingStats, best_k, expected_tokens, forward_time_s,
-                                      measure_verify_cost)
+                                      measure_verify_cost, predicted_speedup)
 
 __all__ = ["AdaptiveK", "DraftModelProposer", "FixedK", "NgramProposer", "SpecDecodingStats", "SpeculativeRunner",
            "best_k", "expected_tokens", "forward_time_s", "measure_verify_cost", "greedy_verify", "ngram_lookup",
-           "processed_probs", "rejection_sample", "sample_verify"]
+           "predicted_speedup", "processed_probs", "rejection_sample", "sample_verify"]

@@ -9,7 +9,8 @@
 
   tokens (Leviathan et al. 2023, Eq. 1) and costs v + c k decode-step units: v is a verify
   forward's cost relative to a plain decode (about 1 where decode is memory-bound, as on a GPU;
-  ~1.8 on a 2-core CPU, see ``measure_verify_cost``) and c one draft step's, learned from the engine's step records.
+  ~1.5 measured on a 2-core CPU, see ``measure_verify_cost``) and c one draft step's, learned from
+  the engine's step records.
   AdaptiveK picks the k in 0..max_k with the most tokens per unit cost (k = 0: a plain decode,
   1 token for 1 unit), so with a poor draft it stops speculating.
 
@@ -36,11 +37,15 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha ** i for i in range(k + 1))
 
 
+def predicted_speedup(alpha: float, k: int, verify_cost_ratio: float, draft_cost_ratio: float) -> float:
+    """Batch-1 speedup over plain decoding: expected_tokens(alpha, k) / (v + c k), in decode-step units
+    (alpha: Leviathan's per-token acceptance probability; k = 0 is a plain decode, speedup 1)."""
+    return expected_tokens(alpha, k) / (verify_cost_ratio + draft_cost_ratio * k) if k else 1.0
+
+
 def best_k(alpha: float, draft_cost_ratio: float, max_k: int, verify_cost_ratio: float = 1.0) -> int:
-    """argmax over k in 0..max_k of expected_tokens(alpha, k) / cost(k), with cost(0) = 1 (a
-    plain decode) and cost(k) = verify_cost_ratio + draft_cost_ratio * k for k >= 1."""
-    return max(range(max_k + 1), key=lambda k: expected_tokens(alpha, k) / (
-        1.0 if k == 0 else verify_cost_ratio + draft_cost_ratio * k))
+    """argmax over k in 0..max_k of :func:`predicted_speedup` (k = 0: a plain decode, 1 token for 1 unit)."""
+    return max(range(max_k + 1), key=lambda k: predicted_speedup(alpha, k, verify_cost_ratio, draft_cost_ratio))
 
 
 def num_next_drafts(request: Request, emitted, speculator, pending: tuple[int, int] | None = None) -> int:
