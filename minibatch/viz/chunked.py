@@ -5,11 +5,10 @@ trade-off of a budget sweep. Each returns its Axes (or Figure); times are second
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import Patch
 
 from minibatch.records import StepRecord
 from minibatch.request import Request
-from minibatch.viz.plots import CELL_KINDS, HATCH, PALETTE, compare_gantt
+from minibatch.viz.plots import HATCH, PALETTE, compare_gantt
 from minibatch.viz.results import policy_colors
 
 LABELS = {"prefill_first": "prefill-first (vLLM v0)", "paged": "mixed, whole prefills (Orca-style)",
@@ -47,16 +46,9 @@ def plot_itl_timeline(runs: dict[str, list[Request]], ax=None, mark_s: float | N
 
 
 def plot_stall_gantt(traces: dict[str, list[StepRecord]], **kwargs):
-    """:func:`minibatch.viz.plots.compare_gantt` with requests as rows on the time axis, and one legend
-    naming every cell kind any of the policies drew (a chunked run's prefill chunks included), on the first
-    chart. kwargs go to compare_gantt. Returns the Figure."""
-    fig = compare_gantt(traces, rows="request", x="time", **kwargs)
-    kinds = {"chunk" if e.is_chunk else e.phase for trace in traces.values() for rec in trace for e in rec.entries}
-    kinds |= {"waiting", "finished"} if kwargs.get("requests") else set()
-    handles = [Patch(facecolor=PALETTE[k], edgecolor="#999999", hatch=HATCH.get(k), label=CELL_LABELS.get(k, k))
-               for k in CELL_KINDS if k in kinds]
-    fig.axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    return fig
+    """:func:`minibatch.viz.plots.compare_gantt` with requests as rows on the time axis, its legend saying which
+    prefill cells sample a token (CELL_LABELS). kwargs go to compare_gantt. Returns the Figure."""
+    return compare_gantt(traces, rows="request", x="time", labels=CELL_LABELS, **kwargs)
 
 
 def budget_split(trace: list[StepRecord]) -> dict[str, list[int]]:

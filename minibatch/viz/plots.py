@@ -194,9 +194,10 @@ def kv_usage(trace: list[StepRecord], ax, x: str = "step", legend: bool = True):
     return ax
 
 
-def legend_handles(kinds=CELL_KINDS) -> list[Patch]:
-    """Legend patches for Gantt cell kinds (for a figure-level legend)."""
-    return [Patch(facecolor=PALETTE[k], edgecolor="#999999", hatch=HATCH.get(k), label=k) for k in kinds]
+def legend_handles(kinds=CELL_KINDS, labels: dict[str, str] | None = None) -> list[Patch]:
+    """Legend patches for Gantt cell kinds (for a figure-level legend); ``labels`` renames kinds."""
+    return [Patch(facecolor=PALETTE[k], edgecolor="#999999", hatch=HATCH.get(k), label=(labels or {}).get(k, k))
+            for k in kinds]
 
 
 def _runs(cells: list[Cell], key) -> list[list[Cell]]:
@@ -229,9 +230,10 @@ def _label_runs(ax, cells: list[Cell], x_span: float, num_rows: int) -> None:
 
 
 def compare_gantt(traces: dict[str, list[StepRecord]], rows: str = "row", x: str = "step",
-                  requests: dict[str, list[Request]] | None = None, width: float = 12.0, kv: bool = True):
+                  requests: dict[str, list[Request]] | None = None, width: float = 12.0, kv: bool = True,
+                  labels: dict[str, str] | None = None):
     """One :func:`gantt` per policy, stacked on a shared x axis (e.g. static over orca), each with a
-    :func:`kv_usage` strip under it when ``kv``.
+    :func:`kv_usage` strip under it when ``kv``; one legend of every cell kind drawn (``labels`` renames kinds).
 
     Returns the Figure; its axes are ``fig.axes``: each policy's Gantt, then its KV strip (legends once).
     """
@@ -251,7 +253,7 @@ def compare_gantt(traces: dict[str, list[StepRecord]], rows: str = "row", x: str
         top = max((max(r.num_kv_slots_reserved, r.num_kv_slots_used) for t in traces.values() for r in t), default=1)
         for ax in axes[1::2, 0]:
             ax.set_ylim(0, top * 1.05)
-    axes[0, 0].legend(handles=legend_handles([k for k in CELL_KINDS if k in kinds]), loc="upper left",
+    axes[0, 0].legend(handles=legend_handles([k for k in CELL_KINDS if k in kinds], labels), loc="upper left",
                       bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)  # every policy's kinds, once
     for ax in axes[:-1, 0]:
         ax.set_xlabel("")
