@@ -5,6 +5,7 @@
     python -m minibatch simulate    a trace through our schedulers with no model, on a calibrated clock
     python -m minibatch serve       an OpenAI-compatible server on the engine (streaming, /metrics)
     python -m minibatch bench-serve a load generator against any OpenAI-compatible server
+    python -m minibatch gpu-check   everything that must work on a GPU (CPU twins without one), one JSON
 """
 
 from __future__ import annotations
@@ -125,14 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_options(v, "serve", EngineConfig)
     b = sub.add_parser("bench-serve", help="measure TTFT, ITL, TPOT and goodput of any OpenAI-compatible server")
     add_bench_serve_arguments(b)
+    g = sub.add_parser("gpu-check", help="everything that must work on a GPU, in one command: kernels compiled, "
+                       "cuda tests, equality with HF generate, the main job, a benchmark (CPU twins without a GPU)")
+    g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda where there is one)")
+    g.add_argument("--out", default=None, help="result JSON (default data/gpu/gpu_check_<device name>.json)")
+    g.add_argument("--steps", default=None, help="comma-separated subset of the steps (default: all)")
+    g.add_argument("--bench-requests", type=int, default=None,
+                   help="requests in the benchmark step's trace (default 256 on a GPU, 16 on CPU)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """The command line. Returns 0 when done; otherwise raises SystemExit (as argparse does) with
     code 2 for a bad option or input (one line on stderr naming it, checked before any model
-    loads where it can be), 1 for a failed file write, 130 when interrupted (Ctrl-C: one line,
-    and no partial output file: every write is atomic)."""
+    loads where it can be), 1 for a failed file write or a failed gpu-check step, 130 when
+    interrupted (Ctrl-C: one line, and no partial output file: every write is atomic)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     sub = f"{parser.prog} {args.command}"
@@ -163,6 +171,15 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         return run_serve(args, EngineConfig(**values))
     if args.command == "bench-serve":
         run_bench_serve(args, command)
+        return 0
+    if args.command == "gpu-check":
+        from minibatch.gpu_check import run_gpu_check
+
+        if args.bench_requests is not None:
+            check_int(args.bench_requests, "--bench-requests", 1, 100_000)
+        steps = [s.strip() for s in args.steps.split(",") if s.strip()] if args.steps else None
+        if not run_gpu_check(args.device, steps, args.bench_requests, out=args.out, command=command)["passed"]:
+            raise SystemExit(1)  # a step failed: the summary above names it
         return 0
     if args.command in ("compare", "simulate"):
         cfg = config_from_args(args, "model" if args.command == "compare" else "sim", command)

@@ -6,7 +6,7 @@ has the field: 2 layers, hidden 64, 4 query / 2 KV heads (head_dim 16), vocab 51
 MoE with 4 experts (2 per token) and a sliding window of ``SLIDING_WINDOW`` tokens (the test's rows
 are longer, so the window matters); models mixing layer kinds get one sliding and one full layer.
 ``initializer_range`` 0.2 spreads the random logits so greedy decoding has no near-ties (see
-``models._tiny_config``). Weights are seeded: the same model on every build.
+``models._random_config``). Weights are seeded: the same model on every build.
 """
 
 from __future__ import annotations

@@ -18,6 +18,12 @@ mode, gradients off, on ``device`` in ``dtype``. ``name`` is one of:
   seeded random weights and a byte-level tokenizer built in code. Instant to
   build, bit-identical on every load; text output is gibberish, but they are
   ideal for checking that batched and unbatched decoding agree token by token.
+* ``"smollm2-135m-random"`` / ``"llama-1b-random"``: seeded random weights in the shape of
+  SmolLM2-135M (30 layers, hidden 576, 9 query / 3 KV heads, vocab 49152) and of a 1.2B
+  Llama-3.2-1B-shaped model (16 layers, hidden 2048, 32 query / 8 KV heads, vocab 128256), with
+  the byte-level tokenizer. For timing where the weights cannot be fetched (an offline GPU
+  machine): a step costs what the real model's step costs, but greedy text is gibberish, so
+  traces fix output lengths with ``ignore_eos``.
 * a local directory or a hub id ``"owner/name"``: ``from_pretrained`` as usual.
 
 Also here: the ids a model stops and pads with (:func:`eos_token_ids`, :func:`pad_token_id`) and
@@ -39,7 +45,9 @@ from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Lla
 from minibatch.gguf import load_smollm2
 from minibatch.hf_load import load_pretrained, quiet_loading
 
-MODEL_NAMES = ("smollm2-135m", "smollm2-135m-draft", "tiny-random-llama", "tiny-random-gpt2")
+MODEL_NAMES = ("smollm2-135m", "smollm2-135m-draft", "tiny-random-llama", "tiny-random-gpt2", "smollm2-135m-random",
+               "llama-1b-random")
+RANDOM_MODELS = ("tiny-random-llama", "tiny-random-gpt2", "smollm2-135m-random", "llama-1b-random")
 DRAFT_DIR = Path(__file__).resolve().parent.parent / "data" / "drafts" / "smollm2-135m-draft"
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # ids shared by both tiny models and their tokenizer
@@ -90,7 +98,7 @@ def _byte_to_unicode() -> dict[int, str]:
     return {b: chr(b if b in keep else next(extra)) for b in range(256)}
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def tiny_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
     """Offline byte-level tokenizer: one token per UTF-8 byte, so any text round-trips.
 
     Ids: 0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, 3 ``<unk>``, byte ``b`` -> ``4 + b``
@@ -105,13 +113,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend.decoder = decoders.ByteLevel()
     extras = [f"<extra_{i}>" for i in range(TINY_VOCAB - len(vocab))]
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>",
-                                        eos_token="<eos>", unk_token="<unk>", model_max_length=512)
+                                        eos_token="<eos>", unk_token="<unk>", model_max_length=model_max_length)
     tokenizer.add_special_tokens({"additional_special_tokens": extras})
     assert len(tokenizer) == TINY_VOCAB
     return tokenizer
 
 
-def _tiny_config(name: str):
+def _random_config(name: str):
     # initializer_range=0.2 (10x the HF default) spreads the random logits out (std ~1.5)
     # so greedy top-1 beats top-2 by a clear margin: median gap ~0.3, <1e-3 on ~0.2% of
     # steps, vs ~1e-5 fp32 noise between batched and unbatched runs -> same tokens.
@@ -121,15 +129,37 @@ def _tiny_config(name: str):
         return LlamaForCausalLM, LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2,  # GQA: 2 q heads per kv
                                              max_position_embeddings=512, **common)
-    return GPT2LMHeadModel, GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+    if name == "tiny-random-gpt2":
+        return GPT2LMHeadModel, GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **common)
+    # Full-size shapes: the published configs of SmolLM2-135M and Llama-3.2-1B (sizes only; HF's default
+    # initializer_range, since 30 layers at 0.2 would blow the residual stream up).
+    ids = dict(pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=True)
+    if name == "smollm2-135m-random":
+        return LlamaForCausalLM, LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                             num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                             max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                                             **ids)
+    return LlamaForCausalLM, LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, **ids)
 
 
-def _load_tiny(name: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    model_cls, config = _tiny_config(name)
-    with torch.random.fork_rng(devices=[]), quiet_loading():  # seed locally: caller's RNG stream is untouched
-        torch.manual_seed(0)
+def _load_random(name: str, device: str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A seeded random-init model (the same weights on every load of a device) and the byte tokenizer.
+    Built on ``device`` directly: a 1B model initialised on a GPU takes a second, on CPU threads a minute."""
+    model_cls, config = _random_config(name)
+    where = torch.device(device)
+    gpus = [where.index or 0] if where.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus), quiet_loading(), where:
+        torch.manual_seed(0)  # seed locally: the caller's RNG stream is untouched
         model = model_cls(config)
-    return model, tiny_tokenizer()
+    if not name.startswith("tiny"):
+        # HF's init gives logits of std ~0.5 over a 49k-128k vocab: greedy top-1 and top-2 would tie within
+        # rounding on many steps. A final-norm gain of 10 spreads the logits (std ~5) so that greedy
+        # outputs of a correct engine match HF generate's, and changes no step's cost.
+        with torch.no_grad():
+            model.model.norm.weight.fill_(10.0)
+    return model, tiny_tokenizer(config.max_position_embeddings)
 
 
 # ----------------------------------------------------------------------------- public entry point
@@ -179,8 +209,8 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | str = torch.floa
         model, tokenizer = load_smollm2()
     elif name == "smollm2-135m-draft":
         model, tokenizer = _load_draft()
-    elif name in ("tiny-random-llama", "tiny-random-gpt2"):
-        model, tokenizer = _load_tiny(name)
+    elif name in RANDOM_MODELS:
+        model, tokenizer = _load_random(name, "cpu" if name.startswith("tiny") else device)
     else:
         try:
             model, tokenizer = load_pretrained(name)

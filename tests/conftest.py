@@ -5,6 +5,16 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip, with one reason, where torch sees no GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (python -m minibatch gpu-check runs the cuda tests)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run faster on one thread, and a busy machine's thread contention can't slow them."""

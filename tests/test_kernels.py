@@ -33,14 +33,13 @@ from minibatch.kernels import (  # noqa: E402
     store_kv_ref,
 )
 
-_cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-DEVICES = ["cpu", pytest.param("cuda", marks=_cuda_only)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 FP32_TOL = dict(atol=1e-4, rtol=2e-5)
 LOW_PRECISION = [
     ("cpu", torch.bfloat16),
     ("cpu", torch.float16),
-    pytest.param("cuda", torch.bfloat16, marks=_cuda_only),
-    pytest.param("cuda", torch.float16, marks=_cuda_only),
+    pytest.param("cuda", torch.bfloat16, marks=pytest.mark.cuda),
+    pytest.param("cuda", torch.float16, marks=pytest.mark.cuda),
 ]
 # Unit roundoff u: rounding to nearest even moves x by at most u * |x| (8 significand bits in bf16, 11 in fp16).
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -316,8 +315,7 @@ def test_prefill_native_dtype_dot_under_the_interpreter(monkeypatch):
     check_prefill_low_precision(torch.float16, "cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="the compiled bf16 tl.dot path needs a CUDA GPU (interpreted prefill computes in fp32)")
+@pytest.mark.cuda  # the compiled bf16 tl.dot path (interpreted prefill computes in fp32)
 def test_compiled_prefill_bf16_dot(monkeypatch):
     if kernels.IS_INTERPRETED:
         pytest.skip("TRITON_INTERPRET is set, so the kernels are interpreted even on the GPU")

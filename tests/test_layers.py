@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the package ("__init__" is minibatch/__init__.py); a name covers its submodules, the longest matching name wins.
 LAYERS = {
     # request types, argument checks and configs, atomic files; prompt text, trace files and workload build
-    # Requests from these only
-    "base": "request checks files config prompts trace_io workload",
+    # Requests from these only; the published numbers with their sources (claims)
+    "base": "request checks files config prompts trace_io workload claims",
     "kv": "kv",  # block manager: free list, prefix hashing
     "scheduler": "scheduler",  # plans (SchedulerOutput) and results (StepResult); no tensors
     # clocks and step shapes; execute a plan on a model; speculation; Triton kernels; model loading (models, the
@@ -32,7 +32,7 @@ LAYERS = {
     "experiment": "experiment compare baselines sharegpt reference equivalence report architectures sim.calibrate "
                   "sim.validate sim.simulator experiments",
     "serving": "serving",  # live traffic: the async engine front end, the OpenAI-compatible server, bench-serve
-    "cli": "__main__",
+    "cli": "__main__ gpu_check gpu_steps",  # the command line; gpu-check runs compare and the kernels
     "lessons": "lessons",  # notebook helpers: may use anything
 }
 

@@ -96,9 +96,9 @@ def _other_weights(model):
 
 
 def _seeded_model(seed: int):
-    from minibatch.models import _tiny_config
+    from minibatch.models import _random_config
 
-    cls, config = _tiny_config("tiny-random-llama")
+    cls, config = _random_config("tiny-random-llama")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return cls(config).eval()

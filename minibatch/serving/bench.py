@@ -21,10 +21,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from openai import AsyncOpenAI, OpenAI
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
 
 from minibatch.metrics import SLO
 from minibatch.serving.bench_stats import (ENDPOINTS, arrival_offsets, check_args, check_options, finish_record,
@@ -84,6 +87,8 @@ def first_model_id(base_url: str, timeout_s: float = 30.0) -> str:
     Raises:
         ValueError: the server cannot be reached or lists no model (names --base-url / --model).
     """
+    from openai import OpenAI  # here, not at the top: the command line builds its parser without the client
+
     try:
         with OpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0) as client:
             ids = [m.id for m in client.models.list()]
@@ -208,6 +213,8 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
             record = await _run_request(index, request, client, model, endpoint, ignore_eos, t0, timeout_s)
         bar.update(1)
         return record
+
+    from openai import AsyncOpenAI
 
     async with AsyncOpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0) as client:
         t0 = time.perf_counter()
