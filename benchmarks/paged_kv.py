@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
 
     result = {"command": args.command, "environment": environment(), "model": args.model, "device": args.device,
               "clock": args.clock, "quick": args.quick, "seed": args.seed, "block_size": args.block_size,
-              "max_num_seqs": args.max_num_seqs, "vllm_claim": VLLM_CLAIM,
+              "max_num_seqs": args.max_num_seqs, "claims": [VLLM_CLAIM["claim_id"]],
               "trace": {"num_requests": len(requests), "num_prompt_tokens": sum(r.num_prompt_tokens for r in requests),
                         "num_output_tokens": sum(r.max_new_tokens for r in requests), "longest_request_tokens": longest,
                         "max_output_len": cfg.max_output_len, "rate_per_s": cfg.rate},

@@ -25,7 +25,7 @@ import sys
 import time
 
 from minibatch.experiments import rate_sweep
-from minibatch.lessons.benchmarks import CLAIMS
+from minibatch.lessons.benchmarks import CLAIM_IDS
 from minibatch.report import environment, write_json
 from minibatch.sim.cost_model import Profile
 from minibatch.workload import make_trace
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    result = {"command": "python " + " ".join(sys.argv), "environment": environment(), "claims": CLAIMS,
+    result = {"command": "python " + " ".join(sys.argv), "environment": environment(), "claims": list(CLAIM_IDS),
               "settings": {}}
     for name in args.settings.split(","):
         r = run(name, args.num_requests, args.profile)

@@ -5,8 +5,9 @@ The simulator (``minibatch.sim``) runs our real schedulers on a calibrated clock
 of requests take seconds. The experiments (rate sweeps, the offline table, capacity at a latency
 bound interpolated between swept rates, an analytical roofline profile) are
 ``minibatch.experiments.rate_sweep``, the figures ``minibatch.viz.simulation``. Here: the papers'
-headline claims (CLAIMS), the calibrated clock checked (:func:`profile_samples`, :func:`plot_cost_model`,
-:func:`print_validation`) and the exercise checks (:func:`check_best_batch`, :func:`check_static_break_rate`).
+headline claims (CLAIM_IDS, from ``minibatch.claims``), the calibrated clock checked (:func:`profile_samples`,
+:func:`plot_cost_model`, :func:`print_validation`) and the exercise checks (:func:`check_best_batch`,
+:func:`check_static_break_rate`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,9 @@ from minibatch.lessons import exercise
 from minibatch.sim.cost_model import Profile, StepShape
 from minibatch.viz.simulation import plot_calibration, plot_capacity, plot_rate_sweep, plot_validation  # noqa: F401
 
-CLAIMS = {
-    "quoted_table": "static batching bs=64: 44.2 req/s vs continuous batching: 482 req/s (10.9x), "
-                  "the often-quoted table; its model, hardware and trace are not stated there",
-    "orca": "Orca (OSDI'22 §6.2): 36.9x the throughput of NVIDIA FasterTransformer (request-level "
-            "batching) at the same latency, GPT-3 175B on 16 A100s, synthetic trace",
-    "vllm": "vLLM (SOSP'23 §6.2): 2-4x the throughput of Orca and FasterTransformer at the same "
-            "normalized latency, OPT-13B..175B on A100s, ShareGPT and Alpaca traces",
-}
+# The published numbers section 6 puts beside ours (minibatch.claims): the often-quoted static-vs-continuous
+# table with its real source, the Anyscale post's headline, and Orca's and vLLM's headline claims.
+CLAIM_IDS = ("cann-static-vs-continuous", "anyscale-continuous", "orca-throughput", "vllm-throughput")
 
 
 # ---------------------------------------------------------------------- the calibrated clock, checked

@@ -25,11 +25,18 @@ from minibatch.experiments.queue_policy import starvation_experiment  # noqa: F4
 from minibatch.sim.executor import SimExecutor
 from minibatch.viz.chunked import plot_budget_split, plot_itl_timeline, plot_stall_gantt, plot_tradeoff  # noqa: F401
 
-# The paper's figures (Sarathi-Serve, OSDI'24: its claim, at its scale): chunking cut TPOT from
-# 4187 ms to 204 ms while throughput dropped 3%; batching prefills ("prefill micro-batching")
-# improved TTFT p50 3.1x and throughput 1.5x.
-PAPER_CLAIMS = {"chunked_tpot_ms": (4187, 204), "chunked_throughput_change": -0.03,
-                "micro_batching_ttft_p50_x": 3.1, "micro_batching_throughput_x": 1.5}
+# Published numbers notebook 05 puts beside ours (minibatch.claims): Sarathi-Serve's own headline, and two
+# numbers often quoted about chunked prefill and prefill micro-batching, from an article and a blog post.
+CLAIM_IDS = ("sarathi-capacity", "cann-chunked-tpot", "winechord-micro-batching")
+
+
+def print_published(claim_ids=CLAIM_IDS) -> None:
+    """Each published number of ``claim_ids`` with its source, one line each (``minibatch.claims``)."""
+    from minibatch.claims import claim
+
+    print("published:")
+    for claim_id in claim_ids:
+        print(" -", claim(claim_id).cite())
 
 
 def print_table(rows: list[dict]) -> None:

@@ -10,7 +10,8 @@ contain; ``wrong_direction`` finds ratios below 1 called "higher"/"faster" (writ
 What is skipped: instructor-only solution blocks, inline code, LaTeX, link targets, headings, the **Time.**
 estimate, integers up to 10 (counts and small parameters), years, and numbers that are part of a name
 (SmolLM2-135M, T5-XXL, H100, fp32, §4.2, "notebook 04", "Algorithm 1").
-Numbers quoted from papers are declared by the caller (``quoted=``).
+Numbers quoted from a paper or an article are backed by ``minibatch.claims`` where the sentence names the source
+(:func:`cited_numbers`); other quoted numbers are declared by the caller (``quoted=``).
 """
 
 import re
@@ -88,6 +89,7 @@ def unbacked_numbers(nb, quoted=()) -> list[str]:
             continue
         text = prose_of(cell)
         values = everything if SUMMARY.match(cell.source) else evidence(nb, around=i)
+        cited = cited_numbers(text)
         for m in _NUMBER.finditer(text):
             whole, frac, suffix = m.group(1), m.group(2), m.group(3)
             number = _value(whole, frac)
@@ -96,7 +98,7 @@ def unbacked_numbers(nb, quoted=()) -> list[str]:
             if (frac is None and number <= 10 and suffix is None) or (frac is None and 1900 <= number <= 2039):
                 continue
             token = m.group(0) + (suffix or "")
-            if token in quoted or backed(number, len(frac or ".")-1, suffix == "%", values):
+            if token in quoted or token in cited or backed(number, len(frac or ".")-1, suffix == "%", values):
                 continue
             found.append(f"cell {i}: {token} in '{_context(text, m)}'")
     return found
@@ -156,3 +158,105 @@ def main(paths: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# ---------------------------------------------------------------------------------- claims and their sources
+# A sentence ends at . ! ? (or .** or .)) followed by a capital or a bracket (not after "et al."), at a blank
+# line, a list item or a table row; a markdown table cell or a printed table's column is its own sentence.
+_SENTENCE_END = re.compile(r"(?<!\bal\.)(?:(?<=[.!?])|(?<=[.!?]\*\*)|(?<=[.!?]\)))\s+(?=[A-Z(*\"'])|\n\s*\n|"
+                           r"\n(?=\s*[-*] )|\n(?=\s*\|)|\s\|\s?|\|")
+_RANGE = re.compile(r"(?<![\w.§/+'-])(\d+(?:\.\d+)?)\s?[-–]\s?(\d+(?:\.\d+)?)\s?(x|×|%)(?![\w-])")
+
+
+def sentences(text: str, printed: bool = False) -> list[str]:
+    """``text`` cut into sentences, list items and table cells (see ``_SENTENCE_END``); ``printed`` output is
+    cut into lines, and a printed table whose lines are cut by " | " is read column by column, each column's
+    lines joined between its rule lines."""
+    lines = text.splitlines()
+    column = re.compile(r"\s\|(?:\s|$)")
+    if printed and sum(bool(column.search(line)) for line in lines) >= 2:  # a printed table: rebuild its cells
+        cells, current = [], {}
+        for line in lines + ["---"]:
+            if not column.search(line):
+                cells += [" ".join(parts) for parts in current.values()]
+                current = {}
+                continue
+            for col, part in enumerate(column.split(line)):
+                current.setdefault(col, []).append(part.strip())
+        return [c for c in cells if c.strip()]
+    if printed:
+        return [line for line in lines if line.strip()]
+    return [s for s in _SENTENCE_END.split(text) if s and s.strip()]
+
+
+def quoted_numbers(sentence: str) -> list[tuple[str, float]]:
+    """(as written, value) of each number of ``sentence`` that could be a quoted result: not a year, not a
+    reference (§4.2, Table 3, "notebook 05"), not part of a name (A100, 7B, GPT-2), and not an integer up to
+    10 unless it carries x, × or % itself or through a range ("2-4x")."""
+    ranged = {m.start(i) for m in _RANGE.finditer(sentence) for i in (1, 2)}
+    found = []
+    for m in _NUMBER.finditer(sentence):
+        whole, frac, suffix = m.group(1), m.group(2), m.group(3)
+        number = _value(whole, frac)
+        if _REFERENCE.search(sentence[max(0, m.start() - 20):m.start()]):
+            continue
+        if frac is None and (1900 <= number <= 2039 or (number <= 10 and suffix is None and m.start() not in ranged)):
+            continue
+        found.append((m.group(0) + (suffix or ""), number))
+    return found
+
+
+def cited_numbers(text: str) -> set[str]:
+    """The numbers (as written) that ``text`` quotes from a source it names in the same sentence, where
+    ``minibatch.claims`` gives the number to that source: backed by the table, not by an output."""
+    from minibatch.claims import names, numbers_of
+
+    cited = set()
+    for sentence in sentences(text):
+        allowed = set().union(*(numbers_of(key) for key in names(sentence)))
+        cited |= {token for token, number in quoted_numbers(sentence) if number in allowed}
+    return cited
+
+
+def misattributions(text: str, printed: bool = False) -> list[str]:
+    """Numbers credited to a source that never reported them: for each sentence naming a source of
+    ``minibatch.claims.SOURCES`` (by an alias), each quoted number that no claim of that source holds,
+    as "'number' not in <source>'s claims: '...sentence...'". ``printed``: a cell's output (see :func:`sentences`)."""
+    from minibatch.claims import names, numbers_of
+
+    found = []
+    for sentence in sentences(text, printed):
+        named = sorted(names(sentence))
+        for token, number in quoted_numbers(sentence) if named else ():
+            if not any(number in numbers_of(key) for key in named):
+                found.append(f"'{token}' not in {' or '.join(named)}'s claims: '{' '.join(sentence.split())[:160]}'")
+    return found
+
+
+def unsourced_claims(text: str, printed: bool = False) -> list[str]:
+    """Sentences quoting a source's telltale number as the source wrote it, suffix included ("44.2", "4187",
+    "36.9x": a claim's decimals of three or more digits and its integers above 300), without naming a
+    source the table gives it to. Printed table rows (four numbers or more) are our results, not quotes."""
+    from minibatch.claims import CLAIMS, names
+
+    def telltale(n: float) -> bool:
+        return n > 300 if n == int(n) else len(re.sub(r"\D", "", f"{n:g}")) >= 3 and n >= 10
+
+    distinctive = {}
+    for c in CLAIMS.values():
+        for n in c.numbers:
+            if telltale(n):
+                distinctive.setdefault(n, []).append(c)
+    found = []
+    for sentence in sentences(text, printed):
+        numbers = quoted_numbers(sentence)
+        if printed and len(numbers) >= 4:
+            continue
+        named = names(sentence)
+        for token, number in numbers:
+            owners = {c.source for c in distinctive.get(number, ())
+                      if re.search(rf"(?<![\d.]){re.escape(token)}(?![\w.%×])", c.text)}
+            if owners and not owners & named:
+                found.append(f"'{token}' is {'/'.join(sorted(owners))}'s number, but the sentence names "
+                             f"no source: '{' '.join(sentence.split())[:160]}'")
+    return found

@@ -27,17 +27,14 @@ from minibatch.experiments.spec_exactness import chi_square_pvalue, first_token_
 from minibatch.experiments.spec_speedup import (alpha_from_acceptance_length, batch_sweep_sim,  # noqa: F401
                                                 break_even_alpha, predicted_speedup, sim_verify_cost_ratio)
 from minibatch.experiments.speculative import GROUNDED_PROMPTS, k_sweep  # noqa: F401
+from minibatch.claims import claim
 from minibatch.lessons import exercise
 from minibatch.viz.speculative import plot_distribution, plot_spec_timeline, plot_speedup_vs_batch  # noqa: F401
 from minibatch.viz.speculative import plot_speedup_curves
 
-# Speedups the papers report, at their scale, both at batch size 1 on accelerators: Leviathan et al.,
-# "Fast Inference from Transformers via Speculative Decoding" (ICML 2023): 2-3x on T5-XXL (11B) with a
-# T5-small draft, and per-token alpha 0.53-0.82 for T5-XXL with T5-small, -base and -large drafts (their table of
-# alpha values, greedy and sampled); Chen et al., "Accelerating Large Language Model Decoding with Speculative
-# Sampling" (2023): 2-2.5x on Chinchilla 70B with a 4B draft.
-PAPER_CLAIMS = {"leviathan_t5xxl_speedup": (2.0, 3.0), "leviathan_t5xxl_alpha": (0.53, 0.82),
-                "chen_chinchilla_speedup": (2.0, 2.5)}
+# The papers' speedups and alphas, at their scale, come from minibatch.claims ("leviathan-speedup",
+# "leviathan-alpha", "chen-speedup"): batch size 1 on accelerators.
+CLAIM_IDS = ("leviathan-speedup", "leviathan-alpha", "chen-speedup")
 
 
 def check_rejection_sampler(fn: Callable, n: int = 20_000, seed: int = 3) -> float:
@@ -123,7 +120,7 @@ def print_speedup_model(model_rows: list[dict]) -> None:
 
 
 def print_against_papers(measured: dict) -> None:
-    """Batch-1 decode speedups of a ``benchmarks/spec_decode.py`` result beside the papers' (:data:`PAPER_CLAIMS`),
+    """Batch-1 decode speedups of a ``benchmarks/spec_decode.py`` result beside the papers' (:data:`CLAIM_IDS`),
     with this machine's v and c and the per-token alpha of the draft."""
     b1, v, c = measured["batch1"], measured["verify_cost_ratio"], measured["draft_cost_ratio"]
     print("decode speedup over no speculation at batch 1, measured here (wall clock):")
@@ -137,8 +134,8 @@ def print_against_papers(measured: dict) -> None:
     alphas = [r["alpha"] for r in speedup_model(b1["rows"], v, c)]
     print(f"  per-token alpha of the draft: {min(alphas):.2f}-{max(alphas):.2f}; a verify forward costs v = {v:.2f}"
           f" decodes, a draft forward c = {c:.3f}")
-    (lo, hi), (a_lo, a_hi) = PAPER_CLAIMS["leviathan_t5xxl_speedup"], PAPER_CLAIMS["leviathan_t5xxl_alpha"]
-    c_lo, c_hi = PAPER_CLAIMS["chen_chinchilla_speedup"]
+    (lo, hi), (a_lo, a_hi) = claim("leviathan-speedup").values["speedup"], claim("leviathan-alpha").values["alpha"]
+    c_lo, c_hi = claim("chen-speedup").values["speedup"]
     print("reported by the papers, batch 1 on accelerators (a verify forward costs about one decode there):")
     print(f"  Leviathan et al., T5-XXL (11B), T5-small draft: {lo}-{hi}x; alpha {a_lo}-{a_hi} with T5 drafts")
     print(f"  Chen et al., Chinchilla 70B, 4B draft: {c_lo}-{c_hi}x")

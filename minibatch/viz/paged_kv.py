@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from minibatch.claims import claim
 from minibatch.engine import StepRecord
 from minibatch.viz.kv_map import kv_block_map
 
-# vLLM's claim (Kwon et al. SOSP'23, §1 and Figure 2, measured in the §6.2 experiment): in the
-# existing systems only 20.4%-38.2% of the KV cache memory holds actual token states (so 60-80% is
-# wasted on reservation and internal/external fragmentation); in vLLM 96.3% does (under 4% waste).
-# Their baselines (§6.1) are their own Orca: "Oracle" reserves the true output length, "Pow2"
-# up to 2x it, "Max" the model's maximum sequence length (2048 tokens).
-VLLM_CLAIM = {"existing_systems_waste": (1 - 0.382, 1 - 0.204), "vllm_waste": 1 - 0.963,
-              "source": "Kwon et al., SOSP'23, Section 1 and Figure 2"}
+# The vLLM paper's KV figures (minibatch.claims "vllm-kv-used"): the fraction of the KV cache holding token
+# states in the existing systems (its own Orca baselines of §6.1: "Oracle" reserves the true output length,
+# "Pow2" up to 2x it, "Max" the model's maximum sequence length, 2048 tokens) and in vLLM, as waste fractions.
+_USED = claim("vllm-kv-used").values
+VLLM_CLAIM = {"existing_systems_waste": (1 - _USED["existing_systems_used"][1], 1 - _USED["existing_systems_used"][0]),
+              "vllm_waste": 1 - _USED["vllm_used"], "claim_id": "vllm-kv-used"}
 
 
 POLICY_STYLE = {"orca": ("#0072B2", "o", "orca (reserves the true length: oracle)"),
