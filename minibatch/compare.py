@@ -285,7 +285,8 @@ def run_compare(cfg: CompareConfig) -> dict:
               "config": asdict(cfg) | {"n_slots": kv_slots(cfg, requests), "policies": list(cfg.policies),
                                        "draft_model": draft_name if drafts else None,
                                        "dtype": dtype_name(model.dtype), "dtype_option": cfg.dtype},
-              "num_requests": len(requests), "policies": {p: r.row() for p, r in runs.items()}}
+              "num_requests": len(requests), "num_output_tokens": sum(r.max_new_tokens for r in requests),
+              "policies": {p: r.row() for p, r in runs.items()}}
     print_table(result)
     if cfg.policies != all_policies():
         print("the full table: python -m minibatch compare --policies all")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -96,7 +96,9 @@ def _repo() -> Path | None:
 def run_gpu_check(device: str | None = None, steps: list[str] | None = None, bench_requests: int | None = None,
                   main_model: str | None = None, out: str | None = None, command: str | None = None,
                   echo: Callable[[str], None] = print) -> dict:
-    """Run ``steps`` (default: all of :data:`STEPS`) on ``device`` (default: cuda when available);
+    """Run ``steps`` (default: all of :data:`STEPS`) on ``device`` (default: cuda when available), the main
+    job on ``main_model`` (default: smollm2-135m where its weights are here, else smollm2-135m-random, on a
+    GPU; tiny-random-llama on CPU);
     print one line per step as it ends and a summary; write the result JSON to ``out`` (default
     :func:`default_out`; atomically). Returns the result dict (``passed``: no step failed).
 
@@ -114,9 +116,11 @@ def run_gpu_check(device: str | None = None, steps: list[str] | None = None, ben
     out = out or default_out(device)
     check_output_file(out, "--out")
     on_gpu = torch.device(device).type == "cuda"
-    ctx = CheckContext(device=device, bench_requests=bench_requests or (256 if on_gpu else 16), repo=_repo())
-    if on_gpu:
-        ctx = replace(ctx, main_model="smollm2-135m" if real_weights_available() else "smollm2-135m-random")
+    if main_model is None:
+        main_model = ("smollm2-135m" if real_weights_available() else "smollm2-135m-random") if on_gpu \
+            else "tiny-random-llama"
+    ctx = CheckContext(device=device, bench_requests=bench_requests or (256 if on_gpu else 16), repo=_repo(),
+                       main_model=main_model)
     reports = []
     for step in STEPS:
         if steps and step.name not in steps:

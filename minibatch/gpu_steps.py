@@ -30,12 +30,13 @@ class StepFailed(Exception):
 @dataclass(frozen=True)
 class CheckContext:
     """What the steps run on. ``device``: "cuda", "cuda:N" or "cpu"; ``bench_requests``: the
-    benchmark step's trace size; ``repo``: the source checkout (its ``tests/``), if any."""
+    benchmark step's trace size; ``repo``: the source checkout (its ``tests/``), if any; ``main_model``:
+    the main job's model."""
 
     device: str
     bench_requests: int
     repo: Path | None
-    main_model: str = "tiny-random-llama"
+    main_model: str
 
     @property
     def on_gpu(self) -> bool:
@@ -183,13 +184,9 @@ def _compare(**fields) -> dict:
         return run_compare(cfg)
 
 
-def _engine_policies() -> tuple[str, ...]:
+def _greedy(ctx: CheckContext, dtype: str, models: tuple[str, ...]) -> dict:
     from minibatch.policies import BUILTIN_POLICIES
 
-    return tuple(BUILTIN_POLICIES)
-
-
-def _greedy(ctx: CheckContext, dtype: str, models: tuple[str, ...]) -> dict:
     details, bad = {}, []
     for model in models:
         for backend in ("torch", "triton"):
@@ -198,7 +195,7 @@ def _greedy(ctx: CheckContext, dtype: str, models: tuple[str, ...]) -> dict:
             interpreted = backend == "triton" and not ctx.on_gpu
             if interpreted and model != models[0]:
                 continue
-            policies = ("chunked",) if interpreted else _engine_policies()
+            policies = ("chunked",) if interpreted else BUILTIN_POLICIES
             result = _compare(model=model, device=ctx.device, dtype=dtype, attention_backend=backend,
                               policies=policies, num_requests=4 if interpreted else 8, arrival="zero",
                               max_prompt_len=48, max_output_len=12 if interpreted else 24, output_scale=1.0,
@@ -261,13 +258,9 @@ def check_benchmark(ctx: CheckContext) -> dict:
                   max_prompt_len=1024 if ctx.on_gpu else 128, max_output_len=512 if ctx.on_gpu else 64,
                   output_scale=0.5 if ctx.on_gpu else 0.25)
     result = _compare(**fields)
-    rows = result["policies"]
-    expected = None
-    short = []
-    for p, r in rows.items():
-        expected = expected or r["total_output_tokens"]
-        if r["total_output_tokens"] != expected:
-            short.append(f"{p}: {r['total_output_tokens']} output tokens, {expected} expected")
+    rows, expected = result["policies"], result["num_output_tokens"]  # ignore_eos: every max_new_tokens
+    short = [f"{p}: {r['total_output_tokens']} output tokens, {expected} expected" for p, r in rows.items()
+             if r["total_output_tokens"] != expected]
     tput = {p: r["output_throughput_tok_s"] for p, r in rows.items()}
     best = max(CONTINUOUS, key=lambda p: tput[p])
     details = {"model": model, "dtype": result["config"]["dtype"], "config": {k: v for k, v in fields.items()

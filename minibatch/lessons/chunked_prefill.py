@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 from minibatch.clock import SimClock
+from minibatch.claims import claim
 from minibatch.experiment import run, same_outputs  # noqa: F401
 from minibatch.lessons import exercise
 from minibatch.experiments.chunked import budget_sweep, max_itl_s, micro_batching_experiment  # noqa: F401
@@ -32,8 +33,6 @@ CLAIM_IDS = ("sarathi-capacity", "cann-chunked-tpot", "winechord-micro-batching"
 
 def print_published(claim_ids=CLAIM_IDS) -> None:
     """Each published number of ``claim_ids`` with its source, one line each (``minibatch.claims``)."""
-    from minibatch.claims import claim
-
     print("published:")
     for claim_id in claim_ids:
         print(" -", claim(claim_id).cite())

@@ -81,6 +81,21 @@ def backed(number: float, decimals: int, percent: bool, values: list[float]) -> 
     return any(round(abs(v) * s, decimals) == number for v in values for s in scales)
 
 
+def _prose_numbers(text: str, ranges: bool = False):
+    """(match, as written, value) of each number of ``text`` worth checking: not a year, not a reference
+    (§4.2, Table 3, "notebook 05"), not part of a name (A100, 7B, GPT-2), and not an integer up to 10 unless
+    it carries x, × or % (with ``ranges``, also through a range: "2-4x")."""
+    ranged = {m.start(i) for m in _RANGE.finditer(text) for i in (1, 2)} if ranges else set()
+    for m in _NUMBER.finditer(text):
+        whole, frac, suffix = m.group(1), m.group(2), m.group(3)
+        number = _value(whole, frac)
+        if _REFERENCE.search(text[max(0, m.start() - 20):m.start()]):
+            continue
+        if frac is None and (1900 <= number <= 2039 or (number <= 10 and suffix is None and m.start() not in ranged)):
+            continue
+        yield m, m.group(0) + (suffix or ""), number
+
+
 def unbacked_numbers(nb, quoted=()) -> list[str]:
     """The markdown's numbers that no output or code of ``nb`` backs, as "cell N: <number> in '...context...'"."""
     found, everything = [], evidence(nb)
@@ -90,14 +105,8 @@ def unbacked_numbers(nb, quoted=()) -> list[str]:
         text = prose_of(cell)
         values = everything if SUMMARY.match(cell.source) else evidence(nb, around=i)
         cited = cited_numbers(text)
-        for m in _NUMBER.finditer(text):
-            whole, frac, suffix = m.group(1), m.group(2), m.group(3)
-            number = _value(whole, frac)
-            if _REFERENCE.search(text[max(0, m.start() - 20):m.start()]):
-                continue
-            if (frac is None and number <= 10 and suffix is None) or (frac is None and 1900 <= number <= 2039):
-                continue
-            token = m.group(0) + (suffix or "")
+        for m, token, number in _prose_numbers(text):
+            frac, suffix = m.group(2), m.group(3)
             if token in quoted or token in cited or backed(number, len(frac or ".")-1, suffix == "%", values):
                 continue
             found.append(f"cell {i}: {token} in '{_context(text, m)}'")
@@ -190,45 +199,38 @@ def sentences(text: str, printed: bool = False) -> list[str]:
 
 
 def quoted_numbers(sentence: str) -> list[tuple[str, float]]:
-    """(as written, value) of each number of ``sentence`` that could be a quoted result: not a year, not a
-    reference (§4.2, Table 3, "notebook 05"), not part of a name (A100, 7B, GPT-2), and not an integer up to
-    10 unless it carries x, × or % itself or through a range ("2-4x")."""
-    ranged = {m.start(i) for m in _RANGE.finditer(sentence) for i in (1, 2)}
-    found = []
-    for m in _NUMBER.finditer(sentence):
-        whole, frac, suffix = m.group(1), m.group(2), m.group(3)
-        number = _value(whole, frac)
-        if _REFERENCE.search(sentence[max(0, m.start() - 20):m.start()]):
-            continue
-        if frac is None and (1900 <= number <= 2039 or (number <= 10 and suffix is None and m.start() not in ranged)):
-            continue
-        found.append((m.group(0) + (suffix or ""), number))
-    return found
+    """(as written, value) of each number of ``sentence`` that could be a quoted result (see
+    :func:`_prose_numbers`), small integers included where a range carries x, × or % ("2-4x")."""
+    return [(token, number) for _, token, number in _prose_numbers(sentence, ranges=True)]
 
 
 def cited_numbers(text: str) -> set[str]:
     """The numbers (as written) that ``text`` quotes from a source it names in the same sentence, where
     ``minibatch.claims`` gives the number to that source: backed by the table, not by an output."""
-    from minibatch.claims import names, numbers_of
-
     cited = set()
     for sentence in sentences(text):
-        allowed = set().union(*(numbers_of(key) for key in names(sentence)))
+        allowed = _given_to(sentence)[1]
         cited |= {token for token, number in quoted_numbers(sentence) if number in allowed}
     return cited
+
+
+def _given_to(sentence: str) -> tuple[list[str], set[float]]:
+    """The sources ``sentence`` names (sorted keys) and every number the claims table gives them."""
+    from minibatch.claims import names, numbers_of
+
+    named = sorted(names(sentence))
+    return named, set().union(*(numbers_of(key) for key in named))
 
 
 def misattributions(text: str, printed: bool = False) -> list[str]:
     """Numbers credited to a source that never reported them: for each sentence naming a source of
     ``minibatch.claims.SOURCES`` (by an alias), each quoted number that no claim of that source holds,
     as "'number' not in <source>'s claims: '...sentence...'". ``printed``: a cell's output (see :func:`sentences`)."""
-    from minibatch.claims import names, numbers_of
-
     found = []
     for sentence in sentences(text, printed):
-        named = sorted(names(sentence))
+        named, allowed = _given_to(sentence)
         for token, number in quoted_numbers(sentence) if named else ():
-            if not any(number in numbers_of(key) for key in named):
+            if number not in allowed:
                 found.append(f"'{token}' not in {' or '.join(named)}'s claims: '{' '.join(sentence.split())[:160]}'")
     return found
 
