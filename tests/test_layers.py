@@ -21,8 +21,9 @@ LAYERS = {
     "kv": "kv",  # block manager: free list, prefix hashing
     "scheduler": "scheduler",  # plans (SchedulerOutput) and results (StepResult); no tensors
     # clocks and step shapes; execute a plan on a model; speculation; Triton kernels; model loading (models, the
-    # SmolLM2 GGUF conversion and cache in gguf, quiet from_pretrained and the cache root in hf_load); dtypes
-    "runner": "clock runner spec hf_load gguf models kernels precision",
+    # SmolLM2 GGUF conversion and cache in gguf, quiet from_pretrained and the cache root in hf_load); dtypes; the
+    # roofline (a machine's peak and bandwidth, measured or from a datasheet)
+    "runner": "clock runner spec hf_load gguf models kernels precision roofline",
     "engine": "records engine metrics",  # StepRecords; Engine.step(); metrics reads only the records
     "viz": "viz",  # plots, KV maps, Chrome traces, step widget: read records and requests
     "policies": "policies",  # the policy table, make_engine

@@ -8,7 +8,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from minibatch.lessons.prose import jargon, missing_paths, unbacked_numbers, wrong_direction
+from minibatch.lessons.prose import (flat_cost_called_compute_bound, jargon, missing_paths, unbacked_numbers,
+                                    wrong_direction)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -110,3 +111,44 @@ def test_readme_and_notebook_04_say_their_paged_kv_numbers_are_two_runs():
     nb04 = "".join(c.source for c in nbformat.read(ROOT / "notebooks/04_paged_kv.ipynb", as_version=4).cells)
     assert "Notebook 04 reads a second, separate run of the same setup" in readme
     assert "second, separate run" in nb04
+
+
+# The course's sentences that called a flat cost compute-bound (before notebook 00's measured cost story), and the
+# regimes named right: flat = memory-bound (the weight read), growing in proportion = compute-bound.
+FLAT_CALLED_COMPUTE_BOUND = {
+    "07 c4": "on this CPU a 1-token decode is a\nmemory-bound matrix-vector product, and 2..16 tokens cost almost "
+             "the same compute-bound matrix\nproduct (on a GPU the flat part reaches hundreds of tokens).",
+    "07 c38": "Batch 2 is the bad deal: a 1-token step is a memory-bound matrix-vector product (57 ms in\ncurve(N)), a "
+              "2-token step already pays for the compute-bound matrix product (89 ms) that 16 tokens\nbarely exceed "
+              "(126 ms), so batch 2 buys 2x the tokens for 1.6x the time, batch 16 16x for 2.2x.",
+    "06 c19": "*better* than batch 1: on this CPU a matrix multiply over 4 rows costs about what it costs over "
+              "12\n(both run compute-bound on one core), so verifying 3 tokens for each of 4 requests is nearly "
+              "free\nnext to a 4-row decode, while at batch 1 the decode is a cheap memory-bound 1-row product.",
+    "05 c22": "On a 2-core CPU everything is compute-bound: a prefill token\ncosts about as much in a chunk as in a "
+              "whole prefill, so chunking cannot make the prefill work\ncheaper.",
+}
+REGIMES_RIGHT = [
+    "Up to the ridge point the bound is flat: the step is memory-bound, its time is the time to read the weights.",
+    "Past the ridge the step is compute-bound and its time grows in proportion to the tokens.",
+    "With many requests decoding together, a step is already compute-bound: verifying k+1 tokens per request then "
+    "costs nearly k+1 times a plain decode.",
+    "From 4 to 16 tokens it grows far more slowly than the tokens, the memory-bound part.",
+]
+
+
+@pytest.mark.parametrize("name", FLAT_CALLED_COMPUTE_BOUND)
+def test_the_scanner_flags_a_flat_cost_called_compute_bound(name):
+    assert flat_cost_called_compute_bound(FLAT_CALLED_COMPUTE_BOUND[name]), name
+
+
+@pytest.mark.parametrize("text", REGIMES_RIGHT)
+def test_the_regimes_named_right_pass(text):
+    assert flat_cost_called_compute_bound(text) == []
+
+
+def test_no_flat_cost_is_called_compute_bound_in_the_course():
+    texts = [(f"{p.stem} cell {i}", c.source) for p in NOTEBOOKS  # solutions too
+             for i, c in enumerate(nbformat.read(p, as_version=4).cells) if c.cell_type == "markdown"]
+    texts += [(name, (ROOT / name).read_text()) for name in ("README.md", "docs/terms.md")]
+    problems = [f"{where}: {p}" for where, text in texts for p in flat_cost_called_compute_bound(text)]
+    assert not problems, "\n".join(problems)

@@ -23,6 +23,7 @@ import numpy as np
 from minibatch.clock import SimClock
 from minibatch.experiment import Run, run
 from minibatch.request import Request
+from minibatch.roofline import H100_SXM, roofline_step_s
 from minibatch.sim.cost_model import FEATURES, LayoutModel, Profile
 from minibatch.sim.executor import SimExecutor
 
@@ -93,16 +94,9 @@ def capacity_at(rows: list[dict], setup: str, key: str = "normalized_latency_s",
     return None if best is None else best[0]
 
 
-def roofline_step_s(params: float, tokens, peak_flop_per_s: float, bytes_per_s: float, bytes_per_param: float = 2):
-    """Lower bound on a step's time (s) for each number of tokens: the larger of reading every weight once
-    (params x bytes_per_param / bytes_per_s) and computing 2 FLOPs per parameter per token (/ peak_flop_per_s).
-    KV cache reads, attention FLOPs and kernel launches only add to it. Returns an array shaped like ``tokens``."""
-    tokens = np.asarray(tokens, dtype=float)
-    return np.maximum(params * bytes_per_param / bytes_per_s, 2 * params * tokens / peak_flop_per_s)
-
-
 def roofline_profile(name: str, num_params: float, num_layers: int, hidden_size: int, kv_bytes_per_token: float,
-                     bytes_per_param: float = 2.0, hbm_bytes_s: float = 3.35e12, peak_flops: float = 989e12,
+                     bytes_per_param: float = 2.0, hbm_bytes_s: float = H100_SXM.bytes_per_s,
+                     peak_flops: float = H100_SXM.peak_flop_per_s,
                      overhead_s: float = 1e-3, efficiency: float = 0.5) -> Profile:
     """An analytical Profile (NOT measured): a step costs ``overhead_s`` plus the larger of
     reading the weights at ``hbm_bytes_s`` and 2 * num_params FLOPs per token at ``peak_flops``,

@@ -262,3 +262,25 @@ def unsourced_claims(text: str, printed: bool = False) -> list[str]:
                 found.append(f"'{token}' is {'/'.join(sorted(owners))}'s number, but the sentence names "
                              f"no source: '{' '.join(sentence.split())[:160]}'")
     return found
+
+
+# ------------------------------------------------------------------------------------- the roofline's two regimes
+# A cost that stays flat as tokens are added is the memory-bound regime (the step's time is reading the weights);
+# compute-bound means the time grows in proportion to the tokens (notebook 00, section 7; minibatch/roofline.py).
+_COMPUTE_BOUND = re.compile(r"compute[- ]bound", re.I)
+_FLAT_COST = re.compile(r"\b(?:flat|(?:almost|about|nearly|roughly) the same|about what it costs|costs? little more|"
+                        r"barely (?:grow|exceed|change|more)\w*|(?:almost|nearly) (?:free|for free|nothing))\b", re.I)
+_EVERY_STEP = re.compile(r"\b(?:everything|every step|all steps|always)\b[^.]*?compute[- ]bound", re.I)
+
+
+def flat_cost_called_compute_bound(text: str) -> list[str]:
+    """Clauses of ``text`` (sentences cut at , ; : and dashes) that call a flat cost compute-bound, or call every
+    step compute-bound (small decode steps are memory-bound on any machine): the regimes named the wrong way round."""
+    found = []
+    for sentence in sentences(text):
+        flat = _EVERY_STEP.search(sentence) or any(
+            _COMPUTE_BOUND.search(clause) and _FLAT_COST.search(clause) and not re.search(r"memory[- ]bound", clause)
+            for clause in re.split(r"[,;:—]|\s–\s", sentence))
+        if flat:
+            found.append(" ".join(sentence.split())[:160])
+    return found

@@ -274,3 +274,16 @@ def save(fig, name: str, figures_dir: str | Path = "figures") -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     return atomic_write_bytes(path, buf.getvalue())
+
+
+def show(fig, name: str, figures_dir: str | Path = "figures") -> Path:
+    """:func:`save` the figure, close it, print the path and display the PNG just written (in a notebook: the
+    inline image is the committed file, byte for byte, not a second rendering). Returns the path."""
+    from IPython.display import Image, display
+    import matplotlib.pyplot as plt
+
+    path = save(fig, name, figures_dir)
+    plt.close(fig)
+    print(path)
+    display(Image(data=path.read_bytes(), format="png"))
+    return path

@@ -1,0 +1,93 @@
+"""The roofline model of a step: a machine's peak arithmetic rate and memory bandwidth, the lower bound they put
+on a step's time, and the ridge point between the two regimes. One home for the numbers that notebook 00's cost
+story, the analytical GPU profiles (``experiments.rate_sweep.roofline_profile``) and a step profile use.
+
+Roofline: Williams, Waterman and Patterson, "Roofline: an insightful visual performance model for multicore
+architectures", CACM 52(4), 2009. Applied to a transformer step: every weight is read once per step
+(``params x bytes_per_param`` bytes) and every token computed costs 2 FLOPs per parameter, so
+
+    step_s >= max(params * bytes_per_param / bytes_per_s,  2 * params * tokens / peak_flop_per_s)
+
+A step below the ridge point is **memory-bound**: its time is the weight read and stays flat as tokens are added.
+Past the ridge it is **compute-bound**: its time grows in proportion to the tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """A machine's two roofs. peak_flop_per_s: dense matrix-multiply FLOP/s; bytes_per_s: memory bandwidth
+    (bytes/s); source: where the numbers come from (a datasheet, or "measured: ..." with how)."""
+
+    name: str
+    peak_flop_per_s: float
+    bytes_per_s: float
+    source: str
+
+    def ridge_tokens(self, bytes_per_param: float = 2) -> float:
+        """Tokens per step at which computing them takes as long as reading the weights once
+        (peak x bytes_per_param / (2 x bandwidth)); independent of the model's size."""
+        return ridge_tokens(self.peak_flop_per_s, self.bytes_per_s, bytes_per_param)
+
+    def step_s(self, params: float, tokens, bytes_per_param: float = 2) -> np.ndarray:
+        """The roofline lower bound (s) on a step of ``tokens`` (scalar or array) for a model of ``params``."""
+        return roofline_step_s(params, tokens, self.peak_flop_per_s, self.bytes_per_s, bytes_per_param)
+
+
+def ridge_tokens(peak_flop_per_s: float, bytes_per_s: float, bytes_per_param: float = 2) -> float:
+    """Tokens per step at which computing them (2 FLOPs per parameter each) takes as long as reading every
+    weight once: below it a step is memory-bound, above it compute-bound."""
+    return peak_flop_per_s * bytes_per_param / (2 * bytes_per_s)
+
+
+def roofline_step_s(params: float, tokens, peak_flop_per_s: float, bytes_per_s: float, bytes_per_param: float = 2):
+    """Lower bound on a step's time (s) for each number of tokens: the larger of reading every weight once
+    (params x bytes_per_param / bytes_per_s) and computing 2 FLOPs per parameter per token (/ peak_flop_per_s).
+    KV cache reads, attention FLOPs and kernel launches only add to it. Returns an array shaped like ``tokens``."""
+    tokens = np.asarray(tokens, dtype=float)
+    return np.maximum(params * bytes_per_param / bytes_per_s, 2 * params * tokens / peak_flop_per_s)
+
+
+# NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 Tensor Core 1,979 TFLOP/s with 2:4 sparsity, so 989 dense;
+# 3.35 TB/s HBM3
+H100_SXM = Roofline("H100 SXM", 989e12, 3.35e12, "NVIDIA H100 Tensor Core GPU datasheet (dense BF16, HBM3)")
+
+
+def median_time_s(fn, repeats: int = 5) -> float:
+    """Median wall time (s) of ``repeats`` calls of ``fn()`` after one warm-up call (first calls allocate and
+    pick kernels)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32, matmul_size: int = 2048,
+                read_bytes: int = 256 * 2**20, repeats: int = 5) -> Roofline:
+    """This CPU's roofs, measured (about a second): peak = the FLOP/s of a ``matmul_size``-square matrix product
+    in ``dtype``; bandwidth = the bytes/s of summing a ``read_bytes`` tensor (far larger than any cache), each the
+    median of ``repeats``. num_threads: torch threads while measuring (restored; None leaves them)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(num_threads or old)
+    try:
+        a, b = torch.randn(matmul_size, matmul_size, dtype=dtype), torch.randn(matmul_size, matmul_size, dtype=dtype)
+        peak = 2 * matmul_size**3 / median_time_s(lambda: a @ b, repeats)
+        x = torch.ones(read_bytes // 4, dtype=torch.float32)
+        bandwidth = read_bytes / median_time_s(x.sum, repeats)
+    finally:
+        torch.set_num_threads(old)
+    threads = num_threads or old
+    return Roofline(f"this CPU, {threads} thread{'s' * (threads > 1)}", peak, bandwidth,
+                    f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} matmul, "
+                    f"sum of {read_bytes // 2**20} MiB, median of {repeats}")

@@ -1,0 +1,50 @@
+"""The roofline (minibatch/roofline.py) and notebook 00's step-cost measurement (minibatch/lessons/step_cost.py):
+hand-computed bounds and ridge points, the measured knee of a known curve, and the measurement's shape."""
+
+import numpy as np
+import pytest
+import torch
+
+from minibatch import ModelRunner
+from minibatch.lessons.step_cost import knee_tokens, measure_step_cost, time_linear_layers
+from minibatch.models import load_model
+from minibatch.roofline import H100_SXM, Roofline, measure_cpu, ridge_tokens, roofline_step_s
+
+
+def test_the_bound_is_the_weight_read_then_the_arithmetic():
+    # 1e9 parameters in bf16 = 2e9 bytes at 1e12 B/s: 2 ms; 2e9 FLOPs per token at 1e15 FLOP/s: 2 us per token
+    bound = roofline_step_s(1e9, [1, 500, 1000, 2000], 1e15, 1e12, bytes_per_param=2)
+    np.testing.assert_allclose(bound, [2e-3, 2e-3, 2e-3, 4e-3])
+    assert ridge_tokens(1e15, 1e12, bytes_per_param=2) == 1000  # where 2e9 x N / 1e15 = 2e-3
+    assert ridge_tokens(1e15, 1e12, bytes_per_param=4) == 2000  # fp32 weights take twice as long to read
+
+
+def test_the_h100_ridge_is_its_flops_per_byte_in_bf16():
+    assert H100_SXM.ridge_tokens(2) == pytest.approx(989e12 / 3.35e12)  # ~295 tokens
+    assert H100_SXM.step_s(7e9, 1) == pytest.approx(14e9 / 3.35e12)
+
+
+def test_the_cpu_roofs_are_measured_and_positive():
+    cpu = measure_cpu(num_threads=1, matmul_size=128, read_bytes=8 * 2**20, repeats=2)
+    assert isinstance(cpu, Roofline) and cpu.peak_flop_per_s > 1e8 and cpu.bytes_per_s > 1e8
+    assert cpu.source.startswith("measured") and cpu.ridge_tokens(4) > 0
+
+
+def test_the_knee_of_a_flat_then_linear_curve():
+    # flat 100 ms up to 20 tokens, then 5 ms per token: the knee is 100 / 5 = 20 tokens
+    points = [(n, max(0.1, 0.005 * n)) for n in (1, 2, 4, 8, 16, 32, 64, 128)]
+    knee, per_token = knee_tokens(points)
+    assert knee == pytest.approx(20) and per_token == pytest.approx(0.005)
+
+
+def test_step_cost_times_prefill_tokens_and_decode_rows_at_equal_counts():
+    torch.manual_seed(0)
+    model, tokenizer = load_model("tiny-random-llama", dtype="float32")
+    old = torch.get_num_threads()
+    out = measure_step_cost(ModelRunner(model, tokenizer), token_counts=(1, 2, 4), context=8, repeats=3)
+    assert [n for n, _ in out["prefill"]] == [n for n, _ in out["decode"]] == [1, 2, 4]
+    assert all(s > 0 for kind in ("prefill", "decode") for _, s in out[kind])
+    assert all(x >= 0 for kind in ("prefill", "decode") for _, x in out["spread"][kind])
+    assert torch.get_num_threads() == old  # the thread count is restored
+    linears = time_linear_layers(model, rows=(1, 3), repeats=2)
+    assert [n for n, _ in linears] == [1, 3] and all(s > 0 for _, s in linears)
