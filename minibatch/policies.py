@@ -211,8 +211,7 @@ def _speculative_executor(spec: PolicySpec, executor, draft_runner, cfg: EngineC
     if getattr(executor, "simulates_drafts", False):  # a SimExecutor makes up drafts and accepts them
         if executor.acceptance_rate is None:
             raise ValueError(f"policy {spec.name!r} on a SimExecutor needs SimExecutor(acceptance_rate=...)")
-        executor.speculator = speculator
-        return executor
+        return executor.with_speculator(speculator)  # the caller's executor stays as it was
     if spec.proposer == "draft" and draft_runner is None:
         raise ValueError(f"policy {spec.name!r} needs draft_runner (a ModelRunner on the draft model)")
     proposer = DraftModelProposer(draft_runner) if spec.proposer == "draft" else NgramProposer()

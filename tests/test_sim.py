@@ -413,3 +413,17 @@ def test_step_kind_replay_by_kind_and_scaled_cost(tiny_profile):
     scaled, shape = ScaledCost(profile, 2.0), StepShape(*steps[1][:-1])
     assert scaled.step_time_s(shape) == pytest.approx(2 * profile.step_time_s(shape))
     assert scaled.forward_time_s(2, 2, 30) == pytest.approx(2 * profile.forward_time_s(2, 2, 30))
+
+
+def test_make_engine_leaves_the_simulated_executor_as_it_found_it():
+    """A speculative policy runs on a copy of the SimExecutor with its speculator: a later non-speculative policy
+    on the same executor verifies no drafts (it used to inherit the speculator make_engine had attached)."""
+    ex = SimExecutor(acceptance_rate=0.8, seed=0)
+    trace = make_trace(6, rate_per_s=10.0, max_prompt_len=32, max_output_len=16, seed=0)
+    spec = make_engine("spec", ex, SimClock(), n_slots=2048, num_speculative_tokens=3)
+    spec.generate([r.copy() for r in trace])
+    assert any(e.num_spec_tokens for r in spec.trace for e in r.entries)  # drafts were verified
+    assert ex.speculator is None
+    paged = make_engine("paged", ex, SimClock(), n_slots=2048)
+    paged.generate([r.copy() for r in trace])
+    assert not any(e.num_spec_tokens for r in paged.trace for e in r.entries)

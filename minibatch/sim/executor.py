@@ -8,6 +8,7 @@ simulated clock can price them. The schedulers, the block manager and the engine
 
 from __future__ import annotations
 
+import copy
 import random
 
 from minibatch.runner.kv_owner import KVOwnership
@@ -24,8 +25,8 @@ class SimExecutor(KVOwnership):
         rates instead (the fraction of drafts at position i accepted, as ``SpecDecodingStats``
         measures them; non-increasing): position i is accepted with probability rate[i] /
         rate[i-1] once i-1 was (the last rate repeats).
-    speculator: FixedK or AdaptiveK: k for each request's next drafts (``make_engine`` attaches
-        the policy's); None: no drafts are proposed.
+    speculator: FixedK or AdaptiveK: k for each request's next drafts (``make_engine`` runs a speculative policy
+        on :meth:`with_speculator`'s copy); None: no drafts are proposed.
     draft_forwards: record the draft forwards (a draft model); False for n-gram lookup, whose
         drafting costs no forward.
     proposal_rate: the probability that a row gets drafts at all (n-gram lookup finds no match
@@ -41,7 +42,7 @@ class SimExecutor(KVOwnership):
     """
 
     eos_token_ids: tuple[int, ...] = ()
-    simulates_drafts = True  # make_engine gives a speculative policy's speculator to it (no SpeculativeRunner)
+    simulates_drafts = True  # make_engine runs a speculative policy on with_speculator's copy (no SpeculativeRunner)
 
     def __init__(self, max_model_len: int = 1 << 20, vocab_size: int | None = None,
                  acceptance_rate: float | list[float] | None = None, seed: int = 0, draft_forwards: bool = True,
@@ -108,6 +109,14 @@ class SimExecutor(KVOwnership):
             self._draft_seen[rid] = n - 1  # valid below the last token (lookahead slots are freed)
         drafts = {rid: tuple(self._token(n + i, rid) for i in range(k)) for rid, n, k in plan}
         return drafts, tuple(forwards)
+
+    def with_speculator(self, speculator) -> "SimExecutor":
+        """A copy of this executor that proposes drafts with ``speculator`` (its own draft bookkeeping; the random
+        stream and ``stats`` are shared with this one). This executor is left as it was: ``make_engine`` gives a
+        speculative policy the copy, so a later policy on the same executor proposes no drafts."""
+        twin = copy.copy(self)
+        twin.speculator, twin._draft_seen = speculator, {}
+        return twin
 
     def observe_step(self, record) -> None:
         """The speculator learns from the step records, as with a real SpeculativeRunner."""
