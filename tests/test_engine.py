@@ -244,7 +244,7 @@ def test_the_executor_receives_a_frozen_plan(policy):
     probe = Probe(acceptance_rate=0.5)
     reqs = [Request(f"r{i}", [1, 2, 3, 4], 5, SamplingParams(ignore_eos=True)) for i in range(3)]
     result = run(policy, reqs, probe, n_slots=256)
-    assert probe.num_plans == len(result.records) > 0
+    assert result.engine.executor.num_plans == len(result.records) > 0  # spec: a copy of probe, with its speculator
     assert all(r.num_output_tokens == 5 for r in result.requests)
 
 
