@@ -15,9 +15,10 @@ import dataclasses
 import sys
 
 from minibatch.compare import SIM_DEFAULT_POLICIES, CompareConfig, opt, run_compare
-from minibatch.config import EngineConfig
+from minibatch.config import EngineConfig, choices_of
 from minibatch.policies import POLICIES, load_policy_module
 from minibatch.precision import DTYPES, dtype_name, resolve_dtype
+from minibatch.runner.backends import get_backend
 from minibatch.serving.bench import add_bench_serve_arguments, run_bench_serve
 from minibatch.serving.launch import add_serve_arguments, run_serve
 
@@ -45,7 +46,7 @@ def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=Comp
             continue
         kind = {"int": int, "real": float}.get(m["kind"], str)
         shown = ",".join(default) if f.name == "policies" else default
-        metavar = "{" + ",".join(m["choices"]) + "}" if m["kind"] == "choice" else f.name.upper()
+        metavar = "{" + ",".join(choices_of(m)) + "}" if m["kind"] == "choice" else f.name.upper()
         p.add_argument(flag, dest=f.name, type=kind, default=shown, metavar=metavar,
                        help=f"{m['help']} (default: {shown})" if shown not in (None, "") else m["help"])
     if config_cls is not CompareConfig:
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--refit", default=None, metavar="PROFILE",
                    help="no measuring: fit this profile's stored samples again with the current code "
                         "(writes --out or PROFILE)")
+    k.add_argument("--attention-backend", default="torch", metavar="NAME",
+                   help="the registered attention backend whose steps are timed (default: torch)")
     k.add_argument("--no-progress", action="store_true", help="no progress bars")
     v = sub.add_parser("serve", help="an OpenAI-compatible server on the engine (completions, chat, SSE, /metrics)")
     add_serve_arguments(v)
@@ -228,6 +231,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         print(f"wrote {profile.save(args.out or args.refit)} (refit of {args.refit})")
         return 0
     check_model_name(args.model, "--model")
+    get_backend(args.attention_backend)  # an unknown name fails here, before minutes of loading
     if args.draft_model:
         check_model_name(args.draft_model, "--draft-model")
     dtype = dtype_name(resolve_dtype(args.dtype, args.device))
@@ -235,7 +239,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         f"{'' if dtype == 'float32' else '-' + dtype}.json"
     check_output_file(out, "--out")
     profile = calibrate(args.model, args.device, args.threads, args.scale, args.draft_model,
-                        progress=not args.no_progress, command=command, dtype=dtype)
+                        progress=not args.no_progress, command=command, dtype=dtype,
+                        attention_backend=args.attention_backend)
     print_profile(profile)
     print(f"wrote {profile.save(out)} ({profile.meta['calibration_time_s']} s)")
     return 0

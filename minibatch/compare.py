@@ -20,6 +20,7 @@ from minibatch.checks import MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_TOKENS
 from minibatch.config import QUEUE_POLICIES, EngineConfig, check_fields, option
 from minibatch.experiment import BASELINES, Run, all_policies, default_draft, load_draft_runner, run, warm_up
 from minibatch.metrics import SLO
+from minibatch.runner.backends import backend_names
 from minibatch.policies import POLICIES, get_policy
 from minibatch.precision import DTYPES
 from minibatch.report import environment, print_table, save_figures, write_json
@@ -68,8 +69,9 @@ class CompareConfig(EngineConfig):
     kv_cache_memory_bytes: int | None = option(None, "KV cache as a byte budget instead of --n-slots: n_slots = "
                                                "this // the model's KV bytes per token in --dtype", "int", low=1,
                                                high=1 << 40, optional=True, cli="model")
-    attention_backend: str = option("torch", "our packed attention: torch reference or Triton kernels", "choice",
-                                    choices=("torch", "triton"), cli="model")
+    attention_backend: str = option("torch", "our packed attention: a registered attention backend (torch: the "
+                                    "reference; triton: the paged-attention kernels; a --policy-module may add one)",
+                                    "choice", choices=backend_names, cli="model")
     draft_model: str | None = option(None, "spec: the draft model (default: smollm2-135m-draft for smollm2-135m, "
                                      "else the target itself)", "str", optional=True, cli="model")
     batch_size: int = option(8, "requests per padded batch of static batching and hf_generate", "int",

@@ -23,12 +23,21 @@ PREEMPTION_MODES = ("recompute", "swap")
 def option(default, help: str, kind: str, *, low=None, high=None, choices=(), optional: bool = False,
            low_open: bool = False, high_open: bool = False, cli: str | None = "all", flag: str | None = None):
     """A dataclass field with its check and its help. kind: "int" | "real" | "choice" | "bool" |
-    "str" | "path" | "list" (checked by the dataclass itself); optional: None is allowed; cli: which
+    "str" | "path" | "list" (checked by the dataclass itself); choices: a tuple, or a callable returning the
+    allowed values when the option is checked (a registry); optional: None is allowed; cli: which
     commands offer it ("all", "model": compare only, "sim": simulate only, None: none); flag: its
     command-line spelling if not ``--field-name`` (a bool that defaults to True gets ``--no-...``)."""
-    meta = dict(help=help, kind=kind, low=low, high=high, choices=tuple(choices), optional=optional,
+    meta = dict(help=help, kind=kind, low=low, high=high, choices=choices if callable(choices) else tuple(choices),
+                optional=optional,
                 low_open=low_open, high_open=high_open, cli=cli, flag=flag)
     return field(default=default, metadata=meta)
+
+
+def choices_of(meta) -> tuple:
+    """A "choice" option's allowed values: its ``choices``, or what they return when they are a callable (a
+    registry read when the option is checked, e.g. the attention backends, which plug-ins may add to)."""
+    choices = meta["choices"]
+    return tuple(choices()) if callable(choices) else choices
 
 
 def check_fields(obj, name_of: Callable[[str], str] = str) -> None:
@@ -49,7 +58,7 @@ def check_fields(obj, name_of: Callable[[str], str] = str) -> None:
         elif m["kind"] == "real":
             value = check_real(value, name, m["low"], m["high"], low_open=m["low_open"], high_open=m["high_open"])
         elif m["kind"] == "choice":
-            check_choice(value, name, m["choices"])
+            check_choice(value, name, choices_of(m))
         elif m["kind"] == "bool" and not isinstance(value, bool):
             raise FieldTypeError(f"{name} must be a bool, got {value!r}")
         elif m["kind"] == "str":

@@ -140,10 +140,11 @@ def warm_up(runner, draft_runner=None, policies=None) -> None:
 
 
 def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threads: int | None = None,
-                dtype="float32"):
+                dtype="float32", attention_backend="torch"):
     """For benchmark scripts: ``(model, tokenizer, ModelRunner, clock_factory)``, where
     clock_factory() makes a fresh WallClock on ``device`` (clock "wall") or SimClock ("sim").
-    threads: torch CPU threads (None: torch's choice); dtype: a torch dtype or a ``--dtype`` name."""
+    threads: torch CPU threads (None: torch's choice); dtype: a torch dtype or a ``--dtype`` name;
+    attention_backend: a registered attention backend (``runner.backends``)."""
     import torch
 
     from minibatch.clock import SimClock, WallClock
@@ -153,7 +154,8 @@ def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threa
     if threads:
         torch.set_num_threads(threads)
     model, tokenizer = load_model(model_name, device=device, dtype=dtype)
-    return model, tokenizer, ModelRunner(model, tokenizer), (lambda: WallClock(device)) if clock == "wall" else SimClock
+    runner = ModelRunner(model, tokenizer, attention_backend=attention_backend)
+    return model, tokenizer, runner, (lambda: WallClock(device)) if clock == "wall" else SimClock
 
 
 def default_draft(model: str) -> str:

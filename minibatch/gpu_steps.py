@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from minibatch.runner.backends import backend_names
+
 BENCH_POLICIES = ("static", "orca", "paged", "chunked", "spec_ngram", "hf_generate", "hf_generate_batch")
 CONTINUOUS = ("orca", "paged", "chunked", "spec_ngram")  # iteration-level policies of ours
 
@@ -189,7 +191,7 @@ def _greedy(ctx: CheckContext, dtype: str, models: tuple[str, ...]) -> dict:
 
     details, bad = {}, []
     for model in models:
-        for backend in ("torch", "triton"):
+        for backend in backend_names():
             # Interpreted, a Triton run costs ~15 s on CPU: there the kernels get one policy that uses
             # both (chunked: packed prefill chunks and decodes) and a shorter trace.
             interpreted = backend == "triton" and not ctx.on_gpu

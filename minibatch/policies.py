@@ -107,19 +107,22 @@ BUILTIN_POLICIES = tuple(POLICIES)
 
 def load_policy_module(path: str) -> list[str]:
     """Run the Python file ``path`` (a researcher's policy: a scheduler subclass and a
-    ``register_policy`` call); returns the names of the policies it registered.
+    ``register_policy`` call; or an attention backend and a ``register_backend`` call); returns the names of the
+    policies and attention backends it registered.
 
     Raises:
         ValueError: no such .py file, the file fails to import (its error in one line), or it
-            registers no policy.
+            registers no policy and no attention backend.
     """
     import importlib.util
     from pathlib import Path
 
+    from minibatch.runner.backends import backend_names
+
     file = Path(path)
     if file.suffix != ".py" or not file.is_file():
         raise ValueError(f"--policy-module: no such Python file {str(path)!r}")
-    before = dict(POLICIES)
+    before, backends_before = dict(POLICIES), set(backend_names())
     spec = importlib.util.spec_from_file_location(f"minibatch_policy_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -127,8 +130,10 @@ def load_policy_module(path: str) -> list[str]:
     except Exception as e:  # a plug-in's own bug: one line naming the file
         raise ValueError(f"--policy-module {path}: {type(e).__name__}: {e}") from None
     added = [name for name in POLICIES if before.get(name) is not POLICIES[name]]
+    added += [name for name in backend_names() if name not in backends_before]
     if not added:
-        raise ValueError(f"--policy-module {path}: registers no policy (call minibatch.register_policy)")
+        raise ValueError(f"--policy-module {path}: registers no policy (call minibatch.register_policy) and no "
+                         "attention backend (minibatch.runner.backends.register_backend)")
     return added
 
 

@@ -21,6 +21,7 @@ from minibatch.reference import reference_outputs
 from minibatch.models import load_model
 from minibatch.policies import make_engine
 from minibatch.runner import attention, support
+from minibatch.runner.backends.torch_ref import sliding_window_attention
 from minibatch.runner.batch import PackedSequence, pack_sequences
 from minibatch.runner.support import NO_POSITION_LIMIT, config_max_model_len
 from minibatch.clock import SimClock
@@ -170,7 +171,7 @@ def test_sliding_window_attention_masks_keys_older_than_the_window():
     torch.manual_seed(0)
     seq_len, q_len, window = 9, 4, 3
     q, k, v = torch.randn(q_len, 2, 4), torch.randn(seq_len, 1, 4), torch.randn(seq_len, 1, 4)
-    out = attention.sliding_window_attention(q, k, v, 0.5, window)
+    out = sliding_window_attention(q, k, v, 0.5, window)
     for row, i in enumerate(range(seq_len - q_len, seq_len)):
         keys = [j for j in range(seq_len) if 0 <= i - j < window]
         weights = torch.softmax(0.5 * q[row] @ k[keys, 0].T, dim=-1)  # (num_heads, len(keys))

@@ -2,7 +2,7 @@
 
 import torch
 
-from minibatch.runner.attention import batched_decode_attention, reference_attention, store_kv
+from minibatch.runner.backends.torch_ref import batched_decode_attention, reference_attention, store_kv
 from minibatch.runner.batch import context_slot_table
 
 

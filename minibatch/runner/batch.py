@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minibatch.runner.attention import AttentionMetadata
+from minibatch.runner.attention import AttentionMetadata, context_slots
+from minibatch.runner.backends import AttentionBackend, get_backend
 from minibatch.scheduler.base import SchedulerOutput
 
 
@@ -61,10 +62,7 @@ def block_table_tensor(block_tables: list[list[int]], seq_lens: list[int], block
 def context_slot_table(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
     """(num_reqs, max_seq_len) int64: the cache slot of every context position of every request;
     positions at or past a request's seq_len hold slot 0 (masked out by the caller)."""
-    table = block_table_tensor(block_tables, seq_lens, block_size)
-    pos = torch.arange(max(seq_lens))
-    slots = table[:, pos // block_size] * block_size + pos % block_size  # (num_reqs, max_seq_len)
-    return slots.masked_fill(pos[None, :] >= torch.tensor(seq_lens)[:, None], 0)
+    return context_slots(block_table_tensor(block_tables, seq_lens, block_size), seq_lens, block_size)
 
 
 @dataclass
@@ -81,7 +79,8 @@ class PackedSequence:
     num_logits: int
 
 
-def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor, backend: str = "torch") -> PackedBatch:
+def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor,
+                       backend: str | AttentionBackend = "torch") -> PackedBatch:
     """Pack all scheduled tokens of ``out`` into one row. kv_cache: (L, 2, num_blocks, block_size, H_kv, D).
 
     A request scheduled with draft tokens (``ScheduledRequest.spec_token_ids``, speculative
@@ -103,12 +102,13 @@ def build_packed_batch(out: SchedulerOutput, kv_cache: torch.Tensor, backend: st
     return pack_sequences(seqs, kv_cache, backend)
 
 
-def pack_sequences(seqs: list[PackedSequence], kv_cache: torch.Tensor, backend: str = "torch") -> PackedBatch:
+def pack_sequences(seqs: list[PackedSequence], kv_cache: torch.Tensor,
+                   backend: str | AttentionBackend = "torch") -> PackedBatch:
     """The flat tensors of one packed forward over ``seqs`` (see the module docstring).
 
-    backend "torch" gets each request's context slots (its K/V are gathered by slot); "triton"
-    gets the block tables, seq_lens and cu_seqlens_q as int32 tensors (the kernels walk the
-    block table themselves). ``logits_indices`` lists, sequence by sequence, the packed index of
+    backend: an attention backend or its registered name (``runner.backends``); its ``prepare`` adds what
+    it needs to the common metadata (the torch reference: each request's context slots; the Triton
+    kernels: int32 block tables). ``logits_indices`` lists, sequence by sequence, the packed index of
     each position that returns logits; ``sample_request_ids`` names the sequence of each.
     """
     device = kv_cache.device
@@ -127,29 +127,17 @@ def pack_sequences(seqs: list[PackedSequence], kv_cache: torch.Tensor, backend: 
     positions = torch.tensor(positions, dtype=torch.long, device=device)  # (num_tokens,)
     bt = block_table_tensor(tables, seq_lens, block_size).to(device)  # (num_reqs, max_blocks)
     rows = torch.tensor(rows, dtype=torch.long, device=device)  # each new token's request
-    decode_indices = [i for i, seq in enumerate(seqs) if len(seq.token_ids) == 1]
     meta = AttentionMetadata(
         kv_cache=kv_cache,
         slot_mapping=bt[rows, positions // block_size] * block_size + positions % block_size,
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
+        block_tables=bt,
         prefill_indices=[i for i, seq in enumerate(seqs) if len(seq.token_ids) > 1],
-        decode_indices=decode_indices,
-        backend=backend,
+        decode_indices=[i for i, seq in enumerate(seqs) if len(seq.token_ids) == 1],
+        backend=get_backend(backend),
     )
-    if backend == "triton":
-        meta.block_tables = bt.to(torch.int32)
-        meta.seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        meta.cu_seqlens_q_tensor = torch.tensor(cu_seqlens_q, dtype=torch.int32, device=device)
-    else:
-        ctx = context_slot_table(tables, seq_lens, block_size).to(device)  # (num_reqs, max_seq_len)
-        meta.context_slots = [ctx[i, :n] for i, n in enumerate(seq_lens)]
-        if decode_indices:  # the decodes' rows of the table, right-padded, and which entries are real
-            max_len = max(seq_lens[i] for i in decode_indices)
-            meta.decode_rows = torch.tensor([cu_seqlens_q[i] for i in decode_indices], device=device)
-            meta.decode_slots = ctx[decode_indices, :max_len]
-            meta.decode_mask = torch.arange(max_len, device=device)[None, :] < torch.tensor(
-                [seq_lens[i] for i in decode_indices], device=device)[:, None]
+    meta.backend.prepare(meta)  # the backend's own metadata, once per step
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=positions,

@@ -20,6 +20,7 @@ import torch
 from minibatch.models import eos_token_ids, pad_token_id, set_attention
 from minibatch.request import Request
 from minibatch.runner import attention
+from minibatch.runner.backends import get_backend
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
 from minibatch.runner.sampler import Sampler, step_logprobs
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
@@ -33,16 +34,16 @@ class ModelRunner(KVOwnership):
     Args:
         model: e.g. from ``minibatch.load_model``.
         tokenizer: optional, used for pad/eos ids and by demos.
-        attention_backend: "torch" (gather K/V by block table, SDPA; the reference) or "triton"
-            (``minibatch.kernels``: store_kv and paged attention kernels; on CPU they run under
-            the Triton interpreter, slowly).
+        attention_backend: the name of a registered attention backend (``runner.backends``: "torch", the
+            reference, gathers K/V by block table and runs SDPA; "triton" runs ``minibatch.kernels``' store_kv
+            and paged attention kernels, on a CPU under the Triton interpreter, slowly) or an AttentionBackend.
         vocab_subset: packed steps compute logits only for these token ids (the rest get -inf):
             a draft model's cheaper LM head (FR-Spec, Zhao et al. 2025: a small draft over a
             49k vocabulary spends most of its time in the LM head; the most frequent tokens
             carry almost all of its proposals). None (default): the whole vocabulary.
 
     Raises:
-        ValueError: an unknown attention_backend.
+        ValueError: an unknown attention_backend, or one that does not support the model's device or dtype.
         NotImplementedError: the model does not run the packed attention exactly (its attention
             does not dispatch through transformers' AttentionInterface, its layers drop
             attn_metadata, packed rows see each other, an attention option we do not implement,
@@ -73,7 +74,8 @@ class ModelRunner(KVOwnership):
         self.vocab_size = model.get_input_embeddings().num_embeddings  # ids >= this cannot be embedded
         self.kv_cache: torch.Tensor | None = None
         self.cpu_kv_cache: torch.Tensor | None = None
-        self.attention_backend = attention_backend
+        self.attention_backend = get_backend(attention_backend)
+        self.attention_backend.check(self.device, self.dtype)
         self.sampler = Sampler()
         self._static: dict | None = None  # the running padded batch (static batching)
         self.vocab_subset = (None if vocab_subset is None
@@ -82,8 +84,6 @@ class ModelRunner(KVOwnership):
             head = model.get_output_embeddings()
             self._subset_weight = head.weight.detach()[self.vocab_subset].contiguous()
             self._subset_bias = None if getattr(head, "bias", None) is None else head.bias.detach()[self.vocab_subset]
-        if attention_backend not in attention.BACKENDS:
-            raise ValueError(f"attention_backend must be one of {attention.BACKENDS}, got {attention_backend!r}")
         attention.register()
         check_packed_support(model, self.num_layers, self.num_kv_heads, self.head_dim)  # once per model
         # the padded layout's KV cache argument: "cache" from transformers 5.24 ("past_key_values"

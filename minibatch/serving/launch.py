@@ -14,6 +14,7 @@ import time
 import urllib.request
 
 from minibatch.clock import LiveClock
+from minibatch.policies import load_policy_module
 from minibatch.config import EngineConfig
 from minibatch.precision import DTYPES, dtype_name, resolve_dtype
 from minibatch.serving.async_engine import AsyncEngine
@@ -36,19 +37,25 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     p.add_argument("--max-num-waiting", type=int, default=256,
                    help="most requests waiting for admission; one more gets HTTP 503 (default: 256)")
+    p.add_argument("--attention-backend", default="torch", metavar="NAME",
+                   help="a registered attention backend: torch (the reference), triton (the paged-attention "
+                        "kernels), or one a --policy-module registers (default: torch)")
+    p.add_argument("--policy-module", action="append", default=[], metavar="FILE.py",
+                   help="a Python file that registers policies or attention backends; repeatable")
 
 
 def build_server(model: str, policy: str, config: EngineConfig | None = None, *, device: str = "cpu",
                  dtype="float32", draft_model: str | None = None, served_model_name: str | None = None,
-                 max_num_waiting: int = 256, keep_history: bool = False, loaded=None):
+                 max_num_waiting: int = 256, keep_history: bool = False, loaded=None, attention_backend="torch"):
     """(FastAPI app, AsyncEngine) for ``model`` under ``policy``; the engine loop is started.
 
     dtype: a torch dtype or a ``--dtype`` name ("auto": bfloat16 where it is fast); ignored with ``loaded``.
     loaded: an already loaded (model, tokenizer) pair to serve (tests and notebooks share one).
+    attention_backend: a registered attention backend's name (``runner.backends``) or an AttentionBackend.
 
     Raises:
         ValueError: an unknown model or policy, a policy that cannot serve (the HF baselines),
-            an option out of range or one the policy does not use.
+            an option out of range or one the policy does not use, an unknown attention backend.
     """
     from minibatch.policies import POLICIES, get_policy, make_engine
     from minibatch.runner import ModelRunner
@@ -61,12 +68,13 @@ def build_server(model: str, policy: str, config: EngineConfig | None = None, *,
         check_model_name(model, "--model")
         loaded = load_model(model, device=device, dtype=dtype)
     hf_model, tokenizer = loaded
-    runner = ModelRunner(hf_model, tokenizer)
+    runner = ModelRunner(hf_model, tokenizer, attention_backend=attention_backend)
     draft_runner = None
     if get_policy(policy).proposer == "draft":
         from minibatch.experiment import default_draft, load_draft_runner
 
-        draft_runner = load_draft_runner(draft_model or default_draft(model), model, hf_model, tokenizer, device)
+        draft_runner = load_draft_runner(draft_model or default_draft(model), model, hf_model, tokenizer, device,
+                                         attention_backend)
     engine = make_engine(policy, runner, LiveClock(device), config=config or EngineConfig(),
                          draft_runner=draft_runner)
     name = served_model_name or model
@@ -89,11 +97,14 @@ def run_serve(args, config: EngineConfig) -> int:
     check_int(args.port, "--port", 0, 65535)
     check_int(args.threads, "--threads", 1, 1024)
     check_int(args.max_num_waiting, "--max-num-waiting", 1)
+    for path in args.policy_module:
+        load_policy_module(path)
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, args.device)
     app, engine = build_server(args.model, args.policy, config, device=args.device, dtype=dtype,
                                draft_model=args.draft_model,
-                               served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting)
+                               served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting,
+                               attention_backend=args.attention_backend)
     print(f"serving {args.served_model_name or args.model} ({dtype_name(dtype)}) under "
           f"{args.policy} on "
           f"http://{args.host}:{args.port}/v1", flush=True)

@@ -181,10 +181,11 @@ def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Pr
 
 def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, scale: float = 1.0,
               draft_model: str | None = None, progress: bool = True, command: str | None = None,
-              dtype="float32") -> Profile:
+              dtype="float32", attention_backend: str = "torch") -> Profile:
     """Measure and fit a Profile for ``model_name`` on ``device`` in ``dtype`` (a torch dtype or a
     ``--dtype`` name; the profile's meta records the dtype measured) (see the module docstring).
 
+    attention_backend: the registered attention backend whose steps are timed (recorded in the meta).
     draft_model: also calibrate this draft (speculative decoding): its decode forwards at
         batch 1..64, fit as ``profile.draft``.
     scale: shrink the workloads (tests and tiny models), 0 < scale <= 1.
@@ -199,17 +200,18 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
     if not 0 < scale <= 1:
         raise ValueError(f"scale must be in (0, 1], got {scale}")
     t0 = time.perf_counter()
-    model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype)
+    model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
+                                              attention_backend=attention_backend)
     warm_up(runner)
     samples = measure(runner, scenarios(model.config.vocab_size, scale), progress)
     meta = {"command": command, "environment": environment(), "device": str(device), "scale": scale,
-            "dtype": dtype_name(model.dtype),
+            "dtype": dtype_name(model.dtype), "attention_backend": runner.attention_backend.name,
             "vocab_size": model.config.vocab_size}  # simulate draws its made-up prompt ids below it
     profile = fit_profile(model_name, samples, meta)
     if draft_model:
         from minibatch.experiment import load_draft_runner
 
-        draft_runner = load_draft_runner(draft_model, model_name, model, tokenizer, device)
+        draft_runner = load_draft_runner(draft_model, model_name, model, tokenizer, device, attention_backend)
         warm_up(runner, draft_runner)
         draft_samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale), progress)
         profile.draft, err = fit_draft(draft_samples)

@@ -1,0 +1,17 @@
+"""Attention backends: the ways to run one packed step's attention, each one class registered by name.
+
+The packed attention function (``runner.attention``) checks what the model passes, then hands the step to the
+backend named by the runner: ``prepare`` adds the backend's own metadata to the step's common
+:class:`~minibatch.runner.attention.AttentionMetadata` (built once per step by ``runner.batch``), and ``forward``
+writes the new tokens' K/V into the paged KV cache and attends. Built in: ``torch`` (the reference: gather K/V
+by slot, scaled_dot_product_attention) and ``triton`` (the paged-attention kernels of ``minibatch.kernels``).
+Adding one is one file: subclass :class:`AttentionBackend`, call :func:`register_backend`, and pass its name as
+``--attention-backend`` (a ``--policy-module`` file may register it). This is vLLM's attention-backend idea
+(``vllm/attention/backends``: a backend class with its metadata builder), reduced to two methods.
+"""
+
+from minibatch.runner.backends.base import BACKENDS, AttentionBackend, backend_names, get_backend, register_backend
+from minibatch.runner.backends import torch_ref, triton_paged  # register the built-ins
+
+__all__ = ["BACKENDS", "AttentionBackend", "backend_names", "get_backend", "register_backend", "torch_ref",
+           "triton_paged"]
