@@ -16,7 +16,8 @@ NEXT = re.compile(r"\*\*Next:\*\* \[[^\]]+\]\(([\w.]+\.ipynb)\)")
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_each_notebook_opens_with_goals_prerequisites_and_time(path):
     head = nbformat.read(path, as_version=4).cells[0].source
-    assert head.startswith(f"# {path.name[:2]} · "), f"{path.name}: cell 0 starts with '# NN · Title'"
+    prefix = path.name.split("_")[0]  # "00", or "00b" for a chapter added after 00
+    assert head.startswith(f"# {prefix} · "), f"{path.name}: cell 0 starts with '# {prefix} · Title'"
     goals = head.split("**Goals.**")[1].split("**Before you start.**")[0] if "**Goals.**" in head else ""
     assert len(re.findall(r"(?m)^\d+\. ", goals)) >= 2, f"{path.name}: a numbered list of learning goals"
     assert "**Before you start.**" in head, f"{path.name}: prerequisites"
@@ -37,3 +38,15 @@ def test_each_notebook_ends_with_what_it_measured_and_the_next_notebook(path):
 def test_the_course_time_adds_up():
     minutes = [int(TIME.search(nbformat.read(p, as_version=4).cells[0].source).group(1)) for p in NOTEBOOKS]
     assert all(5 <= m <= 120 for m in minutes), minutes
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_each_notebook_prints_the_current_version(path):
+    """The version cell's committed output names the package version the notebook ran with: a stale one means
+    its outputs were not re-run after a release."""
+    from minibatch import __version__
+
+    printed = [o.get("text", "") for c in nbformat.read(path, as_version=4).cells[:6] if c.cell_type == "code"
+               for o in c.get("outputs", [])]
+    versions = re.findall(r"minibatch (\d+\.\d+\.\d+)", "".join(printed))
+    assert versions == [__version__], f"{path.name}: prints minibatch {versions}, the package is {__version__}"
