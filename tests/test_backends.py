@@ -45,6 +45,15 @@ class Counting(TorchBackend):
         return super().forward(m, layer, q, k, v, scale, window)
 
 
+def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF generate's greedy tokens after ``prompt``."""
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.fixture(autouse=True)
 def registry():
     """Each test starts from, and leaves, the built-in backends."""
@@ -65,10 +74,7 @@ def test_a_backend_registered_outside_the_package_runs_like_generate(one_thread)
     register_backend(Counting())
     model, tok = load_model("tiny-random-llama", dtype="float32")
     prompt = list(range(5, 25))
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                             pad_token_id=0)[0, len(prompt):].tolist()
+    ref = greedy_reference(model, prompt, 8)
     req = Request("a", prompt, max_new_tokens=8)
     make_engine("paged", ModelRunner(model, tok, attention_backend="counting"), SimClock(), n_slots=256).generate([req])
     assert req.output_token_ids == ref
@@ -116,10 +122,7 @@ def test_serve_runs_a_registered_backend(one_thread):
     register_backend(Counting())
     model, tok = load_model("tiny-random-llama", dtype="float32")
     prompt = list(range(5, 17))
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                             pad_token_id=0)[0, len(prompt):].tolist()
+    ref = greedy_reference(model, prompt, 6)
     calls = Counting.calls
     app, engine = build_server("tiny-random-llama", "paged", EngineConfig(n_slots=256), loaded=(model, tok),
                                attention_backend="counting")

@@ -152,23 +152,6 @@ def _context(text: str, m) -> str:
     return " ".join(text[max(0, m.start() - 40):m.end() + 30].split())
 
 
-def main(paths: list[str]) -> int:
-    problems = 0
-    for path in paths:
-        nb = nbformat.read(path, as_version=4)
-        root = Path(path).resolve().parents[1]
-        for kind, lines in (("unbacked", unbacked_numbers(nb)), ("direction", wrong_direction(nb)),
-                            ("jargon", jargon(nb)), ("path", missing_paths(nb, root))):
-            for line in lines:
-                print(f"{Path(path).name} {kind} {line}")
-            problems += len(lines)
-    return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
-
 # ---------------------------------------------------------------------------------- claims and their sources
 # A sentence ends at . ! ? (or .** or .)) followed by a capital or a bracket (not after "et al."), at a blank
 # line, a list item or a table row; a markdown table cell or a printed table's column is its own sentence.
@@ -284,3 +267,22 @@ def flat_cost_called_compute_bound(text: str) -> list[str]:
         if flat:
             found.append(" ".join(sentence.split())[:160])
     return found
+
+
+def main(paths: list[str]) -> int:
+    problems = 0
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        root = Path(path).resolve().parents[1]
+        for kind, lines in (("unbacked", unbacked_numbers(nb)), ("direction", wrong_direction(nb)),
+                            ("jargon", jargon(nb)), ("path", missing_paths(nb, root)),
+                            ("regime", [p for c in nb.cells if c.cell_type == "markdown"
+                                        for p in flat_cost_called_compute_bound(c.source)])):
+            for line in lines:
+                print(f"{Path(path).name} {kind} {line}")
+            problems += len(lines)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
