@@ -166,7 +166,7 @@ def check_architecture(model_type: str, policies=POLICIES) -> SupportResult:
         engine = make_engine(policy, runner, SimClock(), n_slots=512, **POLICY_OPTIONS.get(policy, {}))
         done = engine.generate([r.copy() for r in requests])
         result.exact[policy] = all(r.output_token_ids == refs[r.request_id] for r in done)
-        stats = getattr(engine.executor, "stats", None)
-        if stats is not None:
-            result.num_draft_tokens = stats.num_draft_tokens
+        spec = engine.executor.make_stats().get("spec_decoding")
+        if spec is not None:
+            result.num_draft_tokens = spec["num_draft_tokens"]
     return result

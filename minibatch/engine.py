@@ -119,10 +119,8 @@ class Engine:
         """Take the executor's KV cache for this engine before a step (``KVOwnership.claim``):
         refused while another engine holds KV in it; on a change of hands, the cache gets this
         engine's geometry and the prefix cache forgets blocks another engine may have overwritten."""
-        bm = getattr(self.scheduler, "block_manager", None)
-        geometry = None if bm is None else (bm.num_blocks, bm.block_size, bm.num_cpu_blocks)
-        if self.executor.claim(self, geometry) and bm is not None:
-            bm.reset_prefix_cache()
+        if self.executor.claim(self, self.scheduler.kv_geometry()):
+            self.scheduler.reset_prefix_cache()
 
     def _admit_arrivals(self) -> None:
         while self.pending and self.pending[0][0] <= self.clock.now_s:

@@ -78,12 +78,8 @@ class Run:
             ValueError: a field that is neither in the row nor in ``extra`` (the message lists the row's keys).
         """
         row = {"policy": self.policy, **self.summary.to_dict()}
-        bm = getattr(self.engine.scheduler, "block_manager", None) if self.engine else None
-        if bm is not None and bm.enable_prefix_caching:
-            row["prefix_cache_hit_rate"] = bm.prefix_cache_hit_rate
-        stats = getattr(self.engine.executor, "stats", None) if self.engine else None
-        if stats is not None and stats.num_draft_tokens:
-            row["spec_decoding"] = stats.as_dict()
+        if self.engine:  # what the scheduler and the executor report of their own (prefix cache, drafts)
+            row |= self.engine.scheduler.make_stats() | self.engine.executor.make_stats()
         row["clock"] = self.engine.clock.kind if self.engine else "wall"
         row["run_time_s"] = round(self.run_time_s, 3)
         row |= self.extra | extra

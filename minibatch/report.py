@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from minibatch.scheduler import PagedScheduler
 
 
 def write_json(result: dict, path: str | Path | None) -> None:
@@ -20,6 +19,20 @@ def write_json(result: dict, path: str | Path | None) -> None:
         print(f"wrote {path}")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else platform.processor(), else "unknown"."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict:
     """Versions and machine, stored with every result so numbers can be compared honestly."""
     import os
@@ -28,7 +41,10 @@ def environment() -> dict:
     import transformers
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "machine": platform.machine(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+           "machine": platform.machine(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+           "torch_threads": torch.get_num_threads()}
+    if hasattr(os, "getloadavg"):  # other processes on the machine slow every step: record how busy it was
+        env["load_average_1m"] = round(os.getloadavg()[0], 2)
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
     return env
@@ -76,12 +92,11 @@ def save_figures(runs: dict, figures_dir: str) -> list[str]:
         fig = compare_gantt(engines, rows="row", x="time")
         paths.append(save(fig, "compare_gantt", figures_dir))
         plt.close(fig)
-    paged = {name: run.engine for name, run in runs.items()
-             if isinstance(getattr(run.engine, "scheduler", None), PagedScheduler)}
+    paged = {name: run.engine for name, run in runs.items() if run.engine is not None and run.engine.scheduler.pages_kv}
     if paged:
         fig, axes = plt.subplots(1, len(paged), figsize=(6 * len(paged), 4), layout="constrained", squeeze=False)
         for ax, (name, eng) in zip(axes[0], paged.items()):
-            kv_block_map(eng.trace, eng.scheduler.block_manager.num_blocks, ax=ax, title=f"{name}: KV blocks per step")
+            kv_block_map(eng.trace, eng.scheduler.kv_geometry()[0], ax=ax, title=f"{name}: KV blocks per step")
         paths.append(save(fig, "compare_kv_block_map", figures_dir))
         plt.close(fig)
     fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout="constrained")

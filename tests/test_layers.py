@@ -6,6 +6,7 @@ Imports are read with ``ast`` at any depth, so a lazy import inside a function c
 """
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx  # installed with torch
@@ -156,3 +157,16 @@ def test_no_private_names_across_modules():
     files = sorted(p for d in ("minibatch", "benchmarks", "scripts") for p in (ROOT / d).rglob("*.py"))
     found = [f"{p.relative_to(ROOT)}:{line}: {text}" for p in files for line, text in sorted(private_uses(p))]
     assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+def test_callers_ask_schedulers_and_executors_instead_of_probing_them():
+    """Outside kv/ and scheduler/ nothing reaches for a scheduler's block_manager (dotted or by getattr), checks a
+    scheduler's class, or probes an executor's stats with getattr: they ask (kv_geometry, kv_capacity_slots,
+    make_stats, block_ref_counts, pages_kv; executor.make_stats)."""
+    probes = re.compile(r"\.block_manager\b|getattr\([^)]*\"(?:block_manager|stats|batch_size)\"|"
+                        r"isinstance\([^)]*Scheduler\)")
+    found = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+             for path in sorted((ROOT / "minibatch").rglob("*.py"))
+             if path.relative_to(ROOT / "minibatch").parts[0] not in ("kv", "scheduler")
+             for i, line in enumerate(path.read_text().splitlines(), 1) if probes.search(line)]
+    assert not found, "\n".join(found)

@@ -74,10 +74,11 @@ def prefix_caching_experiment(runner, clock_factory: Callable, system_prompt_ids
     for policy in ("paged", "paged_prefix"):
         runs[policy] = run(policy, requests, runner, clock_factory(), n_slots=n_slots, max_num_seqs=max_num_seqs,
                            block_size=block_size)
-        bm = runs[policy].engine.scheduler.block_manager
         prefill[policy] = num_prefill_tokens(runs[policy].records)
-        result["policies"][policy] = {**run_metrics(runs[policy]), "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
-                                      "num_prefix_hit_tokens": bm.num_prefix_hit_tokens}
+        stats = runs[policy].engine.scheduler.make_stats()
+        result["policies"][policy] = {**run_metrics(runs[policy]), "prefix_cache_hit_rate":
+                                      stats.get("prefix_cache_hit_rate", 0.0),
+                                      "num_prefix_hit_tokens": stats.get("num_prefix_hit_tokens", 0)}
     result["requests"] = [
         {"request_id": a.request_id, "num_prompt_tokens": a.num_prompt_tokens,
          "prefill_tokens": prefill["paged"][a.request_id],
@@ -114,11 +115,11 @@ def cow_experiment(runner, prompt_ids: list[int], n: int = 4, max_new_tokens: in
                          block_size=block_size)
     for r in group:
         engine.add_request(r)
-    bm, ref_cnts = engine.scheduler.block_manager, None
+    ref_cnts = None
     while engine.has_unfinished():  # stepped by hand: the ref_cnts are read mid-run
         engine.step()
         if ref_cnts is None and len(engine.scheduler.running) == n:  # every sample holds its blocks now
-            ref_cnts = {r.request_id: [bm.blocks[b].ref_cnt for b in bm.block_tables[r.request_id]]
+            ref_cnts = {r.request_id: engine.scheduler.block_ref_counts(r.request_id)
                         for r in engine.scheduler.running}
     alone = [r.copy() for r in group]
     for r in alone:

@@ -70,7 +70,7 @@ def run_metrics(result: Run, name: str | None = None) -> dict:
     the reservation and the empty tail of each last block). kv_usage_fraction: mean over steps of
     slots holding computed tokens / n_slots (how full of real KV the memory is).
     """
-    trace, n_slots = result.records, result.engine.scheduler.block_manager.num_slots
+    trace, n_slots = result.records, result.engine.scheduler.kv_capacity_slots(result.engine.executor.max_model_len)
     return result.row(*FIELDS, policy=name or result.policy, n_slots=n_slots,
                       kv_usage_fraction=sum(r.num_kv_slots_used for r in trace) / (len(trace) * n_slots),
                       num_prefill_tokens=sum(num_prefill_tokens(trace).values()))

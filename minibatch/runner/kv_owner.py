@@ -40,6 +40,10 @@ class KVOwnership:
 
     _owner = None  # weakref to the owning engine
 
+    def make_stats(self) -> dict:
+        """Run statistics of the executor's own, for a run's row (a speculative executor: "spec_decoding")."""
+        return {}
+
     def claim(self, owner, kv_geometry: tuple[int, int, int] | None = None) -> bool:
         """Make ``owner`` (an Engine) the user of this executor; with ``kv_geometry`` (num_blocks,
         block_size, num_cpu_blocks) the KV cache is (re)allocated to it first. Returns True when

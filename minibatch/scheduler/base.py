@@ -25,6 +25,10 @@ class Scheduler:
     name = "base"
     layout = PACKED  # the batch layout its steps use: "packed" (selective batching) or "padded"
     options: frozenset[str] = frozenset()  # the EngineConfig fields from_config reads
+    pages_kv = False  # its requests' KV lives in block tables a KV block map can draw (the paged schedulers)
+    block_manager = None  # Orca's and the paged schedulers' BlockManager: read by kv/ and scheduler/ only; others
+    # ask the scheduler (kv_geometry, kv_capacity_slots, make_stats, block_ref_counts), as vLLM's
+    # get_kv_cache_usage() / make_stats()
 
     @classmethod
     def from_config(cls, config) -> "Scheduler":
@@ -80,9 +84,8 @@ class Scheduler:
     def free_kv(self, request: Request) -> None:
         """Give back whatever KV ``request`` holds: its blocks in the block manager, on the GPU or
         (swapped out) on the CPU. A static batch has none of its own: the row stays padding."""
-        bm = getattr(self, "block_manager", None)
-        if bm is not None:
-            bm.free_any(request.request_id)
+        if self.block_manager is not None:
+            self.block_manager.free_any(request.request_id)
 
     def schedule(self, now_s: float) -> SchedulerOutput:
         raise NotImplementedError
@@ -124,6 +127,39 @@ class Scheduler:
             if r.is_finished:
                 finished.append(r)
         return finished
+
+    # --- what the engine, reports and metrics may ask about the KV cache ---
+    def kv_geometry(self) -> tuple[int, int, int] | None:
+        """(num_blocks, block_size, num_cpu_blocks) of the KV cache this scheduler hands out (the executor
+        allocates it), or None: no block manager (a static batch keeps its KV in padded rows)."""
+        bm = self.block_manager
+        return None if bm is None else (bm.num_blocks, bm.block_size, bm.num_cpu_blocks)
+
+    def kv_capacity_slots(self, max_model_len: int) -> int:
+        """KV token slots this scheduler can hand out: its blocks x block_size (a static batch: its rows x
+        ``max_model_len``, see StaticScheduler)."""
+        bm = self.block_manager
+        return 0 if bm is None else bm.num_blocks * bm.block_size
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (their KV may have been overwritten by another engine)."""
+        if self.block_manager is not None:
+            self.block_manager.reset_prefix_cache()
+
+    def make_stats(self) -> dict:
+        """Run statistics of the scheduler's own, for a run's row: with prefix caching, "prefix_cache_hit_rate"
+        (prompt tokens found cached / looked up) and "num_prefix_hit_tokens"; else nothing."""
+        bm = self.block_manager
+        if bm is None or not bm.enable_prefix_caching:
+            return {}
+        return {"prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "num_prefix_hit_tokens": bm.num_prefix_hit_tokens}
+
+    def block_ref_counts(self, request_id: str) -> list[int]:
+        """ref_cnt of each block of ``request_id``'s block_table (copy-on-write sharing), [] without blocks."""
+        bm = self.block_manager
+        if bm is None:
+            return []
+        return [bm.blocks[b].ref_cnt for b in bm.block_tables.get(request_id, [])]
 
     # --- accounting shown in every StepRecord ---
     @property

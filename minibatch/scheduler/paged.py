@@ -44,6 +44,8 @@ class PagedScheduler(Scheduler):
         ValueError: a bad argument; ``check_request`` for a request that cannot fit alone.
     """
 
+    pages_kv = True  # block tables of block_size slots: the KV block map draws them
+
     name = "paged"
     options = frozenset({"max_num_seqs", "n_slots", "block_size", "preemption_mode", "watermark",
                          "max_num_batched_tokens", "queue_policy", "aging_s"})

@@ -90,6 +90,10 @@ class StaticScheduler(Scheduler):
         self.padded_len += 1 if not plan.new_batch else 0
         return finished
 
+    def kv_capacity_slots(self, max_model_len: int) -> int:
+        """The padded batch's KV: batch_size rows of up to ``max_model_len`` slots."""
+        return self.batch_size * max_model_len
+
     @property
     def num_kv_slots_used(self) -> int:
         """KV slots holding real tokens of the batch's members (finished members' too: their rows

@@ -19,15 +19,6 @@ ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def kv_capacity_slots(scheduler, max_model_len: int) -> int:
-    """KV slots the scheduler can hand out: its block manager's blocks x block_size (paged,
-    Orca), or, for a static batch with no block manager, max_num_seqs rows of max_model_len."""
-    bm = getattr(scheduler, "block_manager", None)
-    if bm is not None:
-        return bm.num_blocks * bm.block_size
-    return getattr(scheduler, "batch_size", 1) * max_model_len
-
-
 class ServingMetrics:
     """The server's metrics; ``on_step`` is the AsyncEngine's per-step hook, ``text()`` the
     /metrics body (Prometheus text format, ``CONTENT_TYPE_LATEST``)."""
@@ -69,7 +60,7 @@ class ServingMetrics:
         self.running.set(len(s.running))
         self.waiting.set(len(s.waiting) + len(engine.pending))
         self.swapped.set(len(s.swapped))
-        self.kv_usage.set(s.num_kv_slots_reserved / max(1, kv_capacity_slots(s, engine.executor.max_model_len)))
+        self.kv_usage.set(s.num_kv_slots_reserved / max(1, s.kv_capacity_slots(engine.executor.max_model_len)))
         for r in aborted:
             self.observe_finished(r)
         if record is None:

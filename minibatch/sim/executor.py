@@ -118,6 +118,10 @@ class SimExecutor(KVOwnership):
         twin.speculator, twin._draft_seen = speculator, {}
         return twin
 
+    def make_stats(self) -> dict:
+        """The drafts proposed and accepted ("spec_decoding", once any was proposed)."""
+        return self.stats.make_stats()
+
     def observe_step(self, record) -> None:
         """The speculator learns from the step records, as with a real SpeculativeRunner."""
         if self.speculator is not None:

@@ -150,6 +150,10 @@ class SpeculativeRunner:
                 batch.append(DraftInput(s.request, tokens, k, table))
         return batch
 
+    def make_stats(self) -> dict:
+        """The drafts proposed and accepted ("spec_decoding", once any was proposed)."""
+        return self.stats.make_stats()
+
     def observe_step(self, record) -> None:
         """The speculator learns the draft's cost (and AdaptiveK the pooled alpha) from each step."""
         self.speculator.observe_step(record)

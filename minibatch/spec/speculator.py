@@ -272,6 +272,10 @@ class SpecDecodingStats:
         """P(position i accepted | a draft token existed there): accepted_i / drafted_i."""
         return [a / d if d else 0.0 for a, d in zip(self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos)]
 
+    def make_stats(self) -> dict:
+        """A run row's share: {"spec_decoding": as_dict()} once any draft token was proposed, else {}."""
+        return {"spec_decoding": self.as_dict()} if self.num_draft_tokens else {}
+
     def as_dict(self) -> dict:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": round(self.acceptance_rate, 4),
