@@ -25,8 +25,7 @@ class PagedScheduler(Scheduler):
         max_num_seqs: the most running requests (vLLM's max_num_seqs), >= 1.
         num_blocks: KV blocks (n_slots = num_blocks * block_size), >= 1.
         block_size: token slots per block, >= 1.
-        enable_prefix_caching: reuse cached full prompt blocks across requests.
-        preemption_mode: "recompute" or "swap".
+        enable_prefix_caching: reuse cached full prompt blocks across requests. preemption_mode: "recompute" or "swap".
         num_cpu_blocks: CPU blocks for swapping (default num_blocks when swapping, else 0). If
             they run out, a swap preemption falls back to recompute.
         watermark: fraction of blocks admission leaves free, in [0, 1).
@@ -44,9 +43,8 @@ class PagedScheduler(Scheduler):
         ValueError: a bad argument; ``check_request`` for a request that cannot fit alone.
     """
 
-    pages_kv = True  # block tables of block_size slots: the KV block map draws them
-
     name = "paged"
+    pages_kv = True  # block tables of block_size slots: the KV block map draws them
     options = frozenset({"max_num_seqs", "n_slots", "block_size", "preemption_mode", "watermark",
                          "max_num_batched_tokens", "queue_policy", "aging_s"})
     chunked_prefill = False  # may a prompt be split across steps? (ChunkedPrefillScheduler)
