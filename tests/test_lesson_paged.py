@@ -20,9 +20,8 @@ from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecuto
 from minibatch.engine import StepEntry, StepRecord  # noqa: E402
 from minibatch.lessons import paged_kv  # noqa: E402
 from minibatch.lessons.paged_kv import (  # noqa: E402
-    GREEDY, check_slot_mapping, cow_experiment, expected_kv_waste, kernel_check,
-    library_slot_mapping, preemption_experiment, prefix_caching_experiment, recomputed_tokens,
-    reservation_vs_paged, system_and_user_ids,
+    GREEDY, cow_experiment, expected_kv_waste, kernel_check, preemption_experiment, prefix_caching_experiment,
+    recomputed_tokens, reservation_vs_paged, system_and_user_ids,
 )
 from minibatch.models import load_model  # noqa: E402
 from minibatch.workload import make_trace  # noqa: E402
@@ -206,24 +205,6 @@ def test_figures_draw_what_they_say(runner):
     fig = paged_kv.draw_block_map(engine.trace, 8)
     assert [line.get_xdata()[0] for line in fig.axes[0].lines] == preempting
     plt.close(fig)
-
-
-def test_slot_mapping_check_accepts_the_formula_and_rejects_mistakes(runner):
-    reqs = [Request(f"r{i}", list(range(3, 3 + p)), n, GREEDY) for i, (p, n) in enumerate([(10, 6), (7, 9)])]
-    engine = make_engine("paged", runner, SimClock(), max_num_seqs=8, n_slots=32, block_size=4)
-    engine.generate(reqs)
-    assert library_slot_mapping([7, 2, 5], 0, 10, 4) == [28, 29, 30, 31, 8, 9, 10, 11, 20, 21]
-
-    def right(block_table, num_computed_tokens, num_new_tokens, block_size):
-        return [block_table[p // block_size] * block_size + p % block_size
-                for p in range(num_computed_tokens, num_computed_tokens + num_new_tokens)]
-
-    def from_zero(block_table, num_computed_tokens, num_new_tokens, block_size):  # forgets the computed tokens
-        return right(block_table, 0, num_new_tokens, block_size)
-
-    assert check_slot_mapping(right, engine.trace, 4) == []
-    assert check_slot_mapping(from_zero, engine.trace, 4)
-    assert check_slot_mapping(lambda *args: None, engine.trace, 4)  # an unfinished body
 
 
 def test_benchmark_script_runs_quick(tmp_path):

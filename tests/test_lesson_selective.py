@@ -76,11 +76,14 @@ def test_the_mask_exercise_accepts_the_answer_and_rejects_wrong_ones(tiny, capsy
     assert not check_my_mask(lambda lens: causal_mask(sum(lens)), runner)
     assert not check_my_mask(lambda lens: block_diagonal_causal_mask(lens).int(), runner)  # bool, not 0/1 ints
     assert not check_my_mask(lambda lens: None, runner)  # an unfinished body
+    no_causality = lambda lens: torch.block_diag(*[torch.ones(n, n) for n in lens]).bool()  # noqa: E731
+    assert not check_my_mask(no_causality, runner)  # each request sees its own later tokens
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("correct:")
     assert lines[1].startswith("not yet: for seq_lens [2, 1, 3] one SDPA with your mask is")
     assert lines[2].startswith("not yet: for seq_lens [3] the mask must be (3, 3) torch.bool, got (3, 3) torch.int32")
     assert lines[3].startswith("not yet: my_block_diagonal_causal_mask(seq_lens) is not implemented yet")
+    assert lines[4].startswith("not yet: for seq_lens [3] one SDPA with your mask is")
 
 
 def test_prefill_output_gives_each_prompt_its_own_blocks():

@@ -9,12 +9,10 @@ The experiments are ``minibatch.experiments.chunked`` (the stall, the budget swe
 micro-batching) and ``minibatch.experiments.queue_policy`` (starvation), the figures
 ``minibatch.viz.chunked``. Here: :func:`print_table`, :func:`print_versus` (ratios said with their
 direction, :func:`fold`), :func:`bracketing_budgets`, and the exercise checks
-(:func:`check_stall_free_plan`, :func:`check_budget_prediction`).
+(:func:`check_step_plan`, :func:`check_budget_prediction`).
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 from minibatch.clock import SimClock
 from minibatch.claims import claim
@@ -89,49 +87,42 @@ def bracketing_budgets(rows: list[dict], run: str, key: str = "itl_p99_s") -> st
     return f"{run}: {label} {mine[key] * 1e3:.1f} ms, {where}"
 
 
-@exercise.check(hint="decodes first, one token each; then each prefill gets min(its tokens left, budget left)")
-def check_stall_free_plan(fn: Callable, budgets=(1, 7, 16, 64), seed: int = 0) -> str:
-    """Check ``fn(num_decodes, prefills_left, budget) -> list[int]`` against the chunked
-    scheduler: every step of a random run at each budget gives fn the step's decodes and its
-    prefills' remaining prompt tokens, and fn must return exactly the tokens the scheduler gave.
-    Prints one line (``exercise.check``); returns whether fn matched on every step.
+COMPETE = (("d", 4, 10), ("A", 17, 6), ("B", 20, 6))  # (request_id, prompt tokens, output tokens), all at 0 s
 
-    Raises (reported as "not yet"):
-        AssertionError: naming the first step where fn disagrees.
-    """
-    from minibatch.workload import make_trace
 
-    example = exercise.require(fn(3, [100, 20], 64), "my_stall_free_plan")
-    want = [1, 1, 1, 61, 0]
-    assert list(example) == want, f"3 decodes, prefills [100, 20], budget 64: expected {want}, got {example}"
-    checked = 0
-    for budget in budgets:
-        trace = make_trace(12, arrival="poisson", rate_per_s=20, lengths="uniform", prompt_range=(3, 90),
-                           output_range=(2, 12), seed=seed + budget)
-        reqs = {r.request_id: r for r in trace}
-        result = run("chunked", trace, SimExecutor(), SimClock(), max_num_batched_tokens=budget, max_num_seqs=8)
-        for rec in result.records:
-            decodes = [e for e in rec.entries if e.phase == "decode"]
-            prefills = [e for e in rec.entries if e.phase == "prefill"]
-            left = [reqs[e.request_id].num_prompt_tokens - e.num_computed_tokens for e in prefills]
-            want = [1] * len(decodes) + [e.num_new_tokens for e in prefills]
-            got = list(fn(len(decodes), left, budget))
-            assert got == want, (f"budget {budget}, step {rec.step}: {len(decodes)} decodes, prefills with "
-                                 f"{left} tokens left: expected {want}, got {got}")
-            checked += 1
-    return f"your plan matches the chunked scheduler on all {checked} steps"
+def compete_run(budget: int = 16, requests=COMPETE) -> list:
+    """The chunked scheduler (token budget ``budget``) on ``requests`` (id, prompt, output), all arriving at 0 s
+    in that order; SimExecutor, SimClock. Returns the trace."""
+    from minibatch.request import Request, SamplingParams
+
+    reqs = [Request(rid, [5] * p, n, SamplingParams(ignore_eos=True)) for rid, p, n in requests]
+    return run("chunked", reqs, SimExecutor(), SimClock(), max_num_batched_tokens=budget, max_num_seqs=8).records
+
+
+@exercise.check(hint="decodes first, one token each; then the prefill already under way, then new prompts, each "
+                     "cut to the budget left; a prompt whose last chunk ran has sampled a token: it decodes next")
+def check_step_plan(prediction: dict, trace: list, steps=(1, 2), show_answer: bool = False) -> str:
+    """The exercise: ``prediction`` = {"step S": {request_id: num_new_tokens}} for each S of ``steps``, every request
+    of the trace included (0 for one not in the step), against the chunked run's ``trace``. A miss names the first
+    wrong request of the first wrong step, "too low" or "too high"."""
+    ids = list(dict.fromkeys(e.request_id for r in trace for e in r.entries))
+    measured = {f"step {s}": {rid: next((e.num_new_tokens for e in trace[s].entries if e.request_id == rid), 0)
+                              for rid in ids} for s in steps}
+    exercise.expect(prediction, measured, show_answer=show_answer)
+    return "; ".join(f"{k}: " + ", ".join(f"{rid} {n}" for rid, n in v.items()) for k, v in measured.items())
 
 
 @exercise.check(hint="a step's time grows by about the same amount per prefill token; section 3's table gives "
                      "two budgets' ITL p99")
 def check_budget_prediction(prediction, requests: list, budgets=(128, 160, 192, 224, 256),
-                            target_itl_s: float = 0.3) -> str:
+                            target_itl_s: float = 0.3, show_answer: bool = False) -> str:
     """Check a predicted budget: of ``budgets``, the one whose chunked run over ``requests``
     (SimExecutor, SimClock) has the highest output throughput among those with ITL p99 at most
     ``target_itl_s`` seconds. Prints one line (``exercise.check``); returns whether it was right.
 
     Raises (reported as "not yet"):
-        AssertionError: a budget not in ``budgets``, one over the target, or one with less throughput.
+        AssertionError: a budget not in ``budgets``; "too high" (over the target) or "too low" (less throughput);
+        the answer itself only with ``show_answer``.
     """
     prediction = exercise.require(prediction, "my_prediction")
     assert prediction in budgets, f"choose one of the budgets {list(budgets)}, not {prediction!r}"
@@ -139,10 +130,9 @@ def check_budget_prediction(prediction, requests: list, budgets=(128, 160, 192, 
     ok = [b for b in budgets if rows[b]["itl_p99_s"] <= target_itl_s]
     best = max(ok, key=lambda b: rows[b]["output_throughput_tok_s"]) if ok else None
     mine, ms = rows[prediction], target_itl_s * 1e3
-    assert mine["itl_p99_s"] <= target_itl_s, (f"budget {prediction}: ITL p99 {mine['itl_p99_s'] * 1e3:.0f} ms, "
-                                               f"over the {ms:.0f} ms target")
-    assert prediction == best, (f"budget {prediction} meets the target (ITL p99 {mine['itl_p99_s'] * 1e3:.0f} ms), "
-                                "but another budget meets it with more output throughput")
+    words = (f"too low: budget {prediction} meets the target, but a larger one does too, with more throughput",
+             f"too high: budget {prediction} has ITL p99 {mine['itl_p99_s'] * 1e3:.0f} ms, over the {ms:.0f} ms target")
+    exercise.expect(prediction, best, show_answer=show_answer, words=words)
     over = [b for b in budgets if b not in ok]
     after = f"; budget {over[0]} is over it ({rows[over[0]]['itl_p99_s'] * 1e3:.0f} ms)" if over else ""
     return (f"budget {best}: ITL p99 {mine['itl_p99_s'] * 1e3:.0f} ms (target {ms:.0f} ms), "

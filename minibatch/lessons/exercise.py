@@ -4,16 +4,21 @@ Every check prints one line and never raises: ``correct: ...`` when the answer i
 ``not yet: ...`` with what is missing or wrong and a hint. A stub (the student edition's ``...``,
 or a function whose body is still ``...`` and so returns None) reads as "not implemented yet".
 A check compares the answer with what the engine does (its schedule, its KV writes, its
-outputs), never with a reference solution, so nothing of a solution enters the student's
-namespace.
+outputs) or with properties the answer must have, never with a reference solution, so nothing of a
+solution enters the student's namespace.
+
+A prediction check (:func:`expect`) answers a miss with a direction first, not the answer: a number is
+"too low" or "too high" (or the caller's words, e.g. "too early" / "too late" for steps), a dict names
+its first wrong key and that key's direction, a list or set says how many entries are wrong or
+missing. The measured answer is printed only when the student asks for it: every prediction check takes
+``show_answer=False``; ``check_x(my_prediction, ..., show_answer=True)`` reveals it.
 
 Writing a check::
 
     @exercise.check(hint="each batch runs as long as its longest member")
-    def check_padding_rows(answer):
-        answer = exercise.require(answer, "my_answer")
+    def check_padding_rows(answer, trace, show_answer=False):
         measured = ...                                # what the engine did
-        assert answer == measured, f"you said {answer}, the engine computed {measured}"
+        exercise.expect(answer, measured, "my_answer", show_answer=show_answer)
         return f"{measured} padding rows"             # printed after "correct: "
 """
 
@@ -41,12 +46,48 @@ def require(value, name: str):
     return value
 
 
-def expect(answer, measured, name: str = "my_prediction"):
-    """For a predict-then-verify check: ``answer`` must equal what the engine ``measured``; raises
-    :class:`NotYet` for a stub, AssertionError (saying both) when they differ. Returns ``measured``."""
-    if require(answer, name) != measured:
-        raise AssertionError(f"you said {answer}, the engine: {measured}")
-    return measured
+def expect(answer, measured, name: str = "my_prediction", *, show_answer: bool = False,
+           words: tuple[str, str] = ("too low", "too high")):
+    """For a predict-then-verify check: ``answer`` must equal what the engine ``measured``. Raises
+    :class:`NotYet` for a stub, AssertionError when they differ: its message gives a direction (see the module
+    docstring; ``words`` = what to say for a number below / above the answer) and, only with ``show_answer``, the
+    measured answer. Returns ``measured``."""
+    if require(answer, name) == measured:
+        return measured
+    how = miss(answer, measured, words)
+    why = name + ("" if how.startswith("[") else " ") + how
+    if show_answer:
+        raise AssertionError(f"{why}; the engine: {measured!r}")
+    raise AssertionError(f"{why} (to see the answer, run the check with show_answer=True)")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def miss(answer, measured, words: tuple[str, str] = ("too low", "too high")) -> str:
+    """How ``answer`` misses ``measured``, without saying ``measured``: "is too low", "['orca'] is too early",
+    "has 2 of 3 entries wrong", ..."""
+    if _is_number(answer) and _is_number(measured):
+        return f"is {words[answer > measured]}"
+    if isinstance(measured, dict):
+        if not isinstance(answer, dict) or set(answer) != set(measured):
+            return f"must be a dict with the keys {sorted(map(str, measured))}"
+        key = next(k for k in measured if answer[k] != measured[k])
+        how = miss(answer[key], measured[key], words)
+        return f"[{key!r}]" + ("" if how.startswith("[") else " ") + how
+    if isinstance(measured, (set, frozenset)) or isinstance(answer, (set, frozenset)):
+        answer, measured = set(answer), set(measured)
+        wrong, missing = len(answer - measured), len(measured - answer)
+        return f"has {wrong} wrong {'entry' if wrong == 1 else 'entries'} and misses {missing}"
+    if isinstance(measured, (list, tuple)):
+        if not isinstance(answer, (list, tuple)):
+            return f"must be a list of {len(measured)}"
+        if len(answer) != len(measured):
+            return f"has {len(answer)} entries, the answer {len(measured)}"
+        wrong = [i for i, (a, m) in enumerate(zip(answer, measured)) if a != m]
+        return f"has {len(wrong)} of {len(measured)} entries wrong, the first at index {wrong[0]}"
+    return "is not what the engine did"
 
 
 def check(hint: str = "") -> Callable:

@@ -32,14 +32,7 @@ def check_num_positions(prediction, num_prompt_tokens: int, max_new_tokens: int,
     counted = sum(num_prompt_tokens + i for i in range(max_new_tokens))  # step i: the prompt + i generated tokens
     answer = (f"the loop computes {num_prompt_tokens} + {num_prompt_tokens + 1} + ... + "
               f"{num_prompt_tokens + max_new_tokens - 1} = {counted} positions")
-    if exercise.is_stub(prediction):
-        if show_answer:
-            raise AssertionError(f"no prediction yet; {answer}")
-        raise exercise.NotYet("my_prediction is not implemented yet")
-    if prediction != counted:
-        direction = "too high" if prediction > counted else "too low"
-        reveal = f"; {answer}" if show_answer else " (to see the answer, run the check with show_answer=True)"
-        raise AssertionError(f"my_prediction ({prediction}) is {direction}{reveal}")
+    exercise.expect(prediction, counted, "my_prediction", show_answer=show_answer)
     return answer
 
 

@@ -1,4 +1,4 @@
-"""Notebook 04 (paged KV cache): printers, the slot-mapping exercise, and the names the notebook,
+"""Notebook 04 (paged KV cache): printers, the two prediction checks, and the names the notebook,
 ``benchmarks/paged_kv.py`` and the tests import from here.
 
 vLLM (Kwon et al., "Efficient Memory Management for Large Language Model Serving with
@@ -13,8 +13,6 @@ references), the figures in ``minibatch.viz.paged_kv``.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 from minibatch.engine import StepRecord
 from minibatch.experiments.kernel_check import kernel_check  # noqa: F401
@@ -101,7 +99,7 @@ def print_measured(data: dict) -> None:
     print(f"same greedy tokens within every experiment: {all(same)}")
 
 
-# ---------------------------------------------------------------------- block tables and the exercise
+# ---------------------------------------------------------------------- block tables and the exercises
 def print_block_tables(trace: list[StepRecord], num_blocks: int, steps=None) -> None:
     """One line per step: the block_table of each request in the step's batch, the blocks no
     request holds during the step, and who was preempted (before it ran) or finished in it."""
@@ -113,53 +111,43 @@ def print_block_tables(trace: list[StepRecord], num_blocks: int, steps=None) -> 
         print(f"step {record.step:>2}: {tables}  | free {num_blocks - len(used)}{notes}")
 
 
-def library_slot_mapping(block_table: list[int], num_computed_tokens: int, num_new_tokens: int,
-                         block_size: int) -> list[int]:
-    """The runner's slot_mapping for one request's new tokens (``minibatch.runner.batch``)."""
-    from minibatch.runner.batch import context_slot_table
-
-    seq_len = num_computed_tokens + num_new_tokens
-    return context_slot_table([block_table], [seq_len], block_size)[0, num_computed_tokens:seq_len].tolist()
+def free_blocks(record: StepRecord, num_blocks: int) -> int:
+    """The blocks no request holds during the step of ``record`` (shared blocks counted once)."""
+    return num_blocks - len({b for t in record.block_tables.values() for b in t})
 
 
-SLOT_MAPPING_CASES = (([7, 2, 5], 0, 10, 4), ([7, 2, 5], 9, 1, 4), ([3], 2, 1, 4), ([4, 1], 3, 2, 4),
-                      ([0, 9, 8], 16, 1, 8))  # (block_table, num_computed_tokens, num_new_tokens, block_size)
+def fork_run(prompt_len: int = 10, n: int = 3, max_new_tokens: int = 8, num_blocks: int = 16,
+             block_size: int = 4, seed: int = 0) -> list[StepRecord]:
+    """Parallel sampling on the SimExecutor: a request with a ``prompt_len``-token prompt forked into ``n`` samples
+    (``fork_requests``: the children share the parent's prompt blocks, copy-on-write), in a paged cache of
+    ``num_blocks`` blocks of ``block_size`` slots. Returns the engine's trace."""
+    from minibatch import Request, SamplingParams, SimClock, SimExecutor, make_engine
+    from minibatch.request import fork_requests
+
+    sampling = SamplingParams(temperature=1.0, seed=seed, ignore_eos=True)
+    engine = make_engine("paged", SimExecutor(), SimClock(), max_num_seqs=max(8, n), n_slots=num_blocks * block_size,
+                         block_size=block_size)
+    engine.generate(fork_requests(Request("s", [5] * prompt_len, max_new_tokens, sampling), n))
+    return engine.trace
 
 
-def check_slot_mapping(fn: Callable, trace: list[StepRecord], block_size: int) -> list[tuple]:
-    """Compare a learner's ``fn(block_table, num_computed_tokens, num_new_tokens, block_size)``
-    with the runner's slot_mapping on hand-picked cases and on every request of every step of
-    ``trace``. Returns the mismatches as (case, expected, returned); [] means all correct."""
-    cases = list(SLOT_MAPPING_CASES)
-    for record in trace:
-        for e in record.entries:
-            cases.append((record.block_tables[e.request_id], e.num_computed_tokens, e.num_new_tokens, block_size))
-    wrong = []
-    for case in cases:
-        expected, got = library_slot_mapping(*case), fn(*case)
-        if got is None or [int(x) for x in got] != expected:
-            wrong.append((case, expected, got))
-    return wrong
-
-
-@exercise.check(hint="the new tokens are positions num_computed_tokens .. num_computed_tokens + num_new_tokens - 1")
-def check_my_slot_mapping(fn: Callable, trace: list[StepRecord], block_size: int) -> str:
-    """The exercise: :func:`check_slot_mapping` on a learner's ``fn``; prints one line (see ``exercise.check``)."""
-    exercise.require(fn([7, 2, 5], 9, 1, 4), "my_slot_mapping(...)")
-    wrong = check_slot_mapping(fn, trace, block_size)
-    if wrong:
-        case, expected, got = wrong[0]
-        raise AssertionError(f"(block_table, num_computed_tokens, num_new_tokens, block_size) = {case}: "
-                             f"the runner writes slots {expected}, yours {got}")
-    num_cases = len(SLOT_MAPPING_CASES) + sum(len(record.entries) for record in trace)
-    return f"your slot mapping matches the runner's on all {num_cases} cases"
+@exercise.check(hint="the children share the parent's full prompt blocks; a shared block a child writes into is "
+                     "copied first; a sample takes a new block at the step that writes the block's first position")
+def check_fork_prediction(prediction: dict, trace: list[StepRecord], num_blocks: int, steps=(1, 4),
+                          show_answer: bool = False) -> str:
+    """The exercise: ``prediction`` = {"step S": free blocks during step S} for each S of ``steps``, against the
+    forked run's ``trace`` (a miss names the first wrong step, "too low" or "too high")."""
+    measured = {f"step {s}": free_blocks(trace[s], num_blocks) for s in steps}
+    exercise.expect(prediction, measured, show_answer=show_answer)
+    return ", ".join(f"{k}: {v} of {num_blocks} blocks free" for k, v in measured.items()) + ", as in the engine"
 
 
 @exercise.check(hint="a request takes a block at the step that writes the block's first position; with none free, "
                      "the running request that arrived last is preempted")
-def check_first_preemption(prediction: dict, trace: list[StepRecord]) -> str:
-    """The exercise: ``prediction`` = {"step": int, "preempted": request id}, the first preemption in ``trace``."""
+def check_first_preemption(prediction: dict, trace: list[StepRecord], show_answer: bool = False) -> str:
+    """The exercise: ``prediction`` = {"step": int, "preempted": request id}, the first preemption in ``trace``
+    (a miss says "too early" / "too late" for the step; ``show_answer`` also prints the engine's answer)."""
     first = next((record for record in trace if record.preempted), None)
     measured = {"step": first.step, "preempted": first.preempted[0]} if first else None
-    exercise.expect(prediction, measured)
+    exercise.expect(prediction, measured, show_answer=show_answer, words=("too early", "too late"))
     return f"the engine's first preemption is at step {first.step}, of {first.preempted[0]}"

@@ -9,7 +9,9 @@ machinery is ``minibatch/spec``; the experiments are in ``minibatch.experiments`
 ``spec_speedup``: the speedup model and the batch sweep), the figures in ``minibatch.viz.speculative``.
 Here: :func:`print_rows`, the speedup model against measured runs (:func:`speedup_model`,
 :func:`print_speedup_model`, :func:`plot_speedup_vs_alpha`), :func:`print_against_papers`, :func:`sim_clock_costs`,
-:func:`check_rejection_sampler` and the exercise check :func:`check_my_rejection_sample`.
+:func:`sampler_histograms` (section 2's demo),
+:func:`check_rejection_sampler` (output length, bonus token, distribution) and the exercise check
+:func:`check_my_rejection_sample`.
 
 The speedup model is one function, :func:`predicted_speedup`: k drafts cost k forwards of the draft (c target
 decodes each) and one verify forward (v decodes), and emit E(alpha, k) = (1 - alpha^(k+1)) / (1 - alpha) tokens
@@ -37,17 +39,65 @@ from minibatch.viz.speculative import plot_speedup_curves
 CLAIM_IDS = ("leviathan-speedup", "leviathan-alpha", "chen-speedup")
 
 
-def check_rejection_sampler(fn: Callable, n: int = 20_000, seed: int = 3) -> float:
-    """``fn(target_probs, draft_tokens, draft_probs, generator)`` must emit tokens distributed
-    exactly as the target (chi-square p > 1e-3 over n sequences). Returns p.
+def sampler_histograms(n: int = 20_000) -> dict:
+    """Section 2's demo: :func:`first_token_histograms` of the library's rejection sampler and of the wrong one that
+    resamples from p (``naive_sample``), keyed "rejection sampler" and "wrong: resample from p"."""
+    from minibatch.spec.rejection_sampler import naive_sample, rejection_sample
+
+    return first_token_histograms({"rejection sampler": rejection_sample, "wrong: resample from p": naive_sample}, n=n)
+
+
+def _bonus_case(k: int = 3, V: int = 6):
+    """(p, drafts, q): the draft's q equals the target's p at every drafted position, so every draft is accepted
+    (u * q(x) < p(x) for any u < 1); p's last row, where the bonus token is sampled, differs from the others."""
+    import torch
+
+    rows = torch.full((k, V), 1.0 / V)
+    last = torch.tensor([0.05, 0.5, 0.05, 0.3, 0.05, 0.05])[:V]
+    return torch.cat([rows, (last / last.sum())[None]]), [2] * k, rows.clone()
+
+
+def check_bonus_token(fn: Callable, n: int = 3000, seed: int = 5) -> None:
+    """When every one of k drafts is accepted, ``fn`` must return k + 1 tokens: the k drafts, then a bonus token
+    sampled from the target's last row (chi-square p > 1e-3 over n draws).
 
     Raises:
-        AssertionError: the distribution is off, or fn returns something other than 1..k+1 ints.
+        AssertionError: naming the property that failed ("output length" or "bonus token").
+    """
+    import torch
+
+    p, drafts, q = _bonus_case()
+    k, g, counts = len(drafts), torch.Generator().manual_seed(seed), np.zeros(p.shape[1])
+    for _ in range(n):
+        out = _checked(fn)(p, drafts, q, g)
+        assert len(out) == k + 1, (f"{'bonus token' if len(out) == k else 'output length'}: all {k} drafts were "
+                                   f"accepted (q = p), so {k + 1} tokens must come out (the drafts, then one from "
+                                   f"target_probs[{k}]); got {len(out)}")
+        assert out[:k] == drafts, f"accepted drafts: the first {k} tokens must be the drafts {drafts}, got {out}"
+        counts[out[k]] += 1
+    from scipy.stats import chi2
+
+    expected = p[k].numpy() * n  # every cell over 5 draws: no pooling needed
+    pv = float(chi2.sf(((counts - expected) ** 2 / expected).sum(), len(expected) - 1))
+    assert pv > 1e-3, (f"bonus token: after {k} accepted drafts it must be sampled from target_probs[{k}] "
+                       f"(chi-square p = {pv:.2g} over {n:,} draws)")
+
+
+def check_rejection_sampler(fn: Callable, n: int = 20_000, seed: int = 3) -> float:
+    """``fn(target_probs, draft_tokens, draft_probs, generator)`` must return 1..k+1 ints (output length), k + 1 of
+    them when all k drafts are accepted, the last a bonus token from the target's row k (:func:`check_bonus_token`),
+    and emit tokens distributed exactly as the target (distribution: chi-square p > 1e-3 over n sequences).
+    Returns p.
+
+    Raises:
+        AssertionError: its message starts with the property that failed: "output length", "bonus token" or
+            "distribution".
         exercise.NotYet: fn returns None (a body still ``...``).
     """
+    check_bonus_token(fn)
     counts, expected = spec_sequences(_checked(fn), n, seed=seed)
     p = chi_square_pvalue(counts, expected)
-    assert p > 1e-3, f"the emitted tokens do not follow the target (chi-square p = {p:.2g})"
+    assert p > 1e-3, f"distribution: the emitted tokens do not follow the target (chi-square p = {p:.2g})"
     return p
 
 
@@ -55,15 +105,17 @@ def check_rejection_sampler(fn: Callable, n: int = 20_000, seed: int = 3) -> flo
                      "sample from normalize(max(p - q, 0)); all accepted: a bonus token from the last row of p")
 def check_my_rejection_sample(fn: Callable, n: int = 20_000, seed: int = 3) -> str:
     """The exercise check: :func:`check_rejection_sampler` on the student's ``fn``, as one printed line
-    (``exercise.check``); returns whether the emitted tokens follow the target."""
+    (``exercise.check``); returns whether every property held."""
     p = check_rejection_sampler(fn, n, seed)
-    return f"the emitted tokens follow the target (chi-square p = {p:.3f} over {n:,} sequences)"
+    return (f"k + 1 tokens with a bonus from the target when all k drafts pass, and the emitted tokens follow the "
+            f"target (chi-square p = {p:.3f} over {n:,} sequences)")
 
 
 def _checked(fn: Callable) -> Callable:
     def wrapped(p, drafts, q, g):
         out = exercise.require(fn(p, drafts, q, g), "my_rejection_sample")
-        assert isinstance(out, list) and 1 <= len(out) <= len(drafts) + 1, f"must return 1..k+1 tokens, got {out!r}"
+        assert isinstance(out, list) and 1 <= len(out) <= len(drafts) + 1, \
+            f"output length: must return a list of 1..k+1 tokens, got {out!r}"
         return [int(t) for t in out]
 
     return wrapped

@@ -98,18 +98,22 @@ def print_steps(trace: list[StepRecord]) -> None:
 
 
 @exercise.check(hint="a batch runs until its longest member is done; print_steps(trace) shows every row")
-def check_padding_rows(answer: int, trace: list[StepRecord]) -> str:
-    """Exercise: ``answer``, the padding decode rows (rows of already finished requests), against a static run."""
-    measured = exercise.expect(answer, sum(e.phase == "padding" for r in trace for e in r.entries), "my_answer")
+def check_padding_rows(answer: int, trace: list[StepRecord], show_answer: bool = False) -> str:
+    """Exercise: ``answer``, the padding decode rows (rows of already finished requests), against a static run
+    (a miss says "too low" or "too high"; ``show_answer`` also prints the engine's count)."""
+    measured = exercise.expect(answer, sum(e.phase == "padding" for r in trace for e in r.entries), "my_answer",
+                               show_answer=show_answer)
     return f"{measured} padding decode rows, as in the engine's trace"
 
 
 @exercise.check(hint="the prefill step samples a request's first token; Orca refills a freed row in the next step")
-def check_start_steps(prediction: dict, traces: dict[str, list[StepRecord]], request_id: str) -> str:
-    """Exercise: ``prediction`` = {policy: the first step that runs ``request_id``}, against each policy's trace."""
+def check_start_steps(prediction: dict, traces: dict[str, list[StepRecord]], request_id: str,
+                      show_answer: bool = False) -> str:
+    """Exercise: ``prediction`` = {policy: the first step that runs ``request_id``}, against each policy's trace
+    (a miss names the first wrong policy, "too early" or "too late"; ``show_answer`` also prints the steps)."""
     measured = {policy: next(r.step for r in trace if request_id in {e.request_id for e in r.entries})
                 for policy, trace in traces.items()}
-    exercise.expect(prediction, measured)
+    exercise.expect(prediction, measured, show_answer=show_answer, words=("too early", "too late"))
     return ", ".join(f"{policy} runs {request_id} first at step {step}" for policy, step in measured.items())
 
 
@@ -147,3 +151,13 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
         return {name: min(fn() for _ in range(repeats)) for name, fn in timers.items()}
     finally:
         torch.set_num_threads(old_threads)
+
+
+def mark_arrival(fig, time_s: float, label: str) -> None:
+    """A dotted vertical line at ``time_s`` on every axes of a :func:`~minibatch.viz.compare_gantt` figure (x="time"),
+    with ``label`` (e.g. "req-4 arrives") written at the top of the first chart."""
+    for ax in fig.axes:
+        ax.axvline(time_s, color="black", ls=":", lw=1.2, zorder=5)
+    top = fig.axes[0]
+    top.annotate(label, (time_s, 1.0), xycoords=("data", "axes fraction"), xytext=(3, 2), textcoords="offset points",
+                 fontsize=8, va="bottom", annotation_clip=False)

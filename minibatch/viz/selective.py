@@ -28,10 +28,10 @@ def _cell(ax, x, y, color, text="", hatch=None, w=1.0, h=1.0, fontsize=8, text_c
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize, color=text_color)
 
 
-def _finish(ax, x1: float, y1: float, x0: float = 0.0, y0: float = 0.0) -> None:
+def _finish(ax, x1: float, y1: float, x0: float = 0.0, y0: float = 0.0, aspect="equal") -> None:
     ax.set_xlim(x0, x1)
     ax.set_ylim(y0, y1)
-    ax.set_aspect("equal")
+    ax.set_aspect(aspect)
     ax.axis("off")
 
 
@@ -39,15 +39,15 @@ def draw_padded_vs_packed(lens: list[int], names: list[str] | None = None):
     """The same prompts padded and packed, one cell per token, colored by request.
 
     Top: the padded (B, T) batch, one row per request, padding hatched. Bottom: the packed
-    (num_tokens,) row, wrapped every T tokens so that the two areas compare directly.
-    Returns the Figure.
+    (num_tokens,) row, wrapped every T tokens so that the two areas compare directly. A cell is a tall
+    rectangle (a quarter inch high), so a long prompt stays readable. Returns the Figure.
     """
     names = names or [f"req-{i}" for i in range(len(lens))]
     T, N, B = max(lens), sum(lens), len(lens)
     packed_rows = -(-N // T)
     y_pad = packed_rows + 2.5  # the padded block sits above the packed one, with room for a caption
     height = y_pad + B + 2.0
-    fig, ax = plt.subplots(figsize=(11, 11 * height / (T + 14) + 0.3), layout="constrained")
+    fig, ax = plt.subplots(figsize=(11, 0.27 * height + 0.3), layout="constrained")
     for i, n in enumerate(lens):
         y = y_pad + B - 1 - i
         for t in range(T):
@@ -61,7 +61,7 @@ def draw_padded_vs_packed(lens: list[int], names: list[str] | None = None):
         _cell(ax, k % T, packed_rows - 1 - k // T, _color(i))
     ax.text(0, packed_rows + 0.4, f"packed (num_tokens,) = ({N},): every token real, requests back to back "
             f"(wrapped every {T} tokens)", fontsize=10, va="bottom")
-    _finish(ax, T, height, x0=-14)
+    _finish(ax, T, height, x0=-T / 8, aspect="auto")
     return fig
 
 
