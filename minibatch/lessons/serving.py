@@ -48,3 +48,18 @@ def check_max_rate_meeting(fn: Callable, sweep: dict, slos_s=CHECKED_SLOS_S) -> 
         assert got == want, (f"{server} at a {slo_s:g} s SLO (TTFT p99 by rate: {measured}): "
                              f"expected {want}, you returned {got}")
     return f"max_rate_meeting agrees with the measurements for all {len(cases)} (server, SLO) pairs"
+
+
+def server_ttft(base_url: str) -> tuple[float, float]:
+    """(count, sum in seconds) of the server's own TTFT histogram, read from its ``/metrics`` (Prometheus text,
+    parsed with prometheus_client). ``base_url``: the server's OpenAI base URL (ending in /v1). The server starts
+    a request's TTFT when the request reaches the engine and stops it when the step that made its first token
+    ends; the difference of two readings covers the requests finished in between."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics").read().decode()
+    values = {s.name: s.value for family in text_string_to_metric_families(text)
+              if family.name == "minibatch:time_to_first_token_seconds" for s in family.samples}
+    return values["minibatch:time_to_first_token_seconds_count"], values["minibatch:time_to_first_token_seconds_sum"]

@@ -113,6 +113,16 @@ class ScaledCost:
         return self.model.forward_time_s(rows, num_tokens, context) * self.factor
 
 
+def speed_factor(traces, profile: Profile) -> float:
+    """How much slower this machine ran real steps than ``profile`` prices them: the summed measured duration of
+    the StepRecords in ``traces`` (wall-clock runs of the real engine, an iterable of traces) over the same steps'
+    summed predicted time. > 1: slower than the machine that calibrated the profile. ``ScaledCost(profile,
+    factor)`` then prices steps at this machine's speed, a one-number calibration (a full one: ``calibrate``)."""
+    records = [r for trace in traces for r in trace]
+    predicted = float(profile.predict([StepShape.of(r) for r in records]).sum())
+    return sum(r.duration_s for r in records) / predicted
+
+
 class MeasuredClock(SimClock):
     """A simulated clock that gives step i the measured duration of step i of a real run (``steps``:
     STEP_FIELDS rows, time in microseconds; padded: the run's layout). ``diverged_at`` is the first

@@ -82,10 +82,11 @@ def plot_calibration(samples: dict[str, tuple[list[dict], np.ndarray]], packed, 
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     ax, ax2 = axes
-    for layout, marker in (("packed", "o"), ("padded", "s")):
+    for layout, marker, color in (("packed", "o", "#0072B2"), ("padded", "s", "#D55E00")):  # Okabe-Ito
         rows, pred = samples.get(layout, ([], None))
         if rows:
-            ax.scatter([r["time_s"] * 1e3 for r in rows], pred * 1e3, s=8, marker=marker, alpha=0.5, label=layout)
+            ax.scatter([r["time_s"] * 1e3 for r in rows], pred * 1e3, s=8, marker=marker, alpha=0.5, label=layout,
+                       color=color)
     lim = np.array(ax.get_xlim())
     ax.plot(lim, lim, color="black", lw=0.8)
     ax.fill_between(lim, lim * 0.85, lim * 1.15, color="grey", alpha=0.15, label="+-15%")
@@ -93,11 +94,15 @@ def plot_calibration(samples: dict[str, tuple[list[dict], np.ndarray]], packed, 
            title="every calibration step, measured vs the fit")
     ax.legend(fontsize=8)
     rows, _ = samples.get("packed", ([], None))
-    kinds = {"decode": "decode batches", "long": "long context", "prefill": "one prefill", "chunked": "chunked trace"}
-    for kind, label in kinds.items():
+    kinds = {"decode": ("decode batches", "#56B4E9"), "long": ("long context", "#009E73"),
+             "prefill": ("one prefill", "#E69F00"), "chunked": ("chunked trace", "#CC79A7")}  # Okabe-Ito
+    for kind, (label, color) in kinds.items():
         pts = [r for r in rows if r["scenario"].startswith(kind)]
-        ax2.scatter([r["num_tokens"] for r in pts], [r["time_s"] * 1e3 for r in pts], s=8, alpha=0.5, label=label)
-    ax2.plot(packed.knots, np.array(packed.curve_s) * 1e3, color="black", lw=1, marker="|", label="fitted curve(N)")
+        ax2.scatter([r["num_tokens"] for r in pts], [r["time_s"] * 1e3 for r in pts], s=8, alpha=0.5, label=label,
+                    color=color)
+    # curve(N) is one term of the fit: logits and attention add to it, so the measured steps sit above it
+    ax2.plot(packed.knots, np.array(packed.curve_s) * 1e3, color="black", lw=1, marker="|",
+             label="fitted curve(N) alone\n(+ logits and attention terms\n= a step's predicted time)")
     ax2.set(xscale="log", yscale="log", xlabel="tokens in the step (N)", ylabel="step time (ms)",
             title="packed steps: cost against tokens")
     ax2.legend(fontsize=8)
