@@ -7,7 +7,8 @@ in a step run *packed* as one (num_tokens, hidden) matrix, with no padding. Atte
 operation where a token must see only its own request's keys, so around attention the packed
 tokens are *split* per request, attend against that request's KV cache, and are *merged* back.
 Our implementation is ``minibatch/runner/batch.py`` (the packed tensors and ``cu_seqlens_q`` /
-``seq_lens`` / ``slot_mapping``) and ``minibatch/runner/attention.py`` (the split and merge).
+``seq_lens`` / ``slot_mapping``), ``minibatch/runner/attention.py`` (the attention function the model calls) and
+``minibatch/runner/backends/torch_ref.py`` (the split and merge of the reference attention backend).
 
 The rest lives in ``minibatch.experiments``: ``selective_cost`` (token and FLOP counts of a padded
 (B, T) forward vs a packed (num_tokens,) one), ``selective`` (the two forwards on a real model) and
