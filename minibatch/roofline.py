@@ -61,8 +61,18 @@ def roofline_step_s(params: float, tokens, peak_flop_per_s: float, bytes_per_s: 
 H100_SXM = Roofline("H100 SXM", 989e12, 3.35e12, "NVIDIA H100 Tensor Core GPU datasheet (dense BF16, HBM3)")
 
 
+def min_time_s(fn, repeats: int = 5) -> float:
+    """Shortest wall time (s) of ``repeats`` calls of ``fn()`` after one warm-up call."""
+    return _times_s(fn, repeats)[0]
+
+
 def median_time_s(fn, repeats: int = 5) -> float:
-    """Median wall time (s) of ``repeats`` calls of ``fn()`` after one warm-up call (first calls allocate and
+    """Median wall time (s) of ``repeats`` calls of ``fn()`` after one warm-up call."""
+    return statistics.median(_times_s(fn, repeats))
+
+
+def _times_s(fn, repeats: int) -> list[float]:
+    """Sorted wall times (s) of ``repeats`` calls of ``fn()`` after one warm-up call (first calls allocate and
     pick kernels)."""
     fn()
     times = []
@@ -70,24 +80,25 @@ def median_time_s(fn, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return sorted(times)
 
 
 def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32, matmul_size: int = 2048,
                 read_bytes: int = 256 * 2**20, repeats: int = 5) -> Roofline:
-    """This CPU's roofs, measured (about a second): peak = the FLOP/s of a ``matmul_size``-square matrix product
-    in ``dtype``; bandwidth = the bytes/s of summing a ``read_bytes`` tensor (far larger than any cache), each the
-    median of ``repeats``. num_threads: torch threads while measuring (restored; None leaves them)."""
+    """This CPU's roofs, measured (about two seconds): peak = the FLOP/s of a ``matmul_size``-square matrix product
+    in ``dtype``; bandwidth = the bytes/s of summing a ``read_bytes`` tensor (far larger than any cache); each the
+    best of ``repeats`` (a roof is the most the machine does; a busy moment only lowers a run). num_threads: torch
+    threads while measuring (restored; None leaves them)."""
     old = torch.get_num_threads()
     torch.set_num_threads(num_threads or old)
     try:
         a, b = torch.randn(matmul_size, matmul_size, dtype=dtype), torch.randn(matmul_size, matmul_size, dtype=dtype)
-        peak = 2 * matmul_size**3 / median_time_s(lambda: a @ b, repeats)
+        peak = 2 * matmul_size**3 / min_time_s(lambda: a @ b, repeats)
         x = torch.ones(read_bytes // 4, dtype=torch.float32)
-        bandwidth = read_bytes / median_time_s(x.sum, repeats)
+        bandwidth = read_bytes / min_time_s(x.sum, repeats)
     finally:
         torch.set_num_threads(old)
     threads = num_threads or old
     return Roofline(f"this CPU, {threads} thread{'s' * (threads > 1)}", peak, bandwidth,
                     f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} matmul, "
-                    f"sum of {read_bytes // 2**20} MiB, median of {repeats}")
+                    f"sum of {read_bytes // 2**20} MiB, best of {repeats}")
