@@ -1,4 +1,4 @@
-"""Build the student and instructor editions of the notebooks (see minibatch/lessons/editions.py).
+"""Build the student and instructor editions of the notebooks (see minibatch_course/editions.py).
 
     python scripts/build_editions.py [--out DIR]      (default: student/ and instructor/ at the repo root)
 """
@@ -6,7 +6,7 @@
 import argparse
 from pathlib import Path
 
-from minibatch.lessons.editions import build
+from minibatch_course.editions import build
 
 ROOT = Path(__file__).resolve().parent.parent
 

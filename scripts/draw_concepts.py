@@ -1,4 +1,4 @@
-"""Draw every concept figure (minibatch/lessons/concepts) to figures/concept_<name>.png.
+"""Draw every concept figure (minibatch_course/concepts) to figures/concept_<name>.png.
 
     python scripts/draw_concepts.py            # all of them
     python scripts/draw_concepts.py course_map # one
@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from minibatch.lessons import concepts  # noqa: E402
+from minibatch_course import concepts  # noqa: E402
 
 FIGURES = Path(__file__).resolve().parents[1] / "figures"
 

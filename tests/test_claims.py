@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from minibatch.claims import CLAIMS, SOURCES, claim, names, numbers_of
-from minibatch.lessons.prose import misattributions, prose_of, unsourced_claims
+from minibatch_course.prose import misattributions, prose_of, unsourced_claims
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -1,5 +1,5 @@
 """Pictures first: every notebook opens with its concept figure (a markdown image above the first code cell),
-drawn by a module of minibatch/lessons/concepts that runs without a model."""
+drawn by a module of minibatch_course/concepts that runs without a model."""
 
 import re
 from pathlib import Path
@@ -8,7 +8,7 @@ import matplotlib
 import nbformat
 import pytest
 
-from minibatch.lessons import concepts
+from minibatch_course import concepts
 
 matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ def test_each_notebook_opens_with_a_concept_figure(path):
     shown = [m.group(1) for c in nb.cells[:first_code] if c.cell_type == "markdown" for m in IMAGE.finditer(c.source)]
     assert shown, f"{path.name}: no ![alt](../figures/concept_<name>.png) before its first code cell"
     for name in shown:
-        assert name in concepts.names(), f"{path.name}: no module minibatch/lessons/concepts/{name}.py"
+        assert name in concepts.names(), f"{path.name}: no module minibatch_course/concepts/{name}.py"
         assert (ROOT / "figures" / f"concept_{name}.png").exists(), f"run python scripts/draw_concepts.py {name}"
 
 

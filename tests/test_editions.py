@@ -1,4 +1,4 @@
-"""Student and instructor editions built from one source (minibatch/lessons/editions.py), and the
+"""Student and instructor editions built from one source (minibatch_course/editions.py), and the
 exercise checks (minibatch/lessons/exercise.py): a student's notebook runs top to bottom with every
 check saying "not yet"; the instructor's is the source (replayed by nbval) without the markers."""
 
@@ -9,7 +9,7 @@ import nbformat
 import pytest
 
 from minibatch.lessons import exercise
-from minibatch.lessons.editions import build, edition, has_solution, instructor_code, student_code
+from minibatch_course.editions import build, edition, has_solution, instructor_code, student_code
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

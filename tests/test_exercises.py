@@ -13,7 +13,7 @@ import torch
 from minibatch import Request, SimClock, SimExecutor, make_engine
 from minibatch.experiment import run
 from minibatch.lessons import chunked_prefill, exercise, iteration_batching, paged_kv, speculative, static_batching
-from minibatch.lessons.editions import BEGIN, build
+from minibatch_course.editions import BEGIN, build
 
 ROOT = Path(__file__).resolve().parents[1]
 COURSE = [p for p in sorted((ROOT / "notebooks").glob("*.ipynb")) if p.stem != "00_tour"]  # the tour has no exercise

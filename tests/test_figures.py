@@ -1,7 +1,7 @@
 """Every figure in figures/ has exactly one writer, and a notebook's figure is the image the notebook shows.
 
 Writers: a notebook cell that calls ``show(fig, "NAME", ...)`` (or ``save``) with the name as a literal, the
-concept script (``scripts/draw_concepts.py``: ``concept_<module>`` for each module of minibatch/lessons/concepts)
+concept script (``scripts/draw_concepts.py``: ``concept_<module>`` for each module of minibatch_course/concepts)
 or the main job's report (``compare_*``, minibatch/report.py). A notebook-written PNG must equal, byte for byte,
 the inline image of the cell that wrote it: the committed file and the committed notebook come from one run.
 """
@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = sorted((ROOT / "figures").glob("*.png"))
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-CONCEPTS = {p.stem for p in (ROOT / "minibatch/lessons/concepts").glob("*.py") if not p.stem.startswith("_")}
+CONCEPTS = {p.stem for p in (ROOT / "minibatch_course/concepts").glob("*.py") if not p.stem.startswith("_")}
 REPORT = set(re.findall(r'save\([^,]+, "(compare_\w+)"', (ROOT / "minibatch/report.py").read_text()))
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minibatch.lessons import kv_cache
-from minibatch.lessons.editions import edition
+from minibatch_course.editions import edition
 from minibatch.lessons.kv_cache import check_decode_step, check_num_positions, step_timer
 from minibatch.models import load_model
 

@@ -1,4 +1,4 @@
-"""Prose agrees with outputs (minibatch/lessons/prose.py): every notebook's markdown numbers are printed or set by
+"""Prose agrees with outputs (minibatch_course/prose.py): every notebook's markdown numbers are printed or set by
 its cells, no ratio below 1 is called "lower", no builders' jargon, every cited file exists; and each contradiction
 found in a review of the course is a regression case the scanner must catch."""
 
@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from minibatch.lessons.prose import (flat_cost_called_compute_bound, jargon, missing_paths, unbacked_numbers,
+from minibatch_course.prose import (flat_cost_called_compute_bound, jargon, missing_paths, unbacked_numbers,
                                     wrong_direction)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 300
+CODE = ("minibatch", "minibatch_course", "benchmarks", "scripts", "examples")  # the folders of code (tests: ruff only)
 LONG_ALLOWED = ("kernels", "kv")  # Triton kernels and the block manager keep their references and proofs beside them
 
 
@@ -16,14 +17,13 @@ def test_ruff_passes():
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[dev]')")
-    result = subprocess.run([ruff, "check", "minibatch", "tests", "benchmarks", "scripts", "examples"], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run([ruff, "check", *CODE, "tests"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_no_module_over_300_lines():
     """The package, benchmarks, scripts and examples (tests hold tables of cases and are exempt)."""
-    files = [p for folder in ("minibatch", "benchmarks", "scripts", "examples") for p in (ROOT / folder).rglob("*.py")]
+    files = [p for folder in CODE for p in (ROOT / folder).rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in sorted(files)
             if not set(p.relative_to(ROOT).parts[1:-1]) & set(LONG_ALLOWED)
             and (n := len(p.read_text().splitlines())) > MAX_LINES}

@@ -9,7 +9,7 @@ the batch runs, waits for the whole batch before it can start (queueing). Hand-s
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-from minibatch.lessons.concepts import cell_legend
+from minibatch_course.concepts import cell_legend
 from minibatch.viz.plots import HATCH, PALETTE
 
 PROMPT_LENS = (5, 8, 3, 6)  # prompt tokens of req-0..req-3

@@ -5,7 +5,7 @@ A measured number a student reads must be printed by a cell (or set in its code)
 contain; ``wrong_direction`` finds ratios below 1 called "higher"/"faster" (write 1.19x higher, not 0.84x lower);
 ``jargon`` finds words of the people who built the course rather than of the field. Run it on a notebook::
 
-    python -m minibatch.lessons.prose notebooks/04_paged_kv.ipynb
+    python -m minibatch_course.prose notebooks/04_paged_kv.ipynb
 
 What is skipped: instructor-only solution blocks, inline code, LaTeX, link targets, headings, the **Time.**
 estimate, integers up to 10 (counts and small parameters), years, and numbers that are part of a name
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 
-from minibatch.lessons.editions import MD_SOLUTION
+from minibatch_course.editions import MD_SOLUTION
 
 _SKIP = [re.compile(p, re.S) for p in (
     MD_SOLUTION.pattern,  # instructor-only solution

@@ -10,7 +10,7 @@ model, no engine.
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-from minibatch.lessons.concepts import cell_legend
+from minibatch_course.concepts import cell_legend
 from minibatch.viz.plots import HATCH, PALETTE
 
 OUTPUT_LENS = (4, 12, 6, 16)  # req-0..req-3, all arriving at step 0
