@@ -20,13 +20,13 @@ from minibatch.checks import MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_TOKENS
 from minibatch.config import QUEUE_POLICIES, EngineConfig, check_fields, option
 from minibatch.experiment import BASELINES, Run, all_policies, default_draft, load_draft_runner, run, warm_up
 from minibatch.metrics import SLO
-from minibatch.runner.backends import backend_names
 from minibatch.policies import POLICIES, get_policy
 from minibatch.precision import DTYPES
 from minibatch.report import environment, print_table, save_figures, write_json
 from minibatch.request import Request, SamplingParams
+from minibatch.runner.backends import backend_names
+from minibatch.workload import ARRIVALS
 
-ARRIVALS = ("poisson", "zero", "gamma")
 MAX_NUM_REQUESTS = 1_000_000
 MIN_RATE, MAX_RATE = 1e-6, 1e6  # requests/s (below MIN_RATE arrivals pass any sane trace length)
 DEFAULT_POLICIES = ("static", "paged", "chunked", "hf_generate_batch")  # the headline comparison

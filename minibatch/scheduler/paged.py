@@ -10,12 +10,11 @@ from __future__ import annotations
 import math
 
 from minibatch.checks import check_choice, check_int
+from minibatch.config import PREEMPTION_MODES
 from minibatch.kv.block_manager import BlockManager
 from minibatch.request import Request, RequestStatus
 from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
 from minibatch.scheduler.queue_policy import QueuePolicy, make_queue_policy
-
-PREEMPTION_MODES = ("recompute", "swap")
 
 
 class PagedScheduler(Scheduler):

@@ -23,6 +23,7 @@ starvation in priority scheduling (e.g. Silberschatz, Operating System Concepts,
 
 from __future__ import annotations
 
+from minibatch.config import QUEUE_POLICIES
 from minibatch.request import Request
 
 
@@ -76,9 +77,6 @@ class Priority(QueuePolicy):
 
     def __repr__(self) -> str:
         return f"Priority(aging_s={self.aging_s})"
-
-
-QUEUE_POLICIES = ("fcfs", "sjf", "priority")
 
 
 def make_queue_policy(name: str | QueuePolicy = "fcfs", aging_s: float | None = 1.0) -> QueuePolicy:
