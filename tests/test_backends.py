@@ -89,6 +89,14 @@ def test_a_backend_refuses_what_it_does_not_support():
     model, tok = load_model("tiny-random-llama", dtype="bfloat16")
     with pytest.raises(ValueError, match="'fp32_only' supports dtypes float32, not torch.bfloat16"):
         ModelRunner(model, tok, attention_backend="fp32_only")
+    class Blocks16(TorchBackend):
+        name, block_sizes = "blocks16", (16,)
+
+    register_backend(Blocks16())
+    runner = ModelRunner(load_model("tiny-random-llama", dtype="float32")[0], attention_backend="blocks16")
+    runner.allocate_kv_cache(4, 16)
+    with pytest.raises(ValueError, match="'blocks16' supports block_size in \\(16,\\), not 4"):
+        runner.allocate_kv_cache(16, 4)
     with pytest.raises(ValueError, match="registered already"):
         register_backend(type("Other", (AttentionBackend,), {"name": "torch"})())
 

@@ -97,8 +97,10 @@ class ModelRunner(KVOwnership):
 
         Raises:
             ValueError: the tensors would not fit in the device's (or the CPU's) free memory;
-                the message gives the bytes per token slot and the memory available.
+                the message gives the bytes per token slot and the memory available; or the attention
+                backend does not support ``block_size``.
         """
+        self.attention_backend.check(self.device, self.dtype, block_size)
         shape = (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         cpu_shape = (self.num_layers, 2, num_cpu_blocks, block_size, self.num_kv_heads, self.head_dim)
         new_gpu = self.kv_cache is None or tuple(self.kv_cache.shape) != shape

@@ -9,9 +9,10 @@ DEVICES = ("cpu", "cuda")
 
 class AttentionBackend:
     """One way to run the packed step's attention. Class attributes say what it supports; the runner refuses
-    the rest with a ValueError at construction (:meth:`check`).
+    the rest with a ValueError (:meth:`check`: device and dtype when it is built, block_size when the KV cache is
+    allocated).
 
-    name: the registry key (``--attention-backend NAME``); description: one line for ``--help``;
+    name: the registry key (``--attention-backend NAME``); description: one line saying what it is;
     dtypes: KV cache / activation dtypes it supports; devices: "cpu", "cuda"; sliding_window: whether it masks
     a sliding window (otherwise a model whose window a context exceeds gets NotImplementedError);
     block_sizes: the KV block sizes it supports (None: any).
