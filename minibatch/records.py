@@ -124,6 +124,15 @@ class StepRecord:
         return sum(e.num_new_tokens for e in self.entries if e.phase == "decode")
 
 
+def first_steps(trace: list[StepRecord]) -> dict[str, int]:
+    """request_id -> the first step of ``trace`` (StepRecords) that runs it, for every request in it."""
+    out: dict[str, int] = {}
+    for record in trace:
+        for e in record.entries:
+            out.setdefault(e.request_id, record.step)
+    return out
+
+
 @dataclass
 class TokenEvent:
     """A token streamed out of the engine (time on the engine clock)."""

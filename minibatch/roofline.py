@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,18 @@ def roofline_step_s(params: float, tokens, peak_flop_per_s: float, bytes_per_s: 
 H100_SXM = Roofline("H100 SXM", 989e12, 3.35e12, "NVIDIA H100 Tensor Core GPU datasheet (dense BF16, HBM3)")
 
 
+@contextmanager
+def torch_threads(num_threads: int | None):
+    """Run the block with ``num_threads`` torch CPU threads (None: leave them), restoring the old count after: one
+    thread keeps wall-clock timings steady on a shared CPU."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(num_threads or old)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def min_time_s(fn, repeats: int = 5) -> float:
     """Shortest wall time (s) of ``repeats`` calls of ``fn()`` after one warm-up call."""
     return _times_s(fn, repeats)[0]
@@ -89,16 +102,12 @@ def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32,
     in ``dtype``; bandwidth = the bytes/s of summing a ``read_bytes`` tensor (far larger than any cache); each the
     best of ``repeats`` (a roof is the most the machine does; a busy moment only lowers a run). num_threads: torch
     threads while measuring (restored; None leaves them)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(num_threads or old)
-    try:
+    threads = num_threads or torch.get_num_threads()
+    with torch_threads(num_threads):
         a, b = torch.randn(matmul_size, matmul_size, dtype=dtype), torch.randn(matmul_size, matmul_size, dtype=dtype)
         peak = 2 * matmul_size**3 / min_time_s(lambda: a @ b, repeats)
         x = torch.ones(read_bytes // 4, dtype=torch.float32)
         bandwidth = read_bytes / min_time_s(x.sum, repeats)
-    finally:
-        torch.set_num_threads(old)
-    threads = num_threads or old
     return Roofline(f"this CPU, {threads} thread{'s' * (threads > 1)}", peak, bandwidth,
                     f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} matmul, "
                     f"sum of {read_bytes // 2**20} MiB, best of {repeats}")

@@ -12,6 +12,7 @@ import torch
 
 from minibatch import Request, SimClock, SimExecutor, make_engine
 from minibatch.experiment import run
+from minibatch.records import first_steps
 from minibatch.lessons import chunked_prefill, exercise, iteration_batching, paged_kv, speculative, static_batching
 from minibatch_course.editions import BEGIN, build
 
@@ -146,7 +147,7 @@ def test_02_skip_ahead_accepts_the_variant_and_shows_the_starvation(capsys):
 def test_02_replay_matches_the_orca_engine():
     reqs = iteration_batching.sim_requests(iteration_batching.HOL_REQUESTS)
     replayed = iteration_batching.replay(lambda *a: _skip_ahead(*a, skip=False), reqs, 4, 100, 60)
-    assert replayed == iteration_batching.first_steps(iteration_batching.hol_run())
+    assert replayed == first_steps(iteration_batching.hol_run())
 
 
 def test_04_fork_prediction(capsys):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from minibatch.engine import StepEntry, StepRecord
+from minibatch.records import first_steps
 from minibatch.lessons import exercise
 from minibatch.request import Request
 
@@ -123,15 +124,6 @@ def hol_run() -> list[StepRecord]:
 
     return run("orca", sim_requests(HOL_REQUESTS), SimExecutor(), SimClock(), max_num_seqs=HOL_MAX_NUM_SEQS,
                n_slots=HOL_N_SLOTS).records
-
-
-def first_steps(trace: list[StepRecord]) -> dict[str, int]:
-    """The first step each request of ``trace`` runs in."""
-    out: dict[str, int] = {}
-    for record in trace:
-        for e in record.entries:
-            out.setdefault(e.request_id, record.step)
-    return out
 
 
 @exercise.check(hint="a request is admitted only when n_rsrv + its reservation <= n_slots, and Select stops at the "

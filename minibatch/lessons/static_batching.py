@@ -18,12 +18,14 @@ import numpy as np
 import torch
 
 from minibatch.engine import StepRecord
+from minibatch.records import first_steps
 from minibatch.lessons import exercise
 from minibatch.models import set_attention
 from minibatch.metrics import measured_decode_utilization, utilization_formula
 from minibatch.experiment import run
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
+from minibatch.roofline import torch_threads
 from minibatch.sim.executor import SimExecutor
 from minibatch.clock import WallClock
 from minibatch.prompts import chat_prompt_ids
@@ -111,8 +113,7 @@ def check_start_steps(prediction: dict, traces: dict[str, list[StepRecord]], req
                       show_answer: bool = False) -> str:
     """Exercise: ``prediction`` = {policy: the first step that runs ``request_id``}, against each policy's trace
     (a miss names the first wrong policy, "too early" or "too late"; ``show_answer`` also prints the steps)."""
-    measured = {policy: next(r.step for r in trace if request_id in {e.request_id for e in r.entries})
-                for policy, trace in traces.items()}
+    measured = {policy: first_steps(trace)[request_id] for policy, trace in traces.items()}
     exercise.expect(prediction, measured, show_answer=show_answer, words=("too early", "too late"))
     return ", ".join(f"{policy} runs {request_id} first at step {step}" for policy, step in measured.items())
 
@@ -145,12 +146,8 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
 
     timers = {"padded (B, T)": lambda: engine_step("static"), "separate": separate,
               "packed (1, num_tokens)": lambda: engine_step("orca")}
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads or old_threads)
-    try:
+    with torch_threads(num_threads):
         return {name: min(fn() for _ in range(repeats)) for name, fn in timers.items()}
-    finally:
-        torch.set_num_threads(old_threads)
 
 
 def mark_arrival(fig, time_s: float, label: str) -> None:

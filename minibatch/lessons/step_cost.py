@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from matplotlib.ticker import MaxNLocator
 
-from minibatch.roofline import Roofline, median_time_s, ridge_tokens, roofline_step_s  # noqa: F401 (notebook 00)
+from minibatch.roofline import Roofline, median_time_s, ridge_tokens, roofline_step_s, torch_threads
 from minibatch.runner.batch import PackedSequence
 from minibatch.viz.plots import PALETTE
 
@@ -53,17 +53,13 @@ def measure_step_cost(runner, token_counts=(1, 2, 3, 4, 8, 16, 32, 64, 128), con
              "decode": {n: _sequences(n, 1, context) for n in token_counts}}
     num_blocks = 1 + max(b for kind in plans.values() for seqs in kind.values() for s in seqs for b in s.block_table)
     runner.allocate_kv_cache(max(64, num_blocks), BLOCK_SIZE)
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads or old_threads)
-    try:
+    with torch_threads(num_threads):
         _timed(runner, plans["prefill"][token_counts[-1]])  # warm-up: first calls allocate and pick kernels
         times = {kind: {n: [] for n in token_counts} for kind in plans}
         for _ in range(repeats):
             for n in token_counts:
                 for kind in plans:
                     times[kind][n].append(_timed(runner, plans[kind][n]))
-    finally:
-        torch.set_num_threads(old_threads)
     out = {kind: [(n, statistics.median(ts)) for n, ts in t.items()] for kind, t in times.items()}
     out["spread"] = {kind: [(n, (max(ts) - min(ts)) / statistics.median(ts)) for n, ts in t.items()]
                      for kind, t in times.items()}
@@ -76,17 +72,12 @@ def time_linear_layers(model, rows=(1, 2, 3, 4, 8, 16), repeats: int = 5, num_th
     attention, no Python scheduling. Median of ``repeats``. Returns [(rows, s), ...]: whether a step's jump from
     one row to two is the model's arithmetic or the matrix library's choice of kernel."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads or old_threads)
-    try:
-        out = []
-        with torch.inference_mode():
-            for n in rows:
-                inputs = [torch.randn(n, m.in_features, dtype=m.weight.dtype) for m in linears]
-                out.append((n, median_time_s(lambda: [m(x) for m, x in zip(linears, inputs)], repeats)))
-        return out
-    finally:
-        torch.set_num_threads(old_threads)
+    out = []
+    with torch_threads(num_threads), torch.inference_mode():
+        for n in rows:
+            inputs = [torch.randn(n, m.in_features, dtype=m.weight.dtype) for m in linears]
+            out.append((n, median_time_s(lambda: [m(x) for m, x in zip(linears, inputs)], repeats)))
+    return out
 
 
 def knee_tokens(points: list[tuple[int, float]], tail: int = 3) -> tuple[float, float]:
