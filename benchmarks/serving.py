@@ -23,8 +23,8 @@ from minibatch.report import environment
 from minibatch.serving.bench import bench, load_tokenizer, sample_requests
 from minibatch.serving.launch import ServerProcess
 
-SUMMARY_KEYS = ("completed", "failed", "request_throughput", "output_throughput", "ttft_p50_s", "ttft_p99_s",
-                "tpot_p50_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s")
+SUMMARY_KEYS = ("completed", "failed", "request_throughput_req_s", "output_throughput_tok_s", "ttft_p50_s",
+                "ttft_p99_s", "tpot_p50_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s")
 
 
 PEER = "transformers_serve_cb"
@@ -33,9 +33,14 @@ PEER = "transformers_serve_cb"
 def servers(args) -> tuple[dict[str, dict], list[dict]]:
     """(name -> {"args": our serve options} or {"command": another server's command line},
     [{"server": name, "skipped": why}] for a peer that cannot run here)."""
-    ours = ["--model", args.model, "--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
-            "--n-slots", str(args.n_slots), "--dtype", args.dtype]
-    out = {p: {"args": ours + ["--policy", p]} for p in args.policies.split(",")}
+    from minibatch.policies import get_policy
+
+    ours = ["--model", args.model, "--threads", str(args.threads), "--dtype", args.dtype]
+    # static batching's rows per batch = the others' max_num_seqs; each server gets the settings its policy has
+    settings = {"max_num_seqs": args.max_num_seqs, "batch_size": args.max_num_seqs, "n_slots": args.n_slots}
+    out = {p: {"args": ours + ["--policy", p] + [x for name, value in settings.items() if name in get_policy(p).options
+                                                  for x in ("--" + name.replace("_", "-"), str(value))]}
+           for p in args.policies.split(",")}
     skipped = []
     if args.transformers_serve:
         peer, why = transformers_serve(args.model, args.dtype)

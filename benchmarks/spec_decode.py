@@ -28,6 +28,7 @@ import torch
 from minibatch.experiment import default_draft, load_draft_runner
 from minibatch.report import environment, write_json
 from minibatch.lessons import speculative as lesson
+from minibatch.experiments.speculative import GROUNDED_PROMPTS, k_sweep
 from minibatch.request import Request, SamplingParams
 from minibatch.clock import WallClock
 
@@ -82,7 +83,7 @@ def main(argv=None) -> dict:
     warm = [r.copy() for r in reqs[:1]]
     for w in warm:
         w.max_new_tokens = 8
-    lesson.k_sweep(warm, target_runner, draft_runner, WallClock, ks=(2,), adaptive_max_k=None)  # warm-up
+    k_sweep(warm, target_runner, draft_runner, WallClock, ks=(2,), adaptive_max_k=None)  # warm-up
     from minibatch.spec import forward_time_s, measure_verify_cost
 
     v = measure_verify_cost(target_runner, k=4)
@@ -90,7 +91,7 @@ def main(argv=None) -> dict:
     result["verify_cost_ratio"], result["draft_cost_ratio"] = v, c
     print(f"a verify forward (5 tokens) costs {v:.2f} decodes; a draft forward {c:.3f} of a target decode")
     t0 = time.perf_counter()
-    rows, same = lesson.k_sweep(reqs, target_runner, draft_runner, WallClock, ks=ks, adaptive_max_k=max(ks),
+    rows, same = k_sweep(reqs, target_runner, draft_runner, WallClock, ks=ks, adaptive_max_k=max(ks),
                                 verify_cost_ratio=v)
     print(f"\n1. batch 1, {len(reqs)} held-out prompts ({time.perf_counter() - t0:.0f} s); "
           f"same tokens in every run: {same}")
@@ -101,7 +102,7 @@ def main(argv=None) -> dict:
 
     batch_rows = []
     for B in [int(b) for b in args.batch_sizes.split(",")]:
-        (base, spec), same = lesson.k_sweep(reqs, target_runner, draft_runner, WallClock, ks=(args.batch_k,),
+        (base, spec), same = k_sweep(reqs, target_runner, draft_runner, WallClock, ks=(args.batch_k,),
                                             max_num_seqs=B, adaptive_max_k=None, ngram=False)
         batch_rows.append({"batch_size": B, "k": args.batch_k, "plain": base, "spec": spec,
                            "speedup": spec["speedup"], "same_outputs": same})
@@ -111,11 +112,11 @@ def main(argv=None) -> dict:
 
     if args.model == "smollm2-135m":
         grounded = [Request(f"g{i}", chat_prompt_ids(tok, t), args.max_new_tokens, greedy)
-                    for i, t in enumerate(lesson.GROUNDED_PROMPTS)]
-        g_rows, g_same = lesson.k_sweep(grounded, target_runner, draft_runner, WallClock, ks=(3,), adaptive_max_k=None)
+                    for i, t in enumerate(GROUNDED_PROMPTS)]
+        g_rows, g_same = k_sweep(grounded, target_runner, draft_runner, WallClock, ks=(3,), adaptive_max_k=None)
         print(f"\n3. input-grounded prompts; same tokens: {g_same}")
         lesson.print_rows(g_rows)
-        result["grounded"] = {"prompts": list(lesson.GROUNDED_PROMPTS), "rows": g_rows, "same_outputs": g_same}
+        result["grounded"] = {"prompts": list(GROUNDED_PROMPTS), "rows": g_rows, "same_outputs": g_same}
 
     print()
     lesson.print_against_papers(result)

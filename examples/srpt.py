@@ -13,8 +13,12 @@ one step). Output lengths come from the trace here (requests ignore EOS), an ora
 would use a predicted length.
 """
 
+from dataclasses import dataclass
+
 from minibatch import register_policy
+from minibatch.config import option
 from minibatch.scheduler import PagedScheduler, QueuePolicy, SchedulerOutput
+from minibatch.scheduler.config import PagedConfig
 
 
 class RemainingTokens(QueuePolicy):
@@ -26,14 +30,23 @@ class RemainingTokens(QueuePolicy):
         return (request.max_new_tokens - request.num_output_tokens,)
 
 
+@dataclass(frozen=True)
+class SRPTConfig(PagedConfig):
+    """The paged scheduler's settings; the order of service is SRPT's own (any other is refused)."""
+
+    queue_policy: str = option("remaining", "order of service: fewest output tokens left first", "choice",
+                               choices=("remaining",))
+
+
 class ShortestRemainingFirst(PagedScheduler):
     """A paged scheduler that serves shortest-remaining first and preempts for shorter arrivals."""
 
     name = "srpt"
+    config_cls = SRPTConfig
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.queue_policy = RemainingTokens()
+    @classmethod
+    def queue_policy_from(cls, config: SRPTConfig) -> QueuePolicy:
+        return RemainingTokens()
 
     def schedule_running(self, out: SchedulerOutput) -> None:
         # Before the running requests get their tokens: while the batch is full and a waiting
@@ -48,4 +61,5 @@ class ShortestRemainingFirst(PagedScheduler):
         super().schedule_running(out)
 
 
-register_policy("srpt", ShortestRemainingFirst, description="paged, shortest remaining first, preempting")
+register_policy("srpt", ShortestRemainingFirst, description="paged, shortest remaining first, preempting",
+                improves_on="paged")

@@ -16,8 +16,8 @@ if not _torch.cuda.is_available():
     # anything (transformers included) first imports triton: see minibatch/kernels/__init__.py.
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minibatch.engine import Engine, StepEntry, StepRecord, TokenEvent
-from minibatch.config import EngineConfig
+from minibatch.engine import Engine, StepRecord, TokenEvent
+from minibatch.records import StepEntry
 from minibatch.policies import POLICIES, PolicySpec, get_policy, make_engine, register_policy
 from minibatch.request import Request, RequestStatus, SamplingParams
 from minibatch.runner import ModelRunner
@@ -28,7 +28,7 @@ from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer,
 
 __all__ = [
     "Engine", "StepEntry", "StepRecord", "TokenEvent",
-    "EngineConfig", "POLICIES", "PolicySpec", "get_policy", "make_engine", "register_policy",
+    "POLICIES", "PolicySpec", "get_policy", "make_engine", "register_policy",
     "Request", "RequestStatus", "SamplingParams", "ModelRunner", "SimExecutor",
     "OrcaScheduler", "PagedScheduler", "StaticScheduler",
     "CostModel", "SimClock", "StepShape", "WallClock", "make_clock",

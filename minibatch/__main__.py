@@ -14,13 +14,18 @@ import argparse
 import dataclasses
 import sys
 
-from minibatch.compare import SIM_DEFAULT_POLICIES, CompareConfig, opt, run_compare
-from minibatch.config import EngineConfig, choices_of
+from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareConfig, run_compare
+from minibatch.config import choices_of, opt
+from minibatch.experiment import all_policies, policy_spec
 from minibatch.policies import POLICIES, load_policy_module
-from minibatch.precision import DTYPES, dtype_name, resolve_dtype
-from minibatch.runner.backends import get_backend
+from minibatch.models import ModelConfig
+from minibatch.precision import dtype_name, resolve_dtype
 from minibatch.serving.bench import add_bench_serve_arguments, run_bench_serve
 from minibatch.serving.launch import add_serve_arguments, run_serve
+
+
+# compare's and simulate's defaults for settings, shown in --help
+COMPARE_HELP_DEFAULTS = COMPARE_SETTINGS | {"n_slots": "batch_size x the longest request (compare.kv_slots)"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,9 +37,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=CompareConfig) -> None:
-    """One option per ``config_cls`` field offered to ``command`` ("model": compare, "sim":
-    simulate, "serve": EngineConfig's fields), with the field's help and default; the values are
-    checked by the config itself."""
+    """One option per ``config_cls`` field offered to ``command`` ("model": compare, or serve and calibrate
+    with ModelConfig; "sim": simulate), with the field's help and default; the values are checked by the
+    config itself."""
     for f in dataclasses.fields(config_cls):
         m = f.metadata
         if m.get("cli") not in ("all", command):
@@ -52,14 +57,50 @@ def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=Comp
     if config_cls is not CompareConfig:
         return
     p.add_argument("--policy-module", action="append", default=[], metavar="FILE.py",
-                   help="a Python file that registers policies (register_policy); repeatable")
+                   help="a Python file that registers policies (register_policy) or attention backends; repeatable")
+
+
+def add_settings_options(p: argparse.ArgumentParser, specs: list, defaults: dict | None = None) -> None:
+    """One option per setting of the policies ``specs`` (PolicySpecs or Baselines: their config
+    classes' fields), its help from the first config that declares it, the policies that have it and
+    their defaults (``defaults``: the command's own, e.g. compare's). An option not given is not set
+    (argparse.SUPPRESS), so each policy keeps its own default."""
+    group = p.add_argument_group("policy settings (each applies to every selected policy that has it)")
+    declared: dict[str, list] = {}
+    for spec in specs:
+        for f in dataclasses.fields(spec.config_cls):
+            if f.metadata.get("cli"):
+                declared.setdefault(f.name, []).append((spec.name, f))
+    for name, users in declared.items():
+        helps = [f.metadata["help"] for _, f in users]
+        m = next(f.metadata for _, f in users if f.metadata["help"] == max(helps, key=helps.count))  # the usual one
+        by_default: dict[str, list[str]] = {}
+        for policy, f in users:
+            by_default.setdefault(str((defaults or {}).get(name, f.default)), []).append(policy)
+        shown = "; ".join(f"{d} ({','.join(ps)})" if len(by_default) > 1 else d for d, ps in by_default.items())
+        having = [policy for policy, _ in users]
+        others = [spec.name for spec in specs if spec.name not in having]
+        where = "" if not others else f"; policies: {','.join(having)}" if len(having) <= len(others) \
+            else f"; all policies but {','.join(others)}"
+        help_text = f"{m['help']} (default: {shown}{where})"
+        if m["kind"] == "bool":
+            group.add_argument(opt(name), dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
+            continue
+        metavar = "{" + ",".join(choices_of(m)) + "}" if m["kind"] == "choice" else name.upper()
+        group.add_argument(opt(name), dest=name, type={"int": int, "real": float}.get(m["kind"], str),
+                           default=argparse.SUPPRESS, metavar=metavar, help=help_text)
+
+
+def settings_from_args(args, specs: list) -> dict:
+    """The policy settings given on the command line (those not given are absent)."""
+    names = dict.fromkeys(f.name for spec in specs for f in dataclasses.fields(spec.config_cls)
+                          if f.metadata.get("cli"))
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def config_from_args(args, command: str, argv_text: str) -> CompareConfig:
-    """The CompareConfig of parsed ``args``: every field the command offers; simulate runs on the
-    simulated clock with no reference check. Plug-in policy modules are loaded first."""
-    for path in args.policy_module:
-        load_policy_module(path)
+    """The CompareConfig of parsed ``args``: every field the command offers and the policy settings
+    given; simulate runs on the simulated clock with no reference check."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(CompareConfig)
               if f.metadata.get("cli") and hasattr(args, f.name)}
     names = tuple(x.strip() for x in values["policies"].split(",") if x.strip())
@@ -71,28 +112,22 @@ def config_from_args(args, command: str, argv_text: str) -> CompareConfig:
     for name in ("figures_dir", "reference_cache"):
         if values.get(name) == "":
             values[name] = None
-    return CompareConfig(**values, command=argv_text)
+    specs = [policy_spec(p) for p in all_policies()]
+    return CompareConfig(**values, settings=settings_from_args(args, specs), command=argv_text)
 
 
-def parse_acceptance_rate(text: str | None) -> float | list[float] | None:
-    """"0.7" -> 0.7; "0.6,0.3,0.1" -> per-position rates; None -> None.
+def model_config(args) -> ModelConfig:
+    """The ModelConfig of parsed ``args`` (serve, calibrate): checked before minutes of loading."""
+    return ModelConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig)})
 
-    Raises:
-        ValueError: not numbers in [0, 1], or per-position rates that increase (names --acceptance-rate).
-    """
-    if text is None:
-        return None
-    try:
-        rates = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--acceptance-rate must be a number or comma-separated numbers in [0, 1], "
-                         f"got {text!r}") from None
-    if not all(0.0 <= a <= 1.0 for a in rates):
-        raise ValueError(f"--acceptance-rate must be in [0, 1], got {text!r}")
-    if any(b > a for a, b in zip(rates, rates[1:])):
-        raise ValueError(f"--acceptance-rate per-position rates must be non-increasing (position i+1 is "
-                         f"reached only through position i), got {text!r}")
-    return rates[0] if len(rates) == 1 else rates
+
+def load_plugins(argv: list[str] | None) -> None:
+    """Load every ``--policy-module FILE`` of ``argv`` before the parser is built, so the policies'
+    own settings become options. Raises ValueError (a bad file, one line)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--policy-module", action="append", default=[])
+    for path in pre.parse_known_args(argv)[0].policy_module:
+        load_policy_module(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,18 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare",
                        help="run one trace through our policies and the Hugging Face peer, on the real model")
     add_config_options(c, "model")
+    add_settings_options(c, [policy_spec(p) for p in all_policies()], COMPARE_HELP_DEFAULTS)
     s = sub.add_parser("simulate", help="run a trace through our schedulers with no model, on a calibrated clock")
     add_config_options(s, "sim")
+    add_settings_options(s, list(POLICIES.values()), COMPARE_HELP_DEFAULTS)
     s.add_argument("--acceptance-rate", default=None,
                    help="spec policies: acceptance rate, or comma-separated per-position rates")
     k = sub.add_parser("calibrate",
                        help="measure step times of a model on this machine and fit the simulator's cost model")
-    k.add_argument("--model", default=CompareConfig.model, help="as in compare")
-    k.add_argument("--device", default="cpu", help="cpu or cuda")
-    k.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="the dtype to measure (default: auto = bfloat16 where it is fast, else float32)")
+    add_config_options(k, "model", ModelConfig)  # --model, --device, --dtype, --attention-backend, --draft-model
     k.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    k.add_argument("--draft-model", default=None, help="also calibrate this draft model (spec policies in simulation)")
     k.add_argument("--scale", type=float, default=1.0, help="shrink the calibration workloads, in (0, 1]")
     k.add_argument("--out", default=None, help="profile JSON (default data/profiles/<model>-<device>.json in "
                    "float32, <model>-<device>-<dtype>.json otherwise)")
@@ -121,12 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--refit", default=None, metavar="PROFILE",
                    help="no measuring: fit this profile's stored samples again with the current code "
                         "(writes --out or PROFILE)")
-    k.add_argument("--attention-backend", default="torch", metavar="NAME",
-                   help="the registered attention backend whose steps are timed (default: torch)")
     k.add_argument("--no-progress", action="store_true", help="no progress bars")
     v = sub.add_parser("serve", help="an OpenAI-compatible server on the engine (completions, chat, SSE, /metrics)")
     add_serve_arguments(v)
-    add_config_options(v, "serve", EngineConfig)
+    add_config_options(v, "model", ModelConfig)
+    add_settings_options(v, list(POLICIES.values()))
     b = sub.add_parser("bench-serve", help="measure TTFT, ITL, TPOT and goodput of any OpenAI-compatible server")
     add_bench_serve_arguments(b)
     g = sub.add_parser("gpu-check", help="everything that must work on a GPU, in one command: kernels compiled, "
@@ -144,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     code 2 for a bad option or input (one line on stderr naming it, checked before any model
     loads where it can be), 1 for a failed file write or a failed gpu-check step, 130 when
     interrupted (Ctrl-C: one line, and no partial output file: every write is atomic)."""
+    try:
+        load_plugins(argv)
+    except ValueError as e:
+        print(f"minibatch: error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
     parser = build_parser()
     args = parser.parse_args(argv)
     sub = f"{parser.prog} {args.command}"
@@ -165,13 +202,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
-    from minibatch.checks import check_device, check_int, check_real
+    from minibatch.checks import check_int, check_real
     from minibatch.files import check_output_file
 
     command = " ".join(["python -m minibatch"] + (argv if argv is not None else sys.argv[1:]))
     if args.command == "serve":
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
-        return run_serve(args, EngineConfig(**values))
+        model_config(args)
+        return run_serve(args, settings_from_args(args, list(POLICIES.values())))
     if args.command == "bench-serve":
         run_bench_serve(args, command)
         return 0
@@ -192,6 +229,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
             from minibatch.sim.cost_model import Profile
             from minibatch.sim.simulator import run_simulation
 
+            from minibatch.sim.simulator import parse_acceptance_rate
+
             acceptance = parse_acceptance_rate(args.acceptance_rate)
             if cfg.profile is None:
                 raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
@@ -199,11 +238,10 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
             run_simulation(cfg, cfg.profile, acceptance)
         return 0
     # calibrate
-    from minibatch.models import check_model_name
     from minibatch.sim.calibrate import calibrate, print_profile, refit
     from minibatch.sim.cost_model import Profile
 
-    check_device(args.device, "--device")
+    model_config(args)  # --model, --device, --dtype, --attention-backend, --draft-model checked now
     if args.threads is not None:
         check_int(args.threads, "--threads", 1, 1024)
     check_real(args.scale, "--scale", 0.0, 1.0, low_open=True)
@@ -214,7 +252,6 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
 
         if not args.draft_model:
             raise ValueError("--draft-only needs --draft-model")
-        check_model_name(args.draft_model, "--draft-model")
         base = Profile.load(args.draft_only)
         check_output_file(args.out or args.draft_only, "--out")
         profile = calibrate_draft(base, args.draft_model, args.device, args.threads, args.scale,
@@ -230,10 +267,6 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         print_profile(profile)
         print(f"wrote {profile.save(args.out or args.refit)} (refit of {args.refit})")
         return 0
-    check_model_name(args.model, "--model")
-    get_backend(args.attention_backend)  # an unknown name fails here, before minutes of loading
-    if args.draft_model:
-        check_model_name(args.draft_model, "--draft-model")
     dtype = dtype_name(resolve_dtype(args.dtype, args.device))
     out = args.out or f"data/profiles/{args.model.replace('/', '_')}-{args.device}" \
         f"{'' if dtype == 'float32' else '-' + dtype}.json"

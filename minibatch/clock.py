@@ -39,12 +39,16 @@ class StepShape:
 
     @classmethod
     def of(cls, record) -> "StepShape":
-        """The shape of a step from its :class:`~minibatch.engine.StepRecord` (the clock prices it,
-        the calibration fit reads it)."""
+        """The shape of a step from its :class:`~minibatch.engine.StepRecord` (the calibration fit reads it)."""
+        return cls.of_entries(record.entries, record.num_padding_tokens, record.layout)
+
+    @classmethod
+    def of_entries(cls, entries, num_padding_tokens: int, layout: str) -> "StepShape":
+        """The shape of a step from its rows (StepEntry), padding tokens and layout (the clock prices it)."""
         rows = [(e.num_new_tokens, e.num_computed_tokens,
-                 (1 + e.num_spec_tokens) if e.sampled or e.phase == "padding" else 0) for e in record.entries]
-        num_padding_rows = sum(e.phase == "padding" for e in record.entries)
-        return shape_from_rows(rows, record.num_padding_tokens - num_padding_rows, record.layout == PADDED)
+                 (1 + e.num_spec_tokens) if e.sampled or e.phase == "padding" else 0) for e in entries]
+        num_padding_rows = sum(e.phase == "padding" for e in entries)
+        return shape_from_rows(rows, num_padding_tokens - num_padding_rows, layout == PADDED)
 
     @classmethod
     def from_sample(cls, sample: dict) -> "StepShape":
@@ -128,8 +132,16 @@ class WallClock:
 
     def __init__(self, device: str | torch.device = "cpu"):
         self.is_cuda = torch.device(device).type == "cuda"
-        self.now_s = 0.0
+        self._now_s = 0.0
         self._t0 = 0.0
+
+    @property
+    def now_s(self) -> float:
+        return self._now_s
+
+    def _advance(self, dt_s: float) -> None:
+        """Move the timeline on by ``dt_s`` seconds (a step's time, or an idle gap skipped)."""
+        self._now_s += dt_s
 
     def _sync(self):
         if self.is_cuda:
@@ -139,17 +151,17 @@ class WallClock:
         self._sync()
         self._t0 = time.perf_counter()
 
-    def end_step(self, record) -> tuple[float, float]:
+    def end_step(self, shape: StepShape, draft_forwards=(), draft_time_s: float = 0.0) -> tuple[float, float]:
         """Stop timing; advance now_s by the measured step time. Returns (step seconds, of which
-        drafting: the executor's measured ``record.draft_time_s``)."""
+        drafting: the executor's measured ``draft_time_s``)."""
         self._sync()
         dt = time.perf_counter() - self._t0
-        self.now_s += dt
-        return dt, record.draft_time_s
+        self._advance(dt)
+        return dt, draft_time_s
 
     def advance_to(self, t_s: float) -> None:
         """Skip an idle gap (nothing to run until t_s)."""
-        self.now_s = max(self.now_s, t_s)
+        self._now_s = max(self._now_s, t_s)
 
 
 class LiveClock(WallClock):
@@ -167,12 +179,11 @@ class LiveClock(WallClock):
     def now_s(self) -> float:
         return time.perf_counter() - self._origin
 
-    @now_s.setter
-    def now_s(self, value: float) -> None:  # WallClock.__init__ and end_step assign it: real time moves by itself
-        pass
+    def _advance(self, dt_s: float) -> None:
+        pass  # real time moves by itself: a step's time has already passed
 
     def advance_to(self, t_s: float) -> None:
-        pass
+        pass  # an idle gap is waited out by the front end (it sleeps until work arrives)
 
 
 # A small draft model's forward (speculative decoding) on the same 2-core CPU: rough numbers for
@@ -195,11 +206,12 @@ class SimClock(WallClock):
     def start_step(self) -> None:
         pass
 
-    def end_step(self, record) -> tuple[float, float]:
-        """Price the step: returns (step seconds, of which drafting) and advances now_s."""
-        draft_s = sum(self.draft_cost_model.forward_time_s(*f) for f in record.draft_forwards)
-        dt = self.cost_model.step_time_s(StepShape.of(record)) + draft_s
-        self.now_s += dt
+    def end_step(self, shape: StepShape, draft_forwards=(), draft_time_s: float = 0.0) -> tuple[float, float]:
+        """Price the step of ``shape`` and its draft forwards ((tokens, rows, context) each; the measured
+        draft_time_s is not used): returns (step seconds, of which drafting) and advances now_s."""
+        draft_s = sum(self.draft_cost_model.forward_time_s(*f) for f in draft_forwards)
+        dt = self.cost_model.step_time_s(shape) + draft_s
+        self._advance(dt)
         return dt, draft_s
 
 

@@ -13,18 +13,19 @@ every policy, the outside baseline ``hf_generate`` included.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from minibatch.checks import MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_TOKENS, check_device
-from minibatch.config import QUEUE_POLICIES, EngineConfig, check_fields, option
-from minibatch.experiment import BASELINES, Run, all_policies, default_draft, load_draft_runner, run, warm_up
+from minibatch.checks import MAX_SECONDS, MAX_TOKENS
+from minibatch.config import opt, option
+from minibatch.experiment import (Run, all_policies, check_policy_settings, default_draft, load_draft_runner,
+                                  policy_spec, run, warm_up)
 from minibatch.metrics import SLO
+from minibatch.models import ModelConfig
 from minibatch.policies import POLICIES, get_policy
-from minibatch.precision import DTYPES
+from minibatch.scheduler.config import StaticConfig
 from minibatch.report import environment, print_table, save_figures, write_json
 from minibatch.request import Request, SamplingParams
-from minibatch.runner.backends import backend_names
 from minibatch.workload import ARRIVALS
 
 MAX_NUM_REQUESTS = 1_000_000
@@ -33,19 +34,24 @@ DEFAULT_POLICIES = ("static", "paged", "chunked", "hf_generate_batch")  # the he
 SIM_DEFAULT_POLICIES = ("static", "orca", "paged", "prefill_first", "chunked")
 
 
-def opt(name: str) -> str:
-    """A field's command-line option: ``max_num_seqs`` -> ``--max-num-seqs``."""
-    return {"json_path": "--json"}.get(name, "--" + name.replace("_", "-"))
+# compare's own defaults for policy settings: a saturating comparison (32 running requests; a padded
+# batch waits at most 0.5 s); n_slots defaults to kv_slots()
+COMPARE_SETTINGS = {"max_num_seqs": 32, "max_wait_s": 0.5}
 
 
 @dataclass(frozen=True)
-class CompareConfig(EngineConfig):
+class CompareConfig(ModelConfig):
     """Options of ``python -m minibatch compare`` and ``simulate`` (``--help`` is made from these
-    fields); the engine's options are the inherited :class:`EngineConfig` fields. Validated on
-    creation: one error naming the field as its command-line option and the allowed range."""
+    fields, the model's (:class:`~minibatch.models.ModelConfig`, shared with serve and calibrate) and the
+    registered policies' settings). Validated on creation: one error naming
+    the field as its command-line option and the allowed range.
 
-    model: str = option("smollm2-135m", "smollm2-135m (offline default), tiny-random-llama, tiny-random-gpt2, "
-                        "a local dir or a hub id", "str", cli="model")
+    settings: the policies' settings by name (e.g. ``{"max_num_seqs": 8, "target_itl_s": 0.1}``): each
+        applies to every selected policy that has it (``POLICIES[p].config_cls``); one no selected
+        policy has is refused. Unset ones take compare's defaults (COMPARE_SETTINGS, kv_slots), then
+        the policy's own.
+    """
+
     policies: tuple[str, ...] = option(DEFAULT_POLICIES, "comma-separated policies, or 'all'", "list")
     num_requests: int = option(24, "requests in the generated trace", "int", low=1, high=MAX_NUM_REQUESTS)
     rate: float = option(4.0, "arrival rate, requests/s", "real", low=MIN_RATE, high=MAX_RATE)
@@ -62,22 +68,9 @@ class CompareConfig(EngineConfig):
     long_prompt_len: int = option(1024, "tokens in each long prompt", "int", low=1, high=MAX_TOKENS)
     clock: str = option("wall", "wall: measured; sim: cost-model step times (HF peers are always wall)",
                         "choice", choices=("wall", "sim"), cli="model")
-    device: str = option("cpu", "where the model runs: cpu, cuda or cuda:N", "str", cli="model")
-    dtype: str = option("auto", "weights, activations and KV cache: float32, bfloat16, float16, or auto = bfloat16 "
-                        "where it is fast (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else float32", "choice",
-                        choices=DTYPES, cli="model")
     kv_cache_memory_bytes: int | None = option(None, "KV cache as a byte budget instead of --n-slots: n_slots = "
                                                "this // the model's KV bytes per token in --dtype", "int", low=1,
                                                high=1 << 40, optional=True, cli="model")
-    attention_backend: str = option("torch", "our packed attention: a registered attention backend (torch: the "
-                                    "reference; triton: the paged-attention kernels; a --policy-module may add one)",
-                                    "choice", choices=backend_names, cli="model")
-    draft_model: str | None = option(None, "spec: the draft model (default: smollm2-135m-draft for smollm2-135m, "
-                                     "else the target itself)", "str", optional=True, cli="model")
-    batch_size: int = option(8, "requests per padded batch of static batching and hf_generate", "int",
-                             low=1, high=MAX_NUM_SEQS)
-    orca_reservation: str = option("oracle", "orca: reserve prompt + the trace's output length (oracle) or "
-                                   "prompt + --max-output-len (max)", "choice", choices=("oracle", "max"))
     profile: str | None = option(None, "a calibrated cost model (python -m minibatch calibrate) for the sim clock",
                                  "path", optional=True)
     slo_ttft_s: float | None = option(2.0, "goodput: TTFT objective, s", "real", low=0.0, high=MAX_SECONDS,
@@ -95,23 +88,12 @@ class CompareConfig(EngineConfig):
                                    "path", optional=True)
     progress: bool = option(True, "progress bars", "bool", flag="--no-progress")
     command: str | None = option(None, "the command line, recorded in the JSON", "str", optional=True, cli=None)
-    # the engine options compare sets its own defaults for (help and limits as EngineConfig's)
-    max_num_seqs: int = option(32, "most requests running at once (iteration-level policies)", "int",
-                               low=1, high=MAX_NUM_SEQS)
-    n_slots: int | None = option(None, "KV cache, token slots (default: batch-size x the longest request, the "
-                                 "memory a padded static batch needs)", "int", low=1, high=MAX_KV_SLOTS, optional=True)
-    max_wait_s: float = option(0.5, "static batching and hf_generate: longest wait for a full batch, s", "real",
-                               low=0.0, high=MAX_SECONDS)
-    reserve_new_tokens: int | None = option(None, "set by --orca-reservation", "int", low=1, high=MAX_TOKENS,
-                                            optional=True, cli=None)
-    queue_policy: str = option("fcfs", "order of service of iteration-level policies", "choice",
-                               choices=QUEUE_POLICIES)
+    settings: dict = field(default_factory=dict)
 
     def __post_init__(self):
         from minibatch.files import check_output_dir, check_output_file
-        from minibatch.models import check_model_name
 
-        check_fields(self, opt)
+        super().__post_init__()
         known = all_policies()
         names = known if tuple(self.policies) == ("all",) else tuple(self.policies)
         unknown = [p for p in names if p not in known]
@@ -121,15 +103,12 @@ class CompareConfig(EngineConfig):
         if len(set(names)) != len(names):
             raise ValueError(f"--policies lists a policy twice: {','.join(names)}")
         object.__setattr__(self, "policies", names)
-        if self.kv_cache_memory_bytes is not None and self.n_slots is not None:
+        object.__setattr__(self, "settings", check_policy_settings(self.settings, names))
+        if self.kv_cache_memory_bytes is not None and self.settings.get("n_slots") is not None:
             raise ValueError("--kv-cache-memory-bytes and --n-slots both size the KV cache: give one")
         if self.long_prompts > self.num_requests:
             raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], "
                              f"got {self.long_prompts}")
-        check_device(self.device, "--device")
-        check_model_name(self.model, "--model")
-        if self.draft_model is not None:
-            check_model_name(self.draft_model, "--draft-model")
         if self.trace is not None and not Path(self.trace).is_file():
             raise ValueError(f"--trace: no such file {self.trace!r}")
         if self.profile is not None and not Path(self.profile).is_file():
@@ -144,17 +123,12 @@ class CompareConfig(EngineConfig):
 
             load_trace(self.trace)
 
-    def engine_config_for(self, policy: str, requests: list[Request]) -> EngineConfig:
-        """The engine options of one policy's run: KV memory from :func:`kv_slots`; padded-batch
-        policies (static, hf_generate) take ``batch_size`` requests per batch; orca's reservation;
-        the token budget only where prefills are chunked (without chunking a budget must hold any
-        whole prompt, so the comparison gives the others none)."""
-        padded = policy in BASELINES or get_policy(policy).layout == "padded"
-        chunks = policy in POLICIES and getattr(get_policy(policy).scheduler, "chunked_prefill", False)
-        return self.engine_config(
-            n_slots=kv_slots(self, requests), max_num_seqs=self.batch_size if padded else self.max_num_seqs,
-            reserve_new_tokens=self.max_output_len if self.orca_reservation == "max" else None,
-            max_num_batched_tokens=self.max_num_batched_tokens if chunks else None)
+    def policy_config(self, policy: str, requests: list[Request]):
+        """The settings of one policy's run (its ``config_cls``): compare's defaults (COMPARE_SETTINGS,
+        KV memory from :func:`kv_slots`), then ``settings``. Every policy that has a setting gets the
+        same value (a token budget, too: without chunked prefill it must hold each whole prompt)."""
+        return policy_spec(policy).make_config(COMPARE_SETTINGS | {"n_slots": kv_slots(self, requests)}
+                                               | self.settings)
 
 
 def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]:
@@ -190,7 +164,8 @@ def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:
     Same memory for both, as in Orca's evaluation: Orca turns it into a larger batch because it
     reserves each request's own prompt + max_new_tokens, not the batch's longest."""
     longest = max(r.num_prompt_tokens for r in requests) + max(r.max_new_tokens for r in requests)
-    return cfg.n_slots or cfg.batch_size * longest
+    batch_size = cfg.settings.get("batch_size", StaticConfig.batch_size)
+    return cfg.settings.get("n_slots") or batch_size * longest
 
 
 def make_compare_clock(cfg: CompareConfig, device="cpu"):
@@ -205,15 +180,17 @@ def make_compare_clock(cfg: CompareConfig, device="cpu"):
 
 
 def run_policies(cfg: CompareConfig, requests: list[Request], executor, clock_factory, *, draft_runner=None,
-                 model=None, refs: dict | None = None, rule: str = "exact") -> dict[str, Run]:
-    """Each of cfg.policies on fresh copies of ``requests``; returns policy -> Run, each with its
-    row's ``matches_reference`` and ``reference_check`` (against ``refs`` by ``rule``, see
+                 model=None, refs: dict | None = None, rule: str = "exact", policies=None) -> dict[str, Run]:
+    """Each of ``policies`` (default cfg.policies) on fresh copies of ``requests``; returns policy -> Run,
+    each with its row's ``matches_reference`` and ``reference_check`` (against ``refs`` by ``rule``, see
     ``minibatch.equivalence.check_outputs``) and, with cfg.trace_out, its Chrome trace."""
     slo = SLO(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s)
     runs = {}
-    for policy in cfg.policies:
-        r = run(policy, requests, executor, clock_factory(), config=cfg.engine_config_for(policy, requests),
-                draft_runner=draft_runner, model=model, progress=cfg.progress, slo=slo)
+    for policy in cfg.policies if policies is None else policies:
+        config = cfg.policy_config(policy, requests)
+        r = run(policy, requests, executor, clock_factory(), config=config, draft_runner=draft_runner, model=model,
+                progress=cfg.progress, slo=slo)
+        r.extra["settings"] = asdict(config)
         if refs is not None and cfg.check_reference:
             from minibatch.equivalence import check_outputs
 
@@ -259,13 +236,14 @@ def run_compare(cfg: CompareConfig) -> dict:
           f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over {requests[-1].arrival_time_s:.1f} s")
     runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend)
     if cfg.kv_cache_memory_bytes is not None:
-        cfg = replace(cfg, n_slots=cfg.kv_cache_memory_bytes // runner.kv_bytes_per_token, kv_cache_memory_bytes=None)
-        print(f"KV cache: {cfg.n_slots} token slots of {runner.kv_bytes_per_token} bytes")
+        n_slots = cfg.kv_cache_memory_bytes // runner.kv_bytes_per_token
+        cfg = replace(cfg, settings=cfg.settings | {"n_slots": n_slots}, kv_cache_memory_bytes=None)
+        print(f"KV cache: {n_slots} token slots of {runner.kv_bytes_per_token} bytes")
     too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]
     if too_long:  # fail before minutes of reference runs, never drop the requests silently
         raise ValueError(f"requests {too_long[:5]}{' ...' if len(too_long) > 5 else ''} need more than "
                          f"max_model_len = {runner.max_model_len} tokens (--max-prompt-len, --max-output-len)")
-    swap = cfg.preemption_mode == "swap"
+    swap = cfg.settings.get("preemption_mode") == "swap"
     check_kv_fits(kv_slots(cfg, requests) * (2 if swap else 1), runner.kv_bytes_per_token, runner.device,
                   "--n-slots (KV cache" + (" and as much CPU swap space)" if swap else ")"))
     drafts = any(p in POLICIES and get_policy(p).proposer == "draft" for p in cfg.policies)

@@ -12,13 +12,12 @@ The engine only stamps events on requests (first scheduled, each token, finish) 
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from typing import Iterator
 
 from minibatch.checks import check_in_vocab
-from minibatch.clock import SimClock, WallClock
-from minibatch.records import StepEntry, StepRecord, TokenEvent  # noqa: F401 (re-exported)
+from minibatch.clock import SimClock, StepShape, WallClock
+from minibatch.records import StepRecord, TokenEvent
 from minibatch.request import Request, RequestStatus
 from minibatch.scheduler.base import Scheduler
 from minibatch.scheduler.output import SchedulerOutput
@@ -150,11 +149,12 @@ class Engine:
         outputs_before = [s.request.num_output_tokens for s in plan.scheduled]
         finished = self.scheduler.update(plan, result)
         self.executor.free([r.request_id for r in finished])
-        record = StepRecord.of(len(self.trace), plan, result, outputs_before, finished, self.scheduler, start_s,
-                               self.trace[-1] if self.trace else None)
-        _, draft_time_s = self.clock.end_step(record)  # measured, or priced by the cost model; advances now_s
+        entries = StepRecord.entries_of(plan, result, outputs_before)
+        shape = StepShape.of_entries(entries, plan.num_padding_tokens, plan.layout)
+        # measured, or priced by the cost model; advances now_s
+        _, draft_time_s = self.clock.end_step(shape, result.draft_forwards, result.draft_time_s)
         end_s = self.clock.now_s
-        for e in record.entries:                        # stamp events
+        for e in entries:                               # stamp events
             r = self.requests[e.request_id]
             if r.first_scheduled_time_s is None:
                 r.first_scheduled_time_s = start_s
@@ -162,8 +162,8 @@ class Engine:
         for r in finished:
             r.finish_time_s = end_s
         self._admit_arrivals()  # requests that arrived during the step count as waiting in its record
-        record = dataclasses.replace(record, end_s=end_s, draft_time_s=draft_time_s,
-                                     num_waiting=len(self.scheduler.waiting))
+        record = StepRecord.of(len(self.trace), plan, result, entries, finished, self.scheduler, start_s, end_s,
+                               draft_time_s, self.trace[-1] if self.trace else None)
         self.trace.append(record)
         self.scheduler.observe_step(record)
         self.executor.observe_step(record)

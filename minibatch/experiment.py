@@ -12,38 +12,94 @@ of :data:`BASELINES`, which run through transformers itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 
-from minibatch.config import EngineConfig
 from minibatch.engine import Engine, StepRecord
 from minibatch.metrics import SLO, BenchmarkSummary, summarize
-from minibatch.policies import POLICIES, make_engine
+from minibatch.checks import FieldTypeError
+from minibatch.config import check_field, opt, settings_of
+from minibatch.policies import POLICIES, check_settings, get_policy, make_engine, shared_settings
 from minibatch.request import Request
+from minibatch.scheduler.config import SchedulerConfig, StaticConfig
 
 
-def _hf_generate(model, requests: list[Request], config: EngineConfig, progress: bool) -> list[Request]:
+def _hf_generate(model, requests: list[Request], config: StaticConfig, progress: bool) -> list[Request]:
     from minibatch.baselines import run_hf_generate
 
-    return run_hf_generate(model, requests, batch_size=config.max_num_seqs, max_wait_s=config.max_wait_s,
+    return run_hf_generate(model, requests, batch_size=config.batch_size, max_wait_s=config.max_wait_s,
                            progress=progress)
 
 
-def _hf_generate_batch(model, requests: list[Request], config: EngineConfig, progress: bool) -> list[Request]:
+def _hf_generate_batch(model, requests: list[Request], config: SchedulerConfig, progress: bool) -> list[Request]:
     from minibatch.baselines import run_hf_generate_batch
 
     return run_hf_generate_batch(model, requests, progress=progress)
 
 
-# The Hugging Face peers: HF generate on padded static batches of max_num_seqs requests (the outside
-# baseline) and transformers' own continuous batching (generate_batch). They need the model itself.
-BASELINES = {"hf_generate": _hf_generate, "hf_generate_batch": _hf_generate_batch}
+@dataclass(frozen=True)
+class Baseline:
+    """A Hugging Face peer: ``run(model, requests, config, progress)`` with its settings' ``config_cls``."""
+
+    name: str
+    run: Callable
+    config_cls: type
+
+    @property
+    def options(self) -> frozenset[str]:
+        return frozenset(f.name for f in fields(self.config_cls) if f.metadata.get("cli"))
+
+    def make_config(self, settings: dict):
+        return self.config_cls(**settings_of(self.config_cls, settings))
+
+
+# The Hugging Face peers: HF generate on padded static batches (the outside baseline, static batching's
+# settings) and transformers' own continuous batching (generate_batch, no settings). They need the model itself.
+BASELINES = {b.name: b for b in (Baseline("hf_generate", _hf_generate, StaticConfig),
+                                 Baseline("hf_generate_batch", _hf_generate_batch, SchedulerConfig))}
 
 
 def all_policies() -> tuple[str, ...]:
     """Every policy :func:`run` knows: the policy table's rows (registered ones included), then BASELINES."""
     return (*POLICIES, *BASELINES)
+
+
+def policy_spec(policy: str):
+    """The PolicySpec of an engine policy, or the Baseline of an HF peer (both have name, options, make_config)."""
+    return BASELINES[policy] if policy in BASELINES else get_policy(policy)
+
+
+def check_policy_settings(settings: dict, policies: tuple[str, ...]) -> dict:
+    """``settings`` checked against the configs of ``policies`` (errors name the command-line option);
+    returns them normalised. None is "not set" (dropped), except where a selected policy's field allows
+    None (kept: there it is the value, e.g. aging_s=None, no aging).
+
+    Raises:
+        ValueError / FieldTypeError: a setting no selected policy has (naming the policies that have
+            it), or a value out of a selected policy's range.
+    """
+    if not isinstance(settings, dict):
+        raise FieldTypeError(f"settings must be a dict of policy settings, got {type(settings).__name__}")
+    checked = {}
+    for name, value in settings.items():
+        users = [p for p in policies if name in policy_spec(p).options]
+        metas = {p: next(f.metadata for f in fields(policy_spec(p).config_cls) if f.name == name) for p in users}
+        if value is None:
+            if any(m["optional"] for m in metas.values()):
+                checked[name] = None
+            continue
+        if not users:
+            elsewhere = [p for p in all_policies() if name in policy_spec(p).options]
+            raise ValueError(f"{opt(name)} does not apply to the selected policies ({','.join(policies)})"
+                             + (f"; it applies to {','.join(elsewhere)}" if elsewhere else ""))
+        for p, meta in metas.items():
+            try:
+                value = check_field(meta, value, opt(name))
+            except ValueError as e:
+                raise type(e)(f"{e} (a setting of policy {p})" if len(users) > 1 else str(e)) from None
+        checked[name] = value
+    return checked
 
 
 @dataclass
@@ -89,14 +145,14 @@ class Run:
         return {f: row[f] for f in fields} if fields else row
 
 
-def run(policy: str, requests: list[Request], executor, clock=None, *, config: EngineConfig | None = None,
+def run(policy: str, requests: list[Request], executor, clock=None, *, config=None,
         draft_runner=None, speculator=None, model=None, progress: bool = False, slo: SLO | None = None,
         **options) -> Run:
     """Run fresh copies of ``requests`` under ``policy``; returns the :class:`Run`.
 
     executor: a ModelRunner or SimExecutor (ignored by BASELINES); clock: default a SimClock.
-    config, options, draft_runner, speculator: as ``make_engine`` (a BASELINES policy reads
-        max_num_seqs as its batch size, and max_wait_s); model: BASELINES only (default ``executor.model``).
+    config, options, draft_runner, speculator: as ``make_engine`` (a BASELINES policy's settings are
+        its ``config_cls``'s); model: BASELINES only (default ``executor.model``).
     slo: the latency objectives goodput counts.
 
     Raises:
@@ -105,8 +161,10 @@ def run(policy: str, requests: list[Request], executor, clock=None, *, config: E
     reqs = [r.copy() for r in requests]
     t0 = time.perf_counter()
     if policy in BASELINES:
-        cfg = (config or EngineConfig()).engine_config(**options)
-        BASELINES[policy](model if model is not None else executor.model, reqs, cfg, progress)
+        baseline = BASELINES[policy]
+        check_settings(baseline, options)
+        cfg = baseline.make_config(shared_settings(baseline, config) | options)
+        baseline.run(model if model is not None else executor.model, reqs, cfg, progress)
         return Run(policy, reqs, None, time.perf_counter() - t0, slo)
     engine = make_engine(policy, executor, clock, config=config, draft_runner=draft_runner, speculator=speculator,
                          **options)
@@ -132,7 +190,7 @@ def warm_up(runner, draft_runner=None, policies=None) -> None:
         if get_policy(policy).proposer == "draft" and draft_runner is None:
             continue
         r = Request("warmup", [1, 2, 3, 4], 3, SamplingParams(ignore_eos=True))
-        run(policy, [r], runner, SimClock(), config=EngineConfig(n_slots=64), draft_runner=draft_runner)
+        run(policy, [r], runner, SimClock(), config={"n_slots": 64}, draft_runner=draft_runner)
 
 
 def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threads: int | None = None,

@@ -20,6 +20,7 @@ input can be broken (missing, a folder, binary, empty, truncated, NaN/Infinity).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -137,6 +138,13 @@ def read_json(path: str | Path, what: str = "JSON"):
             message names ``path``.
     """
     path = Path(path)
+    try:  # a file read again unchanged (a trace or profile checked, then used) is parsed once
+        st = path.stat()
+        key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None
+    if key in _PARSED:
+        return copy.deepcopy(_PARSED[key])  # (it was copied once without RecursionError)
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -152,7 +160,7 @@ def read_json(path: str | Path, what: str = "JSON"):
     if not text.strip():
         raise ValueError(f"{path}: the {what} file is empty")
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a JSON {what} file ({e.msg}: line {e.lineno}, column {e.colno}; "
                          "truncated?)") from None
@@ -160,6 +168,18 @@ def read_json(path: str | Path, what: str = "JSON"):
         raise ValueError(f"{path}: not a JSON {what} file ({e}; write null)") from None
     except RecursionError:
         raise ValueError(f"{path}: not a {what} file (nested too deeply)") from None
+    try:
+        fresh = copy.deepcopy(data)  # callers may change what they get; the cache keeps its own
+    except RecursionError:
+        raise ValueError(f"{path}: not a {what} file (nested too deeply)") from None
+    if key is not None:
+        if len(_PARSED) >= 16:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[key] = data
+    return fresh
+
+
+_PARSED: dict[tuple, object] = {}  # (resolved path, mtime_ns, size) -> parsed JSON, the last 16 files read
 
 
 # ----------------------------------------------------------------------------- output paths

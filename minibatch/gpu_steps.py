@@ -201,7 +201,7 @@ def _greedy(ctx: CheckContext, dtype: str, models: tuple[str, ...]) -> dict:
             result = _compare(model=model, device=ctx.device, dtype=dtype, attention_backend=backend,
                               policies=policies, num_requests=4 if interpreted else 8, arrival="zero",
                               max_prompt_len=48, max_output_len=12 if interpreted else 24, output_scale=1.0,
-                              batch_size=4, clock="sim")
+                              settings={} if interpreted else {"batch_size": 4}, clock="sim")
             rows = result["policies"]
             details[f"{model}/{backend}"] = {p: r["matches_reference"] for p, r in rows.items()}
             bad += [f"{model}/{backend}/{p}" for p, r in rows.items() if r["matches_reference"] is not True]
@@ -256,7 +256,7 @@ def check_benchmark(ctx: CheckContext) -> dict:
     model = "smollm2-135m-random" if ctx.on_gpu else "tiny-random-llama"
     cap = 64 if ctx.on_gpu else 8
     fields = dict(model=model, device=ctx.device, policies=BENCH_POLICIES, num_requests=ctx.bench_requests,
-                  arrival="zero", check_reference=False, batch_size=cap, max_num_seqs=cap,
+                  arrival="zero", check_reference=False, settings={"batch_size": cap, "max_num_seqs": cap},
                   max_prompt_len=1024 if ctx.on_gpu else 128, max_output_len=512 if ctx.on_gpu else 64,
                   output_scale=0.5 if ctx.on_gpu else 0.25)
     result = _compare(**fields)

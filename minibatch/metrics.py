@@ -13,19 +13,29 @@ Definitions follow vLLM's ``benchmarks/benchmark_serving.py`` (``calculate_metri
   are left out of the TPOT statistics (and count as TPOT 0 for goodput, as vLLM does).
 * ITL: every gap between consecutive tokens of a request, pooled over all requests.
 * queueing delay: first_scheduled_time_s - arrival_time_s.
-* Percentiles use ``numpy.percentile`` (linear interpolation), like vLLM.
+* Percentiles (p50, p90, p99, vLLM's) use ``numpy.percentile`` (linear interpolation), like vLLM.
 
-Trace metrics read the list of :class:`~minibatch.engine.StepRecord` (the schedule trace).
+Every summary number is a registered :class:`Column` (:func:`register_column`): the engine's
+summary (compare's and simulate's JSON and table) and bench-serve's client-side one compute the
+same columns from the same per-request metrics, so a new metric is one ``register_column`` call.
+
+Trace metrics read the list of :class:`~minibatch.engine.StepRecord` (the schedule trace); they
+are defined in ``minibatch.records``, next to the records.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from minibatch.engine import StepRecord
+from minibatch.records import (kv_waste_fraction, mean_batch_size, padding_waste_fraction,
+                               slot_utilization)
 from minibatch.request import Request
 
 PERCENTILES = (50, 90, 99)
@@ -74,8 +84,19 @@ class SLO:
         )
 
 
+def latencies(request_id: str, start_s: float, token_times_s: list[float], end_s: float, num_prompt_tokens: int,
+              num_output_tokens: int, queueing_delay_s: float | None = None) -> RequestMetrics:
+    """One request's metrics from its timestamps (seconds): TTFT = first token - start, E2E = end - start,
+    TPOT = (E2E - TTFT) / (num_output_tokens - 1) (None for 1 token), ITL = successive token gaps. The
+    engine stamps one time per token; a client (bench-serve) one per text chunk, which may carry several."""
+    ttft_s, e2e_s, n = token_times_s[0] - start_s, end_s - start_s, num_output_tokens
+    return RequestMetrics(request_id=request_id, ttft_s=ttft_s, tpot_s=(e2e_s - ttft_s) / (n - 1) if n > 1 else None,
+                          e2e_s=e2e_s, itl_s=[b - a for a, b in zip(token_times_s, token_times_s[1:])],
+                          num_prompt_tokens=num_prompt_tokens, num_output_tokens=n, queueing_delay_s=queueing_delay_s)
+
+
 def request_metrics(requests: list[Request]) -> list[RequestMetrics]:
-    """Per-request TTFT, TPOT, ITL, E2E and queueing delay, in the order given.
+    """Per-request TTFT, TPOT, ITL, E2E and queueing delay (:func:`latencies`), in the order given.
 
     Raises:
         ValueError: a request is unfinished (no finish_time_s or no token times), or its token
@@ -90,77 +111,151 @@ def request_metrics(requests: list[Request]) -> list[RequestMetrics]:
                 f"request {r.request_id!r}: {len(r.token_times_s)} token times for "
                 f"{r.num_output_tokens} output tokens (expected one time per token)"
             )
-        ttft_s = r.token_times_s[0] - r.arrival_time_s
-        e2e_s = r.finish_time_s - r.arrival_time_s
-        n = r.num_output_tokens
         queueing_s = None if r.first_scheduled_time_s is None else r.first_scheduled_time_s - r.arrival_time_s
-        out.append(RequestMetrics(
-            request_id=r.request_id,
-            ttft_s=ttft_s,
-            tpot_s=(e2e_s - ttft_s) / (n - 1) if n > 1 else None,
-            e2e_s=e2e_s,
-            itl_s=[b - a for a, b in zip(r.token_times_s, r.token_times_s[1:])],
-            num_prompt_tokens=r.num_prompt_tokens,
-            num_output_tokens=n,
-            queueing_delay_s=queueing_s,
-        ))
+        out.append(latencies(r.request_id, r.arrival_time_s, r.token_times_s, r.finish_time_s, r.num_prompt_tokens,
+                             r.num_output_tokens, queueing_s))
     return out
 
 
+@dataclass(frozen=True)
+class Latency:
+    """A per-request latency: ``values(m)`` its samples (seconds) from one request's RequestMetrics."""
+
+    name: str
+    description: str
+    values: Callable[[RequestMetrics], list[float]]
+
+
+LATENCIES = {lat.name: lat for lat in (
+    Latency("ttft", "TTFT: arrival to first token", lambda m: [m.ttft_s]),
+    Latency("tpot", "TPOT: mean gap after the first token, per request (none for a 1-token output)",
+            lambda m: [] if m.tpot_s is None else [m.tpot_s]),
+    Latency("itl", "ITL: gap between a request's successive tokens", lambda m: m.itl_s),
+    Latency("e2e", "E2E: arrival to the last token", lambda m: [m.e2e_s]),
+)}
+
+
 @dataclass
-class BenchmarkSummary:
-    """What ``benchmark_serving`` prints, plus schedule-trace numbers. Times in seconds.
+class Sample:
+    """What a summary column is computed from: finished requests' metrics, the run's duration (s), the SLO."""
 
-    Latency statistics of an empty sample (e.g. TPOT when every output has 1 token) are None.
-    goodput_req_s is None without an SLO; trace fields are None without a trace.
-    """
-
-    num_requests: int
+    metrics: list[RequestMetrics]
     duration_s: float
-    total_prompt_tokens: int
-    total_output_tokens: int
-    request_throughput_req_s: float
-    output_throughput_tok_s: float
-    total_throughput_tok_s: float
-    ttft_mean_s: float | None
-    ttft_p50_s: float | None
-    ttft_p90_s: float | None
-    ttft_p99_s: float | None
-    tpot_mean_s: float | None
-    tpot_p50_s: float | None
-    tpot_p90_s: float | None
-    tpot_p99_s: float | None
-    itl_mean_s: float | None
-    itl_p50_s: float | None
-    itl_p90_s: float | None
-    itl_p99_s: float | None
-    e2e_mean_s: float | None
-    e2e_p50_s: float | None
-    e2e_p90_s: float | None
-    e2e_p99_s: float | None
-    queueing_delay_mean_s: float | None
     slo: SLO | None = None
-    num_good_requests: int | None = None
-    goodput_req_s: float | None = None
-    num_steps: int | None = None
-    padding_waste_fraction: float | None = None
-    slot_utilization: float | None = None
-    mean_batch_size: float | None = None
-    kv_waste_fraction: float | None = None
-    max_num_running: int | None = None  # the most requests running at once (concurrency)
-    num_preemptions: int | None = None
+
+    def latency(self, name: str) -> list[float]:
+        """Every sample of the latency ``name`` (ITL pooled over requests)."""
+        return [v for m in self.metrics for v in LATENCIES[name].values(m)]
+
+    def per_second(self, count: float | None) -> float | None:
+        return None if count is None else count / self.duration_s if self.duration_s > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class Column:
+    """A summary metric: the JSON key ``name``, its ``unit``, ``fn(sample)`` -> value (None: undefined),
+    and, for the printed tables (compare's, bench-serve's), a ``header`` and a format ``fmt``."""
+
+    name: str
+    unit: str
+    fn: Callable[[Sample], float | int | None]
+    fmt: str = "{:.3f}"
+    header: str | None = None  # None: in the JSON only
+
+
+COLUMNS: dict[str, Column] = {}
+
+
+def register_column(name: str, unit: str, fn: Callable[[Sample], float | int | None], fmt: str = "{:.3f}",
+                    header: str | None = None) -> Column:
+    """Add a summary metric (see :class:`Column`): it appears in every summary (the engine's runs in
+    compare's and simulate's JSON, bench-serve's client-side summary) and, with a header, in their tables.
+
+    Raises:
+        ValueError: a name taken, or not lowercase letters, digits and "_".
+    """
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", str(name)) or name in COLUMNS:
+        raise ValueError(f"metric column name must be new, lowercase letters, digits and '_', got {name!r}")
+    COLUMNS[name] = Column(name, unit, fn, fmt, header)
+    return COLUMNS[name]
+
+
+def _percentile(name: str, p: int | None) -> Callable[[Sample], float | None]:
+    def fn(sample: Sample) -> float | None:
+        values = sample.latency(name)
+        if not values:
+            return None
+        return float(np.mean(values)) if p is None else float(np.percentile(np.asarray(values, dtype=float), p))
+    return fn
+
+
+def _num_good(sample: Sample) -> int | None:
+    return None if sample.slo is None else sum(sample.slo.is_met(m) for m in sample.metrics)
+
+
+def _register_builtin_columns() -> None:
+    def tokens(field):
+        return lambda s: sum(getattr(m, field) for m in s.metrics)
+    register_column("num_requests", "", lambda s: len(s.metrics), "{}")
+    register_column("duration_s", "s", lambda s: s.duration_s)
+    register_column("total_prompt_tokens", "tokens", tokens("num_prompt_tokens"), "{}")
+    register_column("total_output_tokens", "tokens", tokens("num_output_tokens"), "{}")
+    register_column("request_throughput_req_s", "req/s", lambda s: s.per_second(len(s.metrics)))
+    register_column("output_throughput_tok_s", "tok/s", lambda s: s.per_second(tokens("num_output_tokens")(s)),
+                    "{:.1f}", "out tok/s")
+    register_column("total_throughput_tok_s", "tok/s", lambda s: s.per_second(
+        tokens("num_prompt_tokens")(s) + tokens("num_output_tokens")(s)), "{:.1f}", "total tok/s")
+    shown = {"ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "itl_p99_s", "e2e_p50_s"}
+    for name in LATENCIES:
+        for stat, p in [("mean", None)] + [(f"p{q}", q) for q in PERCENTILES]:
+            key = f"{name}_{stat}_s"
+            register_column(key, "s", _percentile(name, p), "{:.4f}" if name == "tpot" else "{:.3f}",
+                            f"{name.upper()} {stat} s" if key in shown else None)
+    register_column("queueing_delay_mean_s", "s", lambda s: float(np.mean(q)) if (q := [
+        m.queueing_delay_s for m in s.metrics if m.queueing_delay_s is not None]) else None)
+    register_column("num_good_requests", "", _num_good, "{}")
+    register_column("goodput_req_s", "req/s", lambda s: s.per_second(_num_good(s)), "{:.3f}", "goodput r/s")
+
+
+_register_builtin_columns()
+
+
+def summary_values(sample: Sample) -> dict:
+    """Every registered column's value for ``sample``, in registration order."""
+    return {name: column.fn(sample) for name, column in COLUMNS.items()}
+
+
+def format_cell(name: str, value) -> str:
+    """A column's value as its table shows it ("-" when undefined)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return COLUMNS[name].fmt.format(value) if name in COLUMNS else str(value)
+
+
+class BenchmarkSummary:
+    """What ``benchmark_serving`` prints, plus schedule-trace numbers: every registered column
+    (:data:`COLUMNS`) as an attribute (``summary.ttft_p90_s``), then the trace fields (None without a
+    trace): num_steps, padding_waste_fraction, slot_utilization, mean_batch_size, kv_waste_fraction,
+    max_num_running (the most requests running at once), num_preemptions. Times in seconds; latency
+    statistics of an empty sample are None; goodput_req_s is None without an SLO."""
+
+    TRACE_FIELDS = ("num_steps", "padding_waste_fraction", "slot_utilization", "mean_batch_size",
+                    "kv_waste_fraction", "max_num_running", "num_preemptions")
+
+    def __init__(self, values: dict, slo: SLO | None = None):
+        self.values, self.slo = values, slo
+
+    def __getattr__(self, name: str):
+        values = self.__dict__.get("values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"BenchmarkSummary has no {name!r}; its fields are {', '.join(values)}")
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict (plain floats; the SLO as a dict or None)."""
-        return dataclasses.asdict(self)
-
-
-def _stats(values: list[float]) -> dict[str, float | None]:
-    """mean, p50, p90, p99 of values (numpy linear interpolation); all None for no values."""
-    if not values:
-        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
-    arr = np.asarray(values, dtype=float)
-    return {"mean": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+        """A JSON-ready dict (plain numbers; the SLO as a dict or None)."""
+        slo = None if self.slo is None else dataclasses.asdict(self.slo)
+        return {k: v for k, v in self.values.items() if k not in self.TRACE_FIELDS} | {"slo": slo} | {
+            k: self.values[k] for k in self.TRACE_FIELDS}
 
 
 def summarize(requests: list[Request], trace: list[StepRecord] | None = None,
@@ -181,103 +276,15 @@ def summarize(requests: list[Request], trace: list[StepRecord] | None = None,
     duration_s = max(r.finish_time_s for r in requests) - min(r.arrival_time_s for r in requests)
     if not duration_s > 0:
         raise ValueError(f"duration_s must be > 0 (first arrival to last finish), got {duration_s}")
-    num_prompt = sum(m.num_prompt_tokens for m in metrics)
-    num_output = sum(m.num_output_tokens for m in metrics)
-    fields: dict = {}
-    samples = {
-        "ttft": [m.ttft_s for m in metrics],
-        "tpot": [m.tpot_s for m in metrics if m.tpot_s is not None],
-        "itl": [gap for m in metrics for gap in m.itl_s],
-        "e2e": [m.e2e_s for m in metrics],
+    values = summary_values(Sample(metrics, duration_s, slo))
+    traced = trace is not None
+    values |= {
+        "num_steps": len(trace) if traced else None,
+        "padding_waste_fraction": padding_waste_fraction(trace) if traced else None,
+        "slot_utilization": slot_utilization(trace) if traced else None,
+        "mean_batch_size": mean_batch_size(trace) if traced else None,
+        "kv_waste_fraction": kv_waste_fraction(trace) if traced else None,
+        "max_num_running": max((r.num_running for r in trace), default=0) if traced else None,
+        "num_preemptions": sum(len(r.preempted) for r in trace) if traced else None,
     }
-    for name, values in samples.items():
-        fields.update({f"{name}_{stat}_s": v for stat, v in _stats(values).items()})
-    queueing = [m.queueing_delay_s for m in metrics if m.queueing_delay_s is not None]
-    summary = BenchmarkSummary(
-        num_requests=len(metrics),
-        duration_s=duration_s,
-        total_prompt_tokens=num_prompt,
-        total_output_tokens=num_output,
-        request_throughput_req_s=len(metrics) / duration_s,
-        output_throughput_tok_s=num_output / duration_s,
-        total_throughput_tok_s=(num_prompt + num_output) / duration_s,
-        queueing_delay_mean_s=float(np.mean(queueing)) if queueing else None,
-        **fields,
-    )
-    if slo is not None:
-        summary.slo = slo
-        summary.num_good_requests = sum(slo.is_met(m) for m in metrics)
-        summary.goodput_req_s = summary.num_good_requests / duration_s
-    if trace is not None:
-        summary.num_steps = len(trace)
-        summary.padding_waste_fraction = padding_waste_fraction(trace)
-        summary.slot_utilization = slot_utilization(trace)
-        summary.mean_batch_size = mean_batch_size(trace)
-        summary.kv_waste_fraction = kv_waste_fraction(trace)
-        summary.max_num_running = max((r.num_running for r in trace), default=0)
-        summary.num_preemptions = sum(len(r.preempted) for r in trace)
-    return summary
-
-
-# ---------------------------------------------------------------------- the schedule trace
-def _num_busy_rows(record: StepRecord) -> int:
-    return sum(e.phase != "padding" for e in record.entries)
-
-
-def padding_waste_fraction(trace: list[StepRecord]) -> float:
-    """Padding tokens / every token computed (padding included): prompt left-padding plus the
-    rows of finished requests in a static batch. 0.0 for an empty trace."""
-    padding = sum(r.num_padding_tokens for r in trace)
-    computed = sum(r.num_scheduled_tokens for r in trace) + padding
-    return padding / computed if computed else 0.0
-
-
-def slot_utilization(trace: list[StepRecord]) -> float:
-    """Busy batch rows / (busy + padding + idle rows), summed over steps. Padding rows are
-    static batching's early-finished waste; idle rows are slots no request fills."""
-    busy = sum(_num_busy_rows(r) for r in trace)
-    total = sum(len(r.entries) + r.num_idle_rows for r in trace)
-    return busy / total if total else 0.0
-
-
-def mean_batch_size(trace: list[StepRecord]) -> float:
-    """Mean number of requests computing tokens per step (padding rows not counted)."""
-    return float(np.mean([_num_busy_rows(r) for r in trace])) if trace else 0.0
-
-
-def kv_waste_fraction(trace: list[StepRecord]) -> float:
-    """1 - KV slots used / KV slots reserved, summed over steps: slots reserved but not (yet)
-    written, e.g. Orca's prompt + max_new_tokens reservation. Static batching counts its padded
-    (B, T) cache as used, so its padding shows in padding_waste_fraction instead."""
-    reserved = sum(r.num_kv_slots_reserved for r in trace)
-    return 1.0 - sum(r.num_kv_slots_used for r in trace) / reserved if reserved else 0.0
-
-
-def utilization_formula(output_lens: list[int]) -> float:
-    """The static batching formula: a batch runs max(output_len) generation steps and
-    request i produces a token in output_len[i] of them, so utilization = avg_len / max_len."""
-    if not output_lens or min(output_lens) < 1:
-        raise ValueError(f"output_lens must be a non-empty list of lengths >= 1, got {output_lens}")
-    return float(np.mean(output_lens)) / max(output_lens)
-
-
-def measured_decode_utilization(trace: list[StepRecord]) -> float:
-    """Batch rows that produced a token / (those + padding rows), over the whole trace.
-
-    The step that finishes a prompt is the first *generation* step (it samples token 1), so a
-    request's token-producing rows are its decode rows plus its last prefill row; that is why
-    a single static batch measures exactly ``utilization_formula(output_lens)``. Idle slots
-    are not counted (the formula is per formed batch); Orca has no padding rows, so 1.0.
-    """
-    entries = [e for record in trace for e in record.entries]
-    num_padding = sum(e.phase == "padding" for e in entries)
-    num_decode = sum(e.phase == "decode" for e in entries)
-    # A prefill row produces a token unless the request's next row is another prefill chunk:
-    # walk backwards, remembering each request's next phase.
-    num_last_prefill, next_phase = 0, {}
-    for e in reversed(entries):
-        if e.phase == "prefill":
-            num_last_prefill += next_phase.get(e.request_id) != "prefill"
-        next_phase[e.request_id] = e.phase
-    produced = num_decode + num_last_prefill
-    return produced / (produced + num_padding) if produced + num_padding else 0.0
+    return BenchmarkSummary(values, slo)

@@ -33,6 +33,7 @@ switching its attention implementation (:func:`set_attention`, :func:`attention_
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 import os
 import re
 from pathlib import Path
@@ -42,8 +43,17 @@ from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 
+from minibatch.checks import check_device
+from minibatch.config import check_fields, opt, option
 from minibatch.gguf import load_smollm2
+from minibatch.precision import DTYPES
 from minibatch.hf_load import load_pretrained, quiet_loading
+
+def _backend_names() -> tuple[str, ...]:
+    from minibatch.runner.backends import backend_names  # the registry, read when a config is checked
+
+    return backend_names()
+
 
 MODEL_NAMES = ("smollm2-135m", "smollm2-135m-draft", "tiny-random-llama", "tiny-random-gpt2", "smollm2-135m-random",
                "llama-1b-random")
@@ -53,11 +63,6 @@ DRAFT_DIR = Path(__file__).resolve().parent.parent / "data" / "drafts" / "smollm
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # ids shared by both tiny models and their tokenizer
 TINY_VOCAB = 512
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # "owner/name", e.g. "HuggingFaceTB/SmolLM2-135M"
-
-
-def model_tag(name: str) -> str:
-    """Short label for figures/JSON: registered names as-is, else the last path component."""
-    return name if name in MODEL_NAMES else os.path.basename(os.path.normpath(name))
 
 
 def _load_draft() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -264,3 +269,28 @@ def attention_implementation(model, name: str):
         yield
     finally:
         set_attention(model, previous)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model a command loads and how (``compare``, ``serve`` and ``calibrate`` offer these fields as
+    options). Checked on creation: ValueError naming the option and the allowed values."""
+
+    model: str = option("smollm2-135m", "smollm2-135m (offline default), tiny-random-llama, tiny-random-gpt2, "
+                        "a local dir or a hub id", "str", cli="model")
+    device: str = option("cpu", "where the model runs: cpu, cuda or cuda:N", "str", cli="model")
+    dtype: str = option("auto", "weights, activations and KV cache: float32, bfloat16, float16, or auto = bfloat16 "
+                        "where it is fast (CUDA with bf16, a CPU with AVX512-BF16 or AMX), else float32", "choice",
+                        choices=DTYPES, cli="model")
+    attention_backend: str = option("torch", "our packed attention: a registered attention backend (torch: the "
+                                    "reference; triton: the paged-attention kernels; a --policy-module may add one)",
+                                    "choice", choices=_backend_names, cli="model")
+    draft_model: str | None = option(None, "speculative decoding's draft model (default: smollm2-135m-draft for "
+                                     "smollm2-135m, else the target itself)", "str", optional=True, cli="model")
+
+    def __post_init__(self):
+        check_fields(self, opt)
+        check_device(self.device, "--device")
+        check_model_name(self.model, "--model")
+        if self.draft_model is not None:
+            check_model_name(self.draft_model, "--draft-model")

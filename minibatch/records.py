@@ -4,7 +4,10 @@ plots, metrics, clocks and the simulator's fit read), a :class:`StepEntry` per b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from minibatch.request import Request
 from minibatch.scheduler.base import Scheduler
@@ -52,7 +55,8 @@ class StepRecord:
     layout: "packed" or "padded" (static batching's (B, T) batch). num_blocks_swapped_out,
     num_blocks_swapped_in, num_blocks_copied: KV blocks moved before the forward (swap preemption,
     copy-on-write). draft_forwards: (rows, tokens, context tokens) of each draft-model forward the
-    step ran (speculative decoding), draft_time_s their share of the step.
+    step ran (speculative decoding), draft_time_s their share of the step. token_budget: the most
+    tokens the step could schedule (max_num_batched_tokens, or the adaptive chunker's choice), None: no budget.
     """
 
     step: int
@@ -74,33 +78,40 @@ class StepRecord:
     num_blocks_swapped_in: int = 0
     num_blocks_copied: int = 0
     draft_forwards: tuple[tuple[int, int, int], ...] = ()
+    token_budget: int | None = None
 
-    @classmethod
-    def of(cls, step: int, plan: SchedulerOutput, result: StepResult, outputs_before: list[int],
-           finished: list[Request], scheduler: Scheduler, start_s: float,
-           previous: "StepRecord | None" = None) -> "StepRecord":
-        """The record of a step just updated: ``outputs_before`` holds each scheduled request's
-        num_output_tokens before the update. Its times are the clock's to fill (end_s = start_s,
-        draft_time_s = the executor's measured drafting); num_waiting counts the scheduler's queue
-        now. A block table unchanged since ``previous`` is that record's tuple (shared), so a
-        trace's memory grows with the blocks that change, not with steps x blocks held."""
+    @staticmethod
+    def entries_of(plan: SchedulerOutput, result: StepResult, outputs_before: list[int]) -> list[StepEntry]:
+        """A step's rows, once the scheduler applied ``result``: ``outputs_before`` holds each scheduled
+        request's num_output_tokens before the update (its new tokens are the ones after)."""
         entries = [StepEntry(s.request_id, s.row, s.phase, s.num_new_tokens, s.num_computed_tokens,
                              s.request_id in result.sampled, s.num_spec_tokens,
                              result.num_accepted.get(s.request_id, 0),
                              tuple(s.request.output_token_ids[before:]))
                    for s, before in zip(plan.scheduled, outputs_before)]
-        entries += [StepEntry(s.request_id, s.row, "padding", 1, s.num_computed_tokens, False) for s in plan.padded]
+        return entries + [StepEntry(s.request_id, s.row, "padding", 1, s.num_computed_tokens, False)
+                          for s in plan.padded]
+
+    @classmethod
+    def of(cls, step: int, plan: SchedulerOutput, result: StepResult, entries: list[StepEntry],
+           finished: list[Request], scheduler: Scheduler, start_s: float, end_s: float, draft_time_s: float,
+           previous: "StepRecord | None" = None) -> "StepRecord":
+        """The record of a step that ended at ``end_s`` (its rows: :meth:`entries_of`; draft_time_s: the
+        clock's drafting seconds); num_waiting counts the scheduler's queue now. A block table unchanged
+        since ``previous`` is that record's tuple (shared), so a trace's memory grows with the blocks
+        that change, not with steps x blocks held."""
         old = previous.block_tables if previous is not None else {}
         return cls(
-            step=step, start_s=start_s, end_s=start_s, entries=entries,
+            step=step, start_s=start_s, end_s=end_s, entries=entries,
             num_padding_tokens=plan.num_padding_tokens, num_idle_rows=plan.num_idle_rows,
             num_kv_slots_used=scheduler.num_kv_slots_used, num_kv_slots_reserved=scheduler.num_kv_slots_reserved,
             num_waiting=len(scheduler.waiting), num_running=len(scheduler.running),
             finished=[r.request_id for r in finished],
             block_tables={rid: old[rid] if old.get(rid) == t else t for rid, t in plan.block_tables.items()},
-            preempted=list(plan.preempted), draft_time_s=result.draft_time_s, layout=plan.layout,
+            preempted=list(plan.preempted), draft_time_s=draft_time_s, layout=plan.layout,
             num_blocks_swapped_out=len(plan.blocks_to_swap_out), num_blocks_swapped_in=len(plan.blocks_to_swap_in),
             num_blocks_copied=len(plan.blocks_to_copy), draft_forwards=tuple(result.draft_forwards),
+            token_budget=None if math.isinf(plan.token_budget) else int(plan.token_budget),
         )
 
     @property
@@ -141,3 +152,67 @@ class TokenEvent:
     token_id: int
     time_s: float
     is_finished: bool
+
+
+# ------------------------------------------------- what a schedule trace says (metrics of the records)
+def _num_busy_rows(record: StepRecord) -> int:
+    return sum(e.phase != "padding" for e in record.entries)
+
+
+def padding_waste_fraction(trace: list[StepRecord]) -> float:
+    """Padding tokens / every token computed (padding included): prompt left-padding plus the
+    rows of finished requests in a static batch. 0.0 for an empty trace."""
+    padding = sum(r.num_padding_tokens for r in trace)
+    computed = sum(r.num_scheduled_tokens for r in trace) + padding
+    return padding / computed if computed else 0.0
+
+
+def slot_utilization(trace: list[StepRecord]) -> float:
+    """Busy batch rows / (busy + padding + idle rows), summed over steps. Padding rows are
+    static batching's early-finished waste; idle rows are slots no request fills."""
+    busy = sum(_num_busy_rows(r) for r in trace)
+    total = sum(len(r.entries) + r.num_idle_rows for r in trace)
+    return busy / total if total else 0.0
+
+
+def mean_batch_size(trace: list[StepRecord]) -> float:
+    """Mean number of requests computing tokens per step (padding rows not counted)."""
+    return float(np.mean([_num_busy_rows(r) for r in trace])) if trace else 0.0
+
+
+def kv_waste_fraction(trace: list[StepRecord]) -> float:
+    """1 - KV slots used / KV slots reserved, summed over steps: slots reserved but not (yet)
+    written, e.g. Orca's prompt + max_new_tokens reservation. Static batching counts its padded
+    (B, T) cache as used, so its padding shows in padding_waste_fraction instead."""
+    reserved = sum(r.num_kv_slots_reserved for r in trace)
+    return 1.0 - sum(r.num_kv_slots_used for r in trace) / reserved if reserved else 0.0
+
+
+def utilization_formula(output_lens: list[int]) -> float:
+    """The static batching formula: a batch runs max(output_len) generation steps and
+    request i produces a token in output_len[i] of them, so utilization = avg_len / max_len."""
+    if not output_lens or min(output_lens) < 1:
+        raise ValueError(f"output_lens must be a non-empty list of lengths >= 1, got {output_lens}")
+    return float(np.mean(output_lens)) / max(output_lens)
+
+
+def measured_decode_utilization(trace: list[StepRecord]) -> float:
+    """Batch rows that produced a token / (those + padding rows), over the whole trace.
+
+    The step that finishes a prompt is the first *generation* step (it samples token 1), so a
+    request's token-producing rows are its decode rows plus its last prefill row; that is why
+    a single static batch measures exactly ``utilization_formula(output_lens)``. Idle slots
+    are not counted (the formula is per formed batch); Orca has no padding rows, so 1.0.
+    """
+    entries = [e for record in trace for e in record.entries]
+    num_padding = sum(e.phase == "padding" for e in entries)
+    num_decode = sum(e.phase == "decode" for e in entries)
+    # A prefill row produces a token unless the request's next row is another prefill chunk:
+    # walk backwards, remembering each request's next phase.
+    num_last_prefill, next_phase = 0, {}
+    for e in reversed(entries):
+        if e.phase == "prefill":
+            num_last_prefill += next_phase.get(e.request_id) != "prefill"
+        next_phase[e.request_id] = e.phase
+    produced = num_decode + num_last_prefill
+    return produced / (produced + num_padding) if produced + num_padding else 0.0

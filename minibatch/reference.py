@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from minibatch.equivalence import ReferenceOutput, matches_reference  # noqa: F401 -- matches_reference: public here too
+from minibatch.equivalence import ReferenceOutput
 from minibatch.request import Request
 
 CACHE_FORMAT = 1

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 
 
-
 def write_json(result: dict, path: str | Path | None) -> None:
     """Write a benchmark result as indented, strict JSON (NaN/inf -> null: "metric undefined"),
     atomically (parent folders made; a failed write keeps the old file); nothing if path is None.
@@ -50,14 +49,19 @@ def environment() -> dict:
     return env
 
 
+# columns of compare's table after the registered metric columns (minibatch.metrics.COLUMNS with a header)
+RUN_COLUMNS = (("kv_waste_fraction", "KV waste", "{:.1%}"), ("max_num_running", "max running", "{}"),
+               ("num_preemptions", "preempted", "{}"), ("matches_reference", "matches ref", "{}"),
+               ("clock", "clock", "{}"))
+
+
 def print_table(result: dict) -> None:
-    cols = [("output_throughput_tok_s", "out tok/s", "{:.1f}"), ("total_throughput_tok_s", "total tok/s", "{:.1f}"),
-            ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p99_s", "TTFT p99 s", "{:.3f}"),
-            ("tpot_p50_s", "TPOT p50 s", "{:.4f}"), ("itl_p99_s", "ITL p99 s", "{:.3f}"),
-            ("e2e_p50_s", "E2E p50 s", "{:.3f}"),
-            ("goodput_req_s", "goodput r/s", "{:.3f}"), ("kv_waste_fraction", "KV waste", "{:.1%}"),
-            ("max_num_running", "max running", "{}"), ("num_preemptions", "preempted", "{}"),
-            ("matches_reference", "matches ref", "{}"), ("clock", "clock", "{}")]
+    """compare's and simulate's table: a row per policy, then each policy against the one it improves on
+    (``PolicySpec.improves_on``) where both ran: output throughput and ITL p99 ratios."""
+    from minibatch.metrics import COLUMNS
+    from minibatch.policies import POLICIES
+
+    cols = [(name, c.header, c.fmt) for name, c in COLUMNS.items() if c.header] + list(RUN_COLUMNS)
     header = f"{'policy':<18}" + "".join(f"{c[1]:>13}" for c in cols)
     print(header)
     print("-" * len(header))
@@ -65,18 +69,18 @@ def print_table(result: dict) -> None:
         cells = [fmt.format(entry.get(key)) if entry.get(key) is not None else "-" for key, _, fmt in cols]
         print(f"{name:<18}" + "".join(f"{c:>13}" for c in cells))
     p = result["policies"]
-    for a, b in (("orca", "static"), ("paged", "orca"), ("paged_prefix", "paged"), ("chunked", "prefill_first")):
-        if a in p and b in p:
-            ratio = p[a]["output_throughput_tok_s"] / p[b]["output_throughput_tok_s"]
-            print(f"{a} / {b} output throughput: {ratio:.2f}x")
-    for a in [name for name, entry in p.items() if "spec_decoding" in entry]:
-        if "paged" in p:
-            st = p[a]["spec_decoding"]
-            ratio = p[a]["output_throughput_tok_s"] / p["paged"]["output_throughput_tok_s"]
-            print(f"{a} / paged output throughput: {ratio:.2f}x (acceptance rate {st['acceptance_rate']:.1%}, "
-                  f"mean acceptance length {st['mean_acceptance_length']:.2f})")
-    if "chunked" in p and "prefill_first" in p and p["chunked"]["itl_p99_s"]:
-        print(f"prefill_first / chunked ITL p99: {p['prefill_first']['itl_p99_s'] / p['chunked']['itl_p99_s']:.2f}x")
+    for a, entry in p.items():
+        b = POLICIES[a].improves_on if a in POLICIES else None
+        if b not in p:
+            continue
+        line = f"{a} / {b} output throughput: {entry['output_throughput_tok_s'] / p[b]['output_throughput_tok_s']:.2f}x"
+        if entry.get("itl_p99_s") and p[b].get("itl_p99_s"):
+            line += f", ITL p99: {entry['itl_p99_s'] / p[b]['itl_p99_s']:.2f}x"
+        if "spec_decoding" in entry:
+            st = entry["spec_decoding"]
+            line += (f" (acceptance rate {st['acceptance_rate']:.1%}, mean acceptance length "
+                     f"{st['mean_acceptance_length']:.2f})")
+        print(line)
 
 
 def save_figures(runs: dict, figures_dir: str) -> list[str]:

@@ -193,11 +193,6 @@ class Request:
         return self.num_computed_tokens < self.num_prompt_tokens
 
     @property
-    def num_tokens_with_spec(self) -> int:
-        """num_tokens plus the stored drafts: what the next step may compute up to (vLLM v1)."""
-        return self.num_tokens + len(self.spec_token_ids)
-
-    @property
     def first_token_time_s(self) -> float | None:
         return self.token_times_s[0] if self.token_times_s else None
 
@@ -210,20 +205,6 @@ class Request:
             self.finish_reason = "length"
         if self.finish_reason is not None:
             self.status = RequestStatus.FINISHED
-
-    def reset(self) -> None:
-        """Forget all engine state so the same request can run again under another policy."""
-        self.status = RequestStatus.WAITING
-        self.num_computed_tokens = 0
-        self.output_token_ids = []
-        self.logprobs = []
-        self.finish_reason = None
-        self.first_scheduled_time_s = None
-        self.token_times_s = []
-        self.finish_time_s = None
-        self.num_preemptions = 0
-        self.spec_token_ids = []
-        self.spec_history = []
 
     def copy(self) -> "Request":
         """A fresh request with the same inputs and no state."""

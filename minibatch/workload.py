@@ -23,9 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minibatch.prompts import chat_prompt_ids, demo_prompts  # noqa: F401  (chat_prompt_ids: re-exported)
+from minibatch.prompts import demo_prompts
 from minibatch.request import Request, SamplingParams
-from minibatch.trace_io import TRACE_FORMAT, load_trace, save_trace  # noqa: F401  (re-exported)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SHAREGPT_LENGTHS_PATH = DATA_DIR / "sharegpt_lengths.json"

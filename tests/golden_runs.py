@@ -21,7 +21,7 @@ TRACES = ("poisson", "shared_prefix", "kv_pressure")
 
 # (name, policy, make_engine options, SimExecutor options or None for the tiny model)
 SIM_CASES = [
-    ("static", "static", dict(max_num_seqs=4, max_wait_s=0.5), {}),
+    ("static", "static", dict(batch_size=4, max_wait_s=0.5), {}),
     ("orca", "orca", dict(max_num_seqs=8), {}),
     ("orca_max", "orca", dict(max_num_seqs=8, reserve_new_tokens=64), {}),
     ("paged", "paged", dict(max_num_seqs=8), {}),
@@ -40,7 +40,7 @@ SIM_CASES = [
      dict(acceptance_rate=[0.8, 0.5, 0.2], seed=4, draft_forwards=False, proposal_rate=0.6)),
 ]
 MODEL_CASES = [  # on tiny-random-llama (real tokens), trace "poisson" only
-    ("model_static", "static", dict(max_num_seqs=4, max_wait_s=0.5)),
+    ("model_static", "static", dict(batch_size=4, max_wait_s=0.5)),
     ("model_paged", "paged", dict(max_num_seqs=8)),
     ("model_chunked", "chunked", dict(max_num_seqs=8, max_num_batched_tokens=32)),
     ("model_spec", "spec", dict(max_num_seqs=8, num_speculative_tokens=3)),
@@ -89,15 +89,10 @@ def record_dict(rec) -> dict:
 
 def run_case(trace: str, policy: str, options: dict, executor) -> dict:
     from minibatch.clock import SimClock
-    from minibatch.config import EngineConfig
     from minibatch.policies import make_engine
 
     requests = make_requests(trace, executor.vocab_size or 200)
-    import inspect
-    if "max_num_seqs" not in inspect.signature(make_engine).parameters:  # TEMP: before the rename
-        options = dict(options)
-        options["max_num_seqs"] = options.pop("max_num_seqs")
-    engine = make_engine(policy, executor, SimClock(), config=EngineConfig(n_slots=n_slots(trace)), **options)
+    engine = make_engine(policy, executor, SimClock(), config={"n_slots": n_slots(trace)}, **options)
     engine.generate(requests)
     return {"steps": [record_dict(r) for r in engine.trace],
             "outputs": {r.request_id: r.output_token_ids for r in requests}}

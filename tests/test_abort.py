@@ -34,10 +34,9 @@ def kv_in_use(scheduler) -> int:
        aborts=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 13)), max_size=6))
 def test_aborts_in_any_state_free_kv_and_lose_no_request(policy, mode, aborts):
     reqs = sim_requests()
-    options = {"n_slots": 160, "max_num_seqs": 6}
-    if "preemption_mode" in POLICIES[policy].options:
-        options["preemption_mode"] = mode
-    engine = make_engine(policy, SimExecutor(acceptance_rate=0.7), SimClock(), **options)
+    options = {"preemption_mode": mode} if "preemption_mode" in POLICIES[policy].options else {}
+    engine = make_engine(policy, SimExecutor(acceptance_rate=0.7), SimClock(),
+                         config={"n_slots": 160, "max_num_seqs": 6, "batch_size": 6}, **options)
     for r in reqs:
         engine.add_request(r)
     bm = getattr(engine.scheduler, "block_manager", None)
@@ -75,7 +74,8 @@ def test_aborting_some_requests_leaves_the_others_exact(paged_setup, policy, mod
     few steps; the other requests' greedy outputs still equal HF generate's."""
     _, runner, prompts, refs = paged_setup
     reqs = [Request(f"r{i}", p, n, GREEDY, arrival_time_s=0.01 * i) for i, (p, n) in enumerate(zip(prompts, MAX_NEW))]
-    options = dict(max_num_seqs=4) if policy in ("orca", "static") else dict(n_slots=80, block_size=4, max_num_seqs=8)
+    options = {"static": dict(batch_size=4), "orca": dict(max_num_seqs=4)}.get(
+        policy, dict(n_slots=80, block_size=4, max_num_seqs=8))
     if mode:
         options["preemption_mode"] = mode
     engine = make_engine(policy, runner, SimClock(), **options)

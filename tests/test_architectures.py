@@ -1,6 +1,6 @@
 """Every decoder architecture is exact or refused: never silently wrong.
 
-Small random configs of the decoder-only architectures transformers ships (``minibatch.architectures``:
+Small random configs of the decoder-only architectures transformers ships (``tests/architectures.py``:
 2 layers, hidden 64, vocab 512, sliding windows of 8 tokens, rows longer than that) are either
 token-exact with HF ``generate`` under static, orca, paged, chunked and spec_ngram, or refused with
 NotImplementedError when their ModelRunner is built (the behavioural check of ``runner.support``).
@@ -15,7 +15,7 @@ from transformers import CONFIG_MAPPING, GPT2Config, GPT2LMHeadModel
 from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb
 
 from minibatch import ModelRunner, Request, SamplingParams
-from minibatch.architectures import ARCHITECTURES, POLICIES, SLIDING_WINDOW, build_tiny_model, check_architecture
+from architectures import ARCHITECTURES, POLICIES, SLIDING_WINDOW, build_tiny_model, check_architecture
 from minibatch.baselines import run_hf_generate
 from minibatch.reference import reference_outputs
 from minibatch.models import load_model
@@ -183,7 +183,7 @@ def test_rows_longer_than_the_window():
 
 
 def _requests_for(model_type):
-    from minibatch.architectures import support_requests
+    from architectures import support_requests
 
     return support_requests(build_tiny_model(model_type))
 

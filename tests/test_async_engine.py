@@ -26,6 +26,11 @@ async def drain(stream) -> list[TokenDelta]:
     return [delta async for delta in stream]
 
 
+async def generated(async_engine: AsyncEngine, r: Request) -> list[TokenDelta]:
+    """Every TokenDelta of ``r``, submitted from a running event loop."""
+    return await drain(async_engine.submit(r))
+
+
 async def submit(async_engine: AsyncEngine, r: Request):
     """``async_engine.submit(r)`` from a running event loop (what it needs)."""
     return async_engine.submit(r)
@@ -42,7 +47,7 @@ async def wait_for(condition, timeout_s: float = 30.0) -> None:
 def test_a_stream_yields_every_token_then_its_finish_reason():
     async_engine = AsyncEngine(make_engine("paged", SimExecutor(), LiveClock(), n_slots=256, block_size=4)).start()
     try:
-        deltas = asyncio.run(drain(async_engine.generate(request("a", 7))))
+        deltas = asyncio.run(generated(async_engine, request("a", 7)))
     finally:
         async_engine.shutdown()
     assert sum(len(d.token_ids) for d in deltas) == 7
@@ -58,7 +63,7 @@ def test_a_step_that_raises_ends_open_streams_and_health_answers_503(monkeypatch
     monkeypatch.setattr(engine, "step", broken_step)  # an instance attribute shadows Engine.step
     async_engine = AsyncEngine(engine).start()
     with pytest.raises(EngineDeadError, match="boom in step"):
-        asyncio.run(drain(async_engine.generate(request("a"))))
+        asyncio.run(generated(async_engine, request("a")))
     async_engine.shutdown()
     assert not async_engine.is_alive and isinstance(async_engine.error, RuntimeError)
     with pytest.raises(EngineDeadError, match="boom in step"):
@@ -72,7 +77,7 @@ def test_a_step_that_raises_ends_open_streams_and_health_answers_503(monkeypatch
 
 def test_shutdown_ends_open_streams_with_abort():
     # a static batch of 4 waits up to 600 s to fill: the one request stays waiting until shutdown
-    engine = make_engine("static", SimExecutor(), LiveClock(), max_num_seqs=4, max_wait_s=600.0)
+    engine = make_engine("static", SimExecutor(), LiveClock(), batch_size=4, max_wait_s=600.0)
     async_engine = AsyncEngine(engine).start()
 
     async def run():

@@ -124,7 +124,6 @@ def test_an_unknown_backend_is_one_line_naming_the_option(capsys):
 def test_serve_runs_a_registered_backend(one_thread):
     import openai
 
-    from minibatch.config import EngineConfig
     from minibatch.serving.launch import ServerThread, build_server
 
     register_backend(Counting())
@@ -132,7 +131,7 @@ def test_serve_runs_a_registered_backend(one_thread):
     prompt = list(range(5, 17))
     ref = greedy_reference(model, prompt, 6)
     calls = Counting.calls
-    app, engine = build_server("tiny-random-llama", "paged", EngineConfig(n_slots=256), loaded=(model, tok),
+    app, engine = build_server("tiny-random-llama", "paged", dict(n_slots=256), loaded=(model, tok),
                                attention_backend="counting")
     with ServerThread(app, engine) as srv:
         out = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0).completions.create(

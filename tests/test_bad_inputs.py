@@ -143,7 +143,7 @@ def tiny(one_thread):
 @pytest.mark.parametrize("bad_ids", [[600], [511, 512], [-1 + 513 * 1000]])
 def test_out_of_vocab_request_is_refused_and_the_others_finish(tiny, policy, bad_ids):
     model, runner, prompts, refs = tiny
-    engine = make_engine(policy, runner, SimClock(), n_slots=512, max_num_seqs=4)
+    engine = make_engine(policy, runner, SimClock(), config=dict(n_slots=512, max_num_seqs=4, batch_size=4))
     good = [Request(f"r{i}", p, 6, GREEDY) for i, p in enumerate(prompts)]
     engine.add_request(good[0])
     with pytest.raises(ValueError, match=r"prompt_token_ids\[\d\] must be in \[0, 512\) \(the model's vocab_size\)"):
@@ -201,7 +201,7 @@ def test_step_with_nothing_queued_is_a_no_op(policy):
     ("paged", dict(n_slots=0), "n_slots"),
     ("paged", dict(n_slots=8, block_size=16), "n_slots"),
     ("orca", dict(max_num_seqs=0), "max_num_seqs"),
-    ("static", dict(max_num_seqs=0), "max_num_seqs"),
+    ("static", dict(batch_size=0), "batch_size"),
     ("static", dict(max_wait_s=math.inf), "max_wait_s"),
     ("static", dict(max_wait_s=-1), "max_wait_s"),
     ("paged", dict(max_num_seqs=2.5), "max_num_seqs"),
@@ -305,21 +305,37 @@ def test_kv_cache_larger_than_memory_is_a_clear_error(tiny):
     ("arrival", "uniform", "--arrival"), ("clock", "sundial", "--clock"), ("device", "tpu", "--device"),
     ("device", "cuda:7", "--device"), ("preemption_mode", "drop", "--preemption-mode"),
     ("attention_backend", "cuda", "--attention-backend"), ("queue_policy", "lifo", "--queue-policy"),
-    ("orca_reservation", "psychic", "--orca-reservation"), ("policies", (), "--policies"),
-    ("policies", "orca", "--policies"), ("model", "no-such-model", "--model"), ("model", "./no/such/dir", "--model"),
+    ("reserve_new_tokens", 0, "--reserve-new-tokens"), ("batch_size", 0, "--batch-size"),
+    ("policies", (), "--policies"), ("policies", "orca", "--policies"), ("model", "no-such-model", "--model"),
+    ("model", "./no/such/dir", "--model"),
     ("model", "/", "--model"), ("model", 5, "--model"), ("draft_model", "nope", "--draft-model"),
     ("trace", "/no/such/trace.json", "--trace"), ("profile", "/no/such/profile.json", "--profile"),
     ("adaptive_k", "yes", "--adaptive-k"),
 ])
 def test_run_config_field(field, value, option):
+    """A run option, or a policy setting (checked by the config of every selected policy that has it)."""
+    from minibatch.policies import setting_names
+
+    fields = {"settings": {field: value}, "policies": ("all",)} if field in setting_names() else {field: value}
     with pytest.raises(ValueError, match=option):
-        CompareConfig(**{"model": "tiny-random-llama", field: value})
+        CompareConfig(**{"model": "tiny-random-llama"} | fields)
 
 
 def test_run_config_is_the_clis_config():
-    """One dataclass validates for both: the CLI builds it, so a later CLI keeps the checks."""
-    cfg = CompareConfig(model="tiny-random-llama", n_slots=None, max_num_batched_tokens=None)
-    assert cfg.n_slots is None and cfg.max_num_batched_tokens is None
+    """One dataclass validates for both: the CLI builds it, so a later CLI keeps the checks. A setting
+    left None is not set."""
+    cfg = CompareConfig(model="tiny-random-llama", settings={"n_slots": None, "max_num_batched_tokens": None})
+    assert cfg.settings == {}
+
+
+def test_a_setting_no_selected_policy_has_is_refused():
+    with pytest.raises(ValueError, match=r"--target-itl-s does not apply to the selected policies \(static,paged\); "
+                                         "it applies to chunked,chunked_prefix"):
+        CompareConfig(model="tiny-random-llama", policies=("static", "paged"), settings={"target_itl_s": 0.1})
+    with pytest.raises(ValueError, match="--max-num-seqs does not apply to the selected policies"):
+        CompareConfig(model="tiny-random-llama", policies=("static",), settings={"max_num_seqs": 4})
+    with pytest.raises(ValueError, match="no-such-setting"):
+        CompareConfig(model="tiny-random-llama", settings={"no_such_setting": 1})
 
 
 # ----------------------------------------------------------------------------- the CLI, in process

@@ -172,9 +172,9 @@ def test_all_requests_complete_with_exact_metrics(start_stub):
         assert (r["output_tokens"], r["output_tokens_source"], r["input_tokens"]) == (8, "usage", 7)
         _check_record(r, chunks=4)
     assert all(b["max_tokens"] == 8 and b["temperature"] == 0 and "ignore_eos" not in b for b in stub.bodies)
-    assert s["total_output_tokens"] == 64 and s["total_input_tokens"] == 56
-    assert s["request_throughput"] == 8 / s["duration_s"] and s["output_throughput"] == 64 / s["duration_s"]
-    assert s["goodput"] is None
+    assert s["total_output_tokens"] == 64 and s["total_prompt_tokens"] == 56
+    assert s["request_throughput_req_s"] == 8 / s["duration_s"] and s["output_throughput_tok_s"] == 64 / s["duration_s"]
+    assert s["goodput_req_s"] is None
 
 
 def test_summary_percentiles_equal_numpys(start_stub):
@@ -185,10 +185,9 @@ def test_summary_percentiles_equal_numpys(start_stub):
               "e2e": [r["e2e_s"] for r in records], "itl": [g for r in records for g in r["itl_s"]]}
     assert len(values["itl"]) == 6 * 4
     for name, v in values.items():
-        assert s[f"{name}_mean_s"] == float(np.mean(v)) and s[f"{name}_median_s"] == float(np.median(v))
-        for p in (50, 95, 99):
+        assert s[f"{name}_mean_s"] == float(np.mean(v))
+        for p in (50, 90, 99):  # vLLM's percentiles, the engine summary's
             assert s[f"{name}_p{p}_s"] == float(np.percentile(v, p))
-    assert s["ttft_p50_s"] == s["ttft_median_s"]
 
 
 def test_no_usage_counts_chunks_and_chat_skips_role_chunk(start_stub):
@@ -231,16 +230,17 @@ def test_unreachable_server_and_timeout_are_recorded(start_stub):
 def test_goodput_counts_requests_meeting_every_slo(start_stub):
     url, _ = start_stub(chunks=3)
     out = bench(url, "stub-model", _requests(6), slo=SLO(ttft_s=FIRST_DELAY_S / 10), progress=False)
-    assert out["summary"]["num_good"] == 0 and out["summary"]["goodput"] == 0.0  # TTFT >= the stub's delay
+    # every TTFT >= the stub's delay
+    assert out["summary"]["num_good_requests"] == 0 and out["summary"]["goodput_req_s"] == 0.0
     records, duration = out["requests"], out["summary"]["duration_s"]
     ttft = sorted(r["ttft_s"] for r in records)
     for slo in (SLO(ttft_s=ttft[2]), SLO(e2e_s=1000.0), SLO(ttft_s=ttft[3], tpot_s=1e-9), SLO(tpot_s=1000.0)):
         good = [r for r in records if all(limit is None or r[name] <= limit for name, limit in
                                           (("ttft_s", slo.ttft_s), ("tpot_s", slo.tpot_s), ("e2e_s", slo.e2e_s)))]
         s = summarize(records, duration, slo)
-        assert s["num_good"] == len(good) and s["goodput"] == len(good) / duration
+        assert s["num_good_requests"] == len(good) and s["goodput_req_s"] == len(good) / duration
     one_token = dict(records[0], success=True, output_tokens=1, tpot_s=None)  # vLLM: TPOT counts as 0
-    assert summarize([one_token], 1.0, SLO(tpot_s=1e-9))["num_good"] == 1
+    assert summarize([one_token], 1.0, SLO(tpot_s=1e-9))["num_good_requests"] == 1
 
 
 def test_bench_runs_inside_a_running_event_loop(start_stub):
@@ -296,7 +296,7 @@ def test_cli_path_writes_json(start_stub, tmp_path: Path, monkeypatch, capsys):
     assert saved["command"] == "python -m minibatch bench-serve ..." and saved["environment"]["python"]
     assert saved["model"] == result["model"] == "stub-model"  # asked from GET /v1/models
     assert saved["base_url"] == url + "/v1" and saved["config"]["rate"] == "inf"
-    assert saved["summary"]["completed"] == 5 and saved["summary"]["num_good"] == 5
+    assert saved["summary"]["completed"] == 5 and saved["summary"]["num_good_requests"] == 5
     assert saved["requests"] == json.loads(json.dumps(result["requests"]))
     expected = sample_requests(5, 3, tiny_tokenizer(), 256, 6, pairs=_pairs())
     assert sorted(b["max_tokens"] for b in stub.bodies) == sorted(r.output_len for r in expected)
@@ -343,3 +343,36 @@ def test_modules_stay_short():
     folder = Path(bench_mod.__file__).parent
     for name in ("bench.py", "bench_stats.py"):
         assert len((folder / name).read_text().splitlines()) <= 300
+
+
+@pytest.fixture
+def extra_column():
+    """A metric registered in one place (minibatch.metrics.register_column), removed afterwards."""
+    from minibatch.metrics import COLUMNS, register_column
+
+    register_column("ttft_p75_s", "s", lambda s: float(np.percentile(s.latency("ttft"), 75)) if s.metrics else None,
+                    header="TTFT p75 s")
+    yield
+    COLUMNS.pop("ttft_p75_s")
+
+
+def test_a_new_metric_column_appears_in_compare_and_bench_serve(extra_column, start_stub, tmp_path: Path,
+                                                                 monkeypatch, capsys, one_thread):
+    from minibatch.__main__ import main
+
+    main(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--num-requests", "4", "--clock", "sim",
+          "--policies", "paged", "--max-output-len", "8", "--figures-dir", "", "--no-progress", "--no-reference",
+          "--json", str(tmp_path / "compare.json")])
+    row = json.loads((tmp_path / "compare.json").read_text())["policies"]["paged"]
+    assert row["ttft_p75_s"] is not None and row["ttft_p50_s"] <= row["ttft_p75_s"] <= row["ttft_p99_s"]
+    assert "TTFT p75 s" in capsys.readouterr().out  # compare's table
+
+    monkeypatch.setattr(bench_mod, "human_gpt_pairs", lambda: (_pairs(), len(_pairs())))
+    url, _ = start_stub(chunks=2)
+    args = _parse("--base-url", url, "--tokenizer", "tiny-random-llama", "--num-prompts", "5",
+                  "--json", str(tmp_path / "bench.json"), "--no-progress")
+    run_bench_serve(args, command="python -m minibatch bench-serve ...")
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    ttft = [r["ttft_s"] for r in saved["requests"]]
+    assert saved["summary"]["ttft_p75_s"] == float(np.percentile(ttft, 75))
+    assert "TTFT p75 s" in capsys.readouterr().out  # bench-serve's table

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecutor, make_engine
+from minibatch import Engine, ModelRunner, Request, SamplingParams, SimClock, SimExecutor, make_engine
 from minibatch.scheduler import AdaptiveChunker, ChunkedPrefillScheduler, PrefillFirstScheduler
 from minibatch.clock import CostModel
 
@@ -127,7 +127,8 @@ def test_prefill_first_stalls_decodes_chunked_does_not():
 
 
 def test_budget_must_fit_whole_requests_without_chunking():
-    engine = make_engine("prefill_first", SimExecutor(), SimClock(), n_slots=4096, max_num_batched_tokens=100)
+    # the budget is chunked prefill's setting; a scheduler built by hand may still take one without chunking
+    engine = Engine(PrefillFirstScheduler(num_blocks=256, max_num_batched_tokens=100), SimExecutor(), SimClock())
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         engine.add_request(Request("big", [3] * 90, 20, GREEDY))
     make_engine("chunked", SimExecutor(), SimClock(), n_slots=4096, max_num_batched_tokens=1).add_request(

@@ -50,11 +50,14 @@ def test_compare_paged_policies(tmp_path, capsys):
     main(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--num-requests", "8", "--arrival",
           "zero", "--clock", "sim",
           "--max-output-len", "12", "--max-prompt-len", "24", "--no-progress", "--n-slots", "96", "--block-size", "4",
-          "--policies", "orca,paged,paged_prefix", "--orca-reservation", "max", "--preemption-mode", "swap",
+          "--policies", "orca,paged,paged_prefix", "--reserve-new-tokens", "12", "--preemption-mode", "swap",
           "--json", str(out), "--figures-dir", str(tmp_path / "fig")])
     result = json.loads(out.read_text())
-    assert result["config"]["orca_reservation"] == "max" and result["config"]["preemption_mode"] == "swap"
-    p = result["policies"]
+    assert result["config"]["settings"] == {"n_slots": 96, "block_size": 4, "reserve_new_tokens": 12,
+                                            "preemption_mode": "swap"}
+    p = result["policies"]  # each policy's settings: the ones it has
+    assert p["orca"]["settings"]["reserve_new_tokens"] == 12 and "preemption_mode" not in p["orca"]["settings"]
+    assert p["paged"]["settings"]["preemption_mode"] == "swap" and p["paged"]["settings"]["block_size"] == 4
     assert all(entry["matches_reference"] is True for entry in p.values())
     assert p["paged"]["kv_waste_fraction"] < p["orca"]["kv_waste_fraction"]
     assert p["paged"]["max_num_running"] > p["orca"]["max_num_running"]
@@ -72,11 +75,13 @@ def test_compare_chunked_on_the_long_prompt_trace(tmp_path, capsys, order):
           "--long-prompt-len", "200", "--max-num-batched-tokens", "32", "--queue-policy", order,
           "--policies", "prefill_first,chunked,chunked_prefix", "--json", str(out), "--figures-dir", ""])
     result = json.loads(out.read_text())
-    assert result["config"]["max_num_batched_tokens"] == 32 and result["config"]["queue_policy"] == order
-    p = result["policies"]
+    assert result["config"]["settings"] == {"max_num_batched_tokens": 32, "queue_policy": order}
+    p = result["policies"]  # the budget is chunked prefill's setting: prefill_first has none
+    assert [p[name]["settings"].get("max_num_batched_tokens") for name in p] == [None, 32, 32]
+    assert {p[name]["settings"]["queue_policy"] for name in p} == {order}
     assert all(entry["matches_reference"] is True for entry in p.values())
     assert p["chunked"]["itl_p99_s"] < p["prefill_first"]["itl_p99_s"]  # the 200-token prefills no longer stall
-    assert "prefill_first / chunked ITL p99" in capsys.readouterr().out
+    assert "chunked / prefill_first output throughput: " in (out := capsys.readouterr().out) and "ITL p99: " in out
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -89,8 +94,9 @@ def test_compare_speculative_policies(tmp_path, capsys, adaptive):
           "--policies", "paged,spec,spec_ngram", "--json", str(out), "--figures-dir", ""]
          + (["--adaptive-k"] if adaptive else []))
     result = json.loads(out.read_text())
-    assert result["config"]["draft_model"] == "tiny-random-llama" and result["config"]["num_speculative_tokens"] == 3
-    assert result["config"]["adaptive_k"] is adaptive
+    assert result["config"]["draft_model"] == "tiny-random-llama"
+    assert all(row["settings"]["num_speculative_tokens"] == 3 and row["settings"]["adaptive_k"] is adaptive
+               for row in result["policies"].values() if "spec_decoding" in row)
     p = result["policies"]
     assert all(entry["matches_reference"] is True for entry in p.values())
     st = p["spec"]["spec_decoding"]

@@ -14,7 +14,9 @@ from minibatch.kv.contiguous import (  # noqa: E402
     SMOLLM2_135M_KV_BYTES_PER_TOKEN, ContiguousAllocator, FragmentationError, OutOfSlotsError, PagedAllocator,
     compaction_bytes, kv_bytes_per_token,
 )
-from minibatch.lessons.contiguous import DEMO_EVENTS, Event, fragmentation_demo, plot_demo, print_demo  # noqa: E402
+from minibatch.lessons.contiguous import print_demo  # noqa: E402
+from minibatch.experiments.fragmentation import DEMO_EVENTS, Event, fragmentation_demo  # noqa: E402
+from minibatch.viz.contiguous import plot_demo  # noqa: E402
 
 
 def demo_state() -> ContiguousAllocator:

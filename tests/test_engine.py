@@ -46,7 +46,8 @@ def make_requests(prompts, arrival_gap_s=0.02, sampling=GREEDY):
 def test_greedy_matches_hf_generate(setup, policy, max_num_seqs):
     runner, prompts, refs = setup
     reqs = make_requests(prompts)
-    engine = make_engine(policy, runner, SimClock(), max_num_seqs=max_num_seqs, n_slots=128)
+    engine = make_engine(policy, runner, SimClock(),
+                         config={"batch_size": max_num_seqs, "max_num_seqs": max_num_seqs, "n_slots": 128})
     engine.generate(reqs)
     for r, ref in zip(reqs, refs):
         assert r.output_token_ids == ref, r.request_id
@@ -78,7 +79,7 @@ def test_late_arrival_joins_mid_generation(setup):
     for policy, joins in [("orca", True), ("static", False)]:
         long = Request("long", prompts[0], 20, GREEDY, arrival_time_s=0.0)
         late = Request("late", prompts[1], 3, GREEDY, arrival_time_s=0.1)
-        engine = make_engine(policy, runner, SimClock(), max_num_seqs=4, max_wait_s=0.0)
+        engine = make_engine(policy, runner, SimClock(), config={"batch_size": 4, "max_num_seqs": 4, "max_wait_s": 0.0})
         engine.generate([long, late])
         assert (late.first_scheduled_time_s < long.finish_time_s) is joins, policy
         assert late.first_scheduled_time_s >= late.arrival_time_s
@@ -243,7 +244,7 @@ def test_the_executor_receives_a_frozen_plan(policy):
 
     probe = Probe(acceptance_rate=0.5)
     reqs = [Request(f"r{i}", [1, 2, 3, 4], 5, SamplingParams(ignore_eos=True)) for i in range(3)]
-    result = run(policy, reqs, probe, n_slots=256)
+    result = run(policy, reqs, probe, config={"n_slots": 256})
     assert result.engine.executor.num_plans == len(result.records) > 0  # spec: a copy of probe, with its speculator
     assert all(r.num_output_tokens == 5 for r in result.requests)
 

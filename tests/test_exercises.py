@@ -14,6 +14,8 @@ from minibatch import Request, SimClock, SimExecutor, make_engine
 from minibatch.experiment import run
 from minibatch.records import first_steps
 from minibatch.lessons import chunked_prefill, exercise, iteration_batching, paged_kv, speculative, static_batching
+from minibatch.experiments.chunked import budget_sweep
+from minibatch.experiments.paged_kv import GREEDY
 from minibatch_course.editions import BEGIN, build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +96,7 @@ def test_a_miss_gives_a_direction_not_the_answer(answer, measured, words, said):
 
 
 def test_a_check_prints_the_answer_only_when_asked(capsys):
-    trace = run("static", static_batching.sim_requests([3, 9, 5, 9, 2, 7]), SimExecutor(), max_num_seqs=3).records
+    trace = run("static", static_batching.sim_requests([3, 9, 5, 9, 2, 7]), SimExecutor(), batch_size=3).records
     assert not static_batching.check_padding_rows(10, trace)  # only the first batch's padding
     assert not static_batching.check_padding_rows(10, trace, show_answer=True)
     assert static_batching.check_padding_rows(19, trace)
@@ -105,8 +107,8 @@ def test_a_check_prints_the_answer_only_when_asked(capsys):
 
 # ------------------------------------------------------------------ one plausible wrong answer per check
 def test_01_start_steps():
-    runs = {p: run(p, static_batching.sim_requests([3, 9, 5, 9, 2, 7]), SimExecutor(), max_num_seqs=3).records
-            for p in ("static", "orca")}
+    runs = {p: run(p, static_batching.sim_requests([3, 9, 5, 9, 2, 7]), SimExecutor(),
+                   config={"batch_size": 3, "max_num_seqs": 3}).records for p in ("static", "orca")}
     assert not static_batching.check_start_steps({"static": 8, "orca": 7}, runs, "req-5")  # the first batch's end
     assert static_batching.check_start_steps({"static": 9, "orca": 7}, runs, "req-5")
 
@@ -160,7 +162,7 @@ def test_04_fork_prediction(capsys):
 
 
 def test_04_first_preemption():
-    crowded = [Request(f"p{i}", [5] * n, 12, paged_kv.GREEDY) for i, n in enumerate([5, 6, 7])]
+    crowded = [Request(f"p{i}", [5] * n, 12, GREEDY) for i, n in enumerate([5, 6, 7])]
     engine = make_engine("paged", SimExecutor(), SimClock(), max_num_seqs=8, n_slots=32, block_size=4)
     engine.generate(crowded)
     assert not paged_kv.check_first_preemption({"step": 4, "preempted": "p0"}, engine.trace)  # the one needing it
@@ -183,7 +185,7 @@ def test_05_budget_prediction(capsys):
     trace = make_trace(24, rate_per_s=2.0, lengths="sharegpt", max_prompt_len=256, output_scale=0.25,
                        max_output_len=256, num_long_prompts=2, long_prompt_len=1536, seed=0)
     budgets = (64, 128, 256, 512)
-    rows = {r["budget"]: r for r in chunked_prefill.budget_sweep(trace, SimExecutor(), SimClock, budgets, baselines=())}
+    rows = {r["budget"]: r for r in budget_sweep(trace, SimExecutor(), SimClock, budgets, baselines=())}
     target = (rows[128]["itl_p99_s"] + rows[256]["itl_p99_s"]) / 2
     assert rows[64]["itl_p99_s"] < target < rows[256]["itl_p99_s"]
     assert not chunked_prefill.check_budget_prediction(256, trace, budgets, target)

@@ -17,12 +17,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecutor, make_engine  # noqa: E402
-from minibatch.engine import StepEntry, StepRecord  # noqa: E402
-from minibatch.lessons import paged_kv  # noqa: E402
-from minibatch.lessons.paged_kv import (  # noqa: E402
-    GREEDY, cow_experiment, expected_kv_waste, kernel_check, preemption_experiment, prefix_caching_experiment,
-    recomputed_tokens, reservation_vs_paged, system_and_user_ids,
-)
+from minibatch.engine import StepRecord  # noqa: E402
+from minibatch.records import StepEntry  # noqa: E402
+from minibatch.experiments.kv_waste import waste_sweep  # noqa: E402
+from minibatch.viz.paged_kv import draw_block_map, plot_waste_sweep  # noqa: E402
+from minibatch.experiments.paged_kv import GREEDY  # noqa: E402
+from minibatch.experiments.kv_sharing import (cow_experiment, prefix_caching_experiment,  # noqa: E402
+                                              system_and_user_ids)
+from minibatch.experiments.kv_waste import expected_kv_waste, reservation_vs_paged  # noqa: E402
+from minibatch.experiments.kernel_check import kernel_check  # noqa: E402
+from minibatch.experiments.preemption import preemption_experiment, recomputed_tokens  # noqa: E402
 from minibatch.models import load_model  # noqa: E402
 from minibatch.workload import make_trace  # noqa: E402
 
@@ -66,10 +70,18 @@ def test_expected_paged_waste_is_exact_without_preemption():
         expected_kv_waste(reqs, "paged", 16), abs=1e-12)
 
 
+def variant_engine(variant: str, **kwargs):
+    """A simulated engine for one of the experiment's VARIANTS (its policy row and settings)."""
+    from minibatch.experiments.paged_kv import variant_options
+
+    row, settings = variant_options(variant, **kwargs)
+    return make_engine(row, SimExecutor(), SimClock(), **settings)
+
+
 def test_orca_max_reserves_what_it_says():
     # prompt + max(max_new_tokens, 12) per request: 5 + 12 = 17, 9 + 14 = 23, 3 + 12 = 15 slots
     reqs = [Request(f"q{i}", [7] * p, n, GREEDY) for i, (p, n) in enumerate([(5, 3), (9, 14), (3, 1)])]
-    engine = paged_kv.variant_engine("orca_max", SimExecutor(), SimClock(), n_slots=64, orca_max_new_tokens=12)
+    engine = variant_engine("orca_max", n_slots=64, orca_max_new_tokens=12)
     scheduler = engine.scheduler
     assert [scheduler._reservation(r) for r in reqs] == [17, 23, 15]
     for r in reqs:
@@ -81,14 +93,14 @@ def test_orca_max_reserves_what_it_says():
     assert [r.num_output_tokens for r in reqs] == [3, 14, 1]  # generation still stops at the true length
     # in 48 slots q0 and q1 reserve 17 + 23 = 40, so q2 (15 more) waits for q0 to finish, although the
     # three hold only 5 + 9 + 3 = 17 tokens at step 0 (plain Orca would reserve 8 + 23 + 4 = 35 <= 48)
-    small = paged_kv.variant_engine("orca_max", SimExecutor(), SimClock(), n_slots=48, orca_max_new_tokens=12)
+    small = variant_engine("orca_max", n_slots=48, orca_max_new_tokens=12)
     small.generate([r.copy() for r in reqs])
     assert {e.request_id for e in small.trace[0].entries} == {"q0", "q1"}
-    plain = paged_kv.variant_engine("orca", SimExecutor(), SimClock(), n_slots=48)
+    plain = variant_engine("orca", n_slots=48)
     plain.generate([r.copy() for r in reqs])
     assert {e.request_id for e in plain.trace[0].entries} == {"q0", "q1", "q2"}
     with pytest.raises(ValueError, match="orca_max_new_tokens"):
-        paged_kv.variant_engine("orca_max", SimExecutor(), SimClock(), n_slots=48)
+        variant_engine("orca_max", n_slots=48)
 
 
 def test_orca_max_that_cannot_fit_is_skipped_not_dropped():
@@ -190,9 +202,9 @@ def test_kernel_check_matches_the_references():
 
 
 def test_figures_draw_what_they_say(runner):
-    sweep = paged_kv.waste_sweep(sharegpt_trace(12), SimExecutor(), SimClock, [2048, 4096], max_num_seqs=32,
+    sweep = waste_sweep(sharegpt_trace(12), SimExecutor(), SimClock, [2048, 4096], max_num_seqs=32,
                                  policies=("orca", "paged"), orca_max_new_tokens=1024)
-    fig = paged_kv.plot_waste_sweep(sweep)
+    fig = plot_waste_sweep(sweep)
     ax_waste, ax_running = fig.axes
     assert len(ax_waste.lines) == 4 and len(ax_running.lines) == 3  # 3 policies (+ the paper's vLLM line)
     plt.close(fig)
@@ -202,7 +214,7 @@ def test_figures_draw_what_they_say(runner):
     engine.generate(reqs)
     preempting = [s.step for s in engine.trace if s.preempted]
     assert preempting
-    fig = paged_kv.draw_block_map(engine.trace, 8)
+    fig = draw_block_map(engine.trace, 8)
     assert [line.get_xdata()[0] for line in fig.axes[0].lines] == preempting
     plt.close(fig)
 

@@ -12,14 +12,17 @@ from matplotlib.patches import Rectangle  # noqa: E402
 from torch.testing import assert_close  # noqa: E402
 
 from minibatch import ModelRunner, Request, SamplingParams  # noqa: E402
-from minibatch.lessons.selective_batching import (  # noqa: E402
-    ModelDims, block_diagonal_causal_mask, causal_mask, check_my_mask, draw_masks, draw_padded_vs_packed,
-    draw_split_merge, forward_cost, greedy, next_token_alone, num_blocks_used, num_padding_tokens,
-    packed_inputs, packed_logits, padded_forward, per_request_max_diff, prefill_output, row_forward, unpad,
-)
+from minibatch.lessons.selective_batching import check_my_mask, draw_masks  # noqa: E402
+from minibatch.experiments.selective_cost import ModelDims, forward_cost, num_padding_tokens  # noqa: E402
+from minibatch.experiments.naive_packing import (block_diagonal_causal_mask, causal_mask, greedy,  # noqa: E402
+                                                 packed_inputs, per_request_max_diff, row_forward)
+from minibatch.viz.selective import draw_padded_vs_packed, draw_split_merge  # noqa: E402
+from minibatch.experiments.selective import (next_token_alone, num_blocks_used, packed_logits,  # noqa: E402
+                                             padded_forward, prefill_output, unpad)
 from minibatch.models import attention_implementation, load_model  # noqa: E402
 from minibatch.runner.batch import build_packed_batch  # noqa: E402
-from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput  # noqa: E402
+from minibatch.scheduler.base import Scheduler, SchedulerOutput  # noqa: E402
+from minibatch.scheduler.output import ScheduledRequest  # noqa: E402
 
 PROMPTS = [[72, 105, 112, 112, 115], [30, 31, 32, 33, 34, 35, 36, 37], [80, 81, 82]]  # lengths 5, 8, 3
 LENS = [5, 8, 3]

@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minibatch import Request, RequestStatus, SamplingParams, SimClock, SimExecutor, make_engine
-from minibatch.engine import StepEntry, StepRecord
-from minibatch.metrics import (
-    SLO, kv_waste_fraction, measured_decode_utilization, mean_batch_size, padding_waste_fraction,
-    request_metrics, slot_utilization, summarize, utilization_formula,
-)
+from minibatch.engine import StepRecord
+from minibatch.records import StepEntry
+from minibatch.metrics import SLO, request_metrics, summarize
+from minibatch.records import (kv_waste_fraction, measured_decode_utilization, mean_batch_size, padding_waste_fraction,
+                               slot_utilization, utilization_formula)
 
 
 def finished_request(request_id, arrival_s, token_times_s, num_prompt_tokens=4, first_scheduled_s=None):
@@ -149,7 +149,8 @@ def test_utilization_formula():
 
 
 def run_policy(policy, output_lens, **kw):
-    engine = make_engine(policy, SimExecutor(), SimClock(), max_num_seqs=len(output_lens), **kw)
+    rows = len(output_lens)
+    engine = make_engine(policy, SimExecutor(), SimClock(), config={"batch_size": rows, "max_num_seqs": rows}, **kw)
     requests = [Request(f"req-{i}", [3 + i] * (4 + i), max_new_tokens=n, sampling=SamplingParams(ignore_eos=True))
                 for i, n in enumerate(output_lens)]
     return engine.generate(requests), engine.trace

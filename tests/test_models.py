@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from minibatch import gguf
 from minibatch.gguf import load_smollm2_from_gguf, smollm2_cache_path
-from minibatch.models import MODEL_NAMES, load_model, model_tag, tiny_tokenizer
+from minibatch.models import MODEL_NAMES, load_model, tiny_tokenizer
 
 TINY = ("tiny-random-llama", "tiny-random-gpt2")
 
@@ -81,12 +81,6 @@ def test_unknown_name_raises_listing_allowed_names():
         load_model("gpt-17-ultra")
     for name in MODEL_NAMES:
         assert name in str(err.value)
-
-
-def test_model_tag():
-    assert model_tag("tiny-random-gpt2") == "tiny-random-gpt2"
-    assert model_tag("/some/dir/my-model/") == "my-model"
-    assert model_tag("HuggingFaceTB/SmolLM2-135M") == "SmolLM2-135M"
 
 
 def test_local_directory_load(tmp_path):

@@ -158,7 +158,7 @@ def test_paged_admits_more_than_orca_in_the_same_memory():
     orca_peak, orca_trace = peak_running(OrcaScheduler(max_num_seqs=64, n_slots=512, block_size=8))
     paged_peak, paged_trace = peak_running(PagedScheduler(max_num_seqs=64, num_blocks=64, block_size=8))
     assert paged_peak > orca_peak
-    from minibatch.metrics import kv_waste_fraction
+    from minibatch.records import kv_waste_fraction
 
     assert kv_waste_fraction(paged_trace) < 0.2 < kv_waste_fraction(orca_trace)
 

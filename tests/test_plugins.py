@@ -61,6 +61,53 @@ def test_simulate_runs_plugins(plugin_dir, tmp_path):
     assert result["srpt"]["e2e_p50_s"] < result["paged"]["e2e_p50_s"]  # SRPT's point: shorter response times
 
 
+@pytest.mark.parametrize("guard_s,guarded", [(0.001, True), (100.0, False)])
+def test_a_plugins_own_setting_under_compare_and_simulate(plugin_dir, tmp_path, one_thread, guard_s, guarded):
+    """ttft_guard declares --guard-ttft-s (its config class): both commands offer it, the run uses it."""
+    common = ["--policy-module", str(plugin_dir / "ttft_guard.py"), "--policies", "ttft_guard,chunked",
+              "--num-requests", "12", "--rate", "20", "--max-num-batched-tokens", "32", "--guard-ttft-s", str(guard_s),
+              "--no-progress"]
+    main(["compare", "--dtype", "float32", "--model", "tiny-random-llama", "--clock", "sim", "--figures-dir", "",
+          "--max-output-len", "16", "--json", str(tmp_path / "c.json")] + common)
+    main(["simulate", "--profile", str(PROFILE), "--json", str(tmp_path / "s.json")] + common)
+    for name in ("c.json", "s.json"):
+        row = json.loads((tmp_path / name).read_text())["policies"]["ttft_guard"]
+        assert row["settings"]["guard_ttft_s"] == guard_s
+        assert (row["num_guard_steps"] > 0) is guarded
+
+
+def test_a_plugins_own_setting_under_serve(plugin_dir, monkeypatch, capsys):
+    """serve loads the plug-in (--policy-module), offers its setting, and serves with it."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    served = {}
+
+    def fake_run(app, **kwargs):  # instead of listening on a port: one completion through the app
+        with TestClient(app) as client:
+            reply = client.post("/v1/completions", json={"model": "tiny-random-llama", "prompt": "hi", "max_tokens": 3})
+        served.update(status=reply.status_code, scheduler=app.state.engine.engine.scheduler)
+
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    serve = ["serve", "--model", "tiny-random-llama", "--dtype", "float32", "--threads", "1",
+             "--policy-module", str(plugin_dir / "ttft_guard.py")]
+    assert main(serve + ["--policy", "ttft_guard", "--guard-ttft-s", "0.25"]) == 0
+    assert served["status"] == 200 and served["scheduler"].guard_ttft_s == 0.25
+    with pytest.raises(SystemExit) as e:
+        main(serve + ["--policy", "paged", "--guard-ttft-s", "0.25"])
+    assert e.value.code == 2
+    assert "--guard-ttft-s does not apply to the selected policies (paged); it applies to ttft_guard" in \
+        capsys.readouterr().err
+
+
+def test_srpt_refuses_another_order_of_service(plugin_dir):
+    from minibatch.compare import CompareConfig
+
+    load_policy_module(str(plugin_dir / "srpt.py"))
+    with pytest.raises(ValueError, match="--queue-policy must be one of remaining.*a setting of policy srpt"):
+        CompareConfig(model="tiny-random-llama", policies=("srpt", "paged"), settings={"queue_policy": "sjf"})
+
+
 def test_register_policy_checks_its_arguments():
     class Mine(PagedScheduler):
         name = "mine"
@@ -116,3 +163,25 @@ def test_policy_names_are_compared_only_in_the_policy_table():
     offenders = [f"{p.relative_to(root)}:{i}" for p in files
                  for i, line in enumerate(p.read_text().splitlines(), 1) if offends(line)]
     assert not offenders
+
+
+def test_shared_help_texts_name_no_policy():
+    """A setting shared by several policies is described by what it does, not by who uses it: no help
+    text of a config class several policies share (or of the run's CompareConfig) starts a clause
+    with a policy's name ("orca: ...", "chunked: ...")."""
+    import dataclasses
+    import re
+
+    from minibatch.compare import CompareConfig
+
+    users: dict[type, set] = {}
+    for name, row in POLICIES.items():
+        for cls in row.config_cls.__mro__:
+            if dataclasses.is_dataclass(cls):
+                users.setdefault(cls, set()).add(name)
+    shared = [cls for cls, names in users.items() if len(names) > 1] + [CompareConfig]
+    labelled = re.compile(rf"\b({'|'.join(POLICIES)})\s*:")
+    offenders = [f"{cls.__name__}.{f.name}: {f.metadata['help']}" for cls in shared
+                 for f in dataclasses.fields(cls) if f.metadata.get("help") and labelled.search(f.metadata["help"])
+                 and f in cls.__dataclass_fields__.values()]
+    assert len(shared) >= 4 and not offenders

@@ -10,7 +10,6 @@ import torch
 
 from minibatch import ModelRunner, Request, SamplingParams, SimClock
 from minibatch.__main__ import main
-from minibatch.config import EngineConfig
 from minibatch.equivalence import (MATCH_WINDOW, MAX_LOGPROB_GAP, MIN_MATCHED_FRACTION, ReferenceOutput,
                                    check_outputs, first_divergence, rule_for)
 from minibatch.experiment import run
@@ -50,7 +49,7 @@ def test_engine_logprobs_equal_hf_generate(one_thread, policy):
     model, tok = load_model(MODEL, dtype="float32")
     reqs = requests(logprobs=3)
     refs = reference_outputs(model, reqs, logprobs=3)
-    result = run(policy, reqs, ModelRunner(model, tok), SimClock(), config=EngineConfig(n_slots=256, block_size=4))
+    result = run(policy, reqs, ModelRunner(model, tok), SimClock(), config=dict(n_slots=256, block_size=4))
     for r in result.requests:
         ref = refs[r.request_id]
         assert r.output_token_ids == ref.token_ids and len(r.logprobs) == len(r.output_token_ids)
@@ -119,7 +118,7 @@ def test_bf16_engine_is_close_and_a_broken_one_is_caught(one_thread):
     model, tok = load_model(MODEL, dtype="bfloat16")
     reqs = requests(n=4, max_new_tokens=16, logprobs=5)
     refs = reference_outputs(model, reqs, logprobs=5)
-    config = EngineConfig(n_slots=256, block_size=4)
+    config = dict(n_slots=256, block_size=4)
     good = run("paged", reqs, ModelRunner(model, tok), SimClock(), config=config)
     report = check_outputs(good.requests, refs, "logprob-close")
     assert report["passed"] is True, report

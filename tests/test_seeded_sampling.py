@@ -13,7 +13,7 @@ import pytest
 
 from minibatch import ModelRunner, Request, SamplingParams
 from minibatch.engine import Engine
-from minibatch.lessons.speculative import chi_square_pvalue
+from minibatch.experiments.spec_exactness import chi_square_pvalue
 from minibatch.policies import make_engine
 from minibatch.scheduler import PagedScheduler
 from minibatch.clock import SimClock
@@ -51,7 +51,7 @@ def _preemptions(engine: Engine) -> int:
 def test_non_speculative_policies_agree(models):
     runner, _ = models
     ref, _ = _run("orca", runner)
-    for policy, kw in [("static", dict(max_num_seqs=4)), ("paged", {}), ("chunked", dict(max_num_batched_tokens=8)),
+    for policy, kw in [("static", dict(batch_size=4)), ("paged", {}), ("chunked", dict(max_num_batched_tokens=8)),
                        ("paged", dict(PRESSURE)), ("paged", dict(PRESSURE, preemption_mode="swap")),
                        ("chunked", dict(PRESSURE, max_num_batched_tokens=8))]:
         out, engine = _run(policy, runner, **kw)

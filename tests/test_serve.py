@@ -18,7 +18,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from minibatch.config import EngineConfig
 from minibatch.models import load_model
 from minibatch.reference import reference_outputs
 from minibatch.request import Request, SamplingParams
@@ -39,7 +38,7 @@ def loaded(one_thread):
 
 @pytest.fixture(scope="module")
 def server(loaded):
-    app, engine = build_server(MODEL, "paged", EngineConfig(n_slots=1024, block_size=4, max_num_seqs=8),
+    app, engine = build_server(MODEL, "paged", dict(n_slots=1024, block_size=4, max_num_seqs=8),
                                loaded=loaded, keep_history=True)
     with ServerThread(app, engine) as srv:
         yield srv
@@ -263,7 +262,7 @@ def metric_families(srv) -> dict[str, tuple[str, dict[str, float]]]:
 def test_metrics_have_vllm_names_and_count_one_request(loaded):
     """A fresh server answers one request; /metrics then has every vLLM-style series under
     ``minibatch:``, and the request's tokens and latencies are counted once."""
-    app, engine = build_server(MODEL, "paged", EngineConfig(n_slots=512, block_size=4), loaded=loaded)
+    app, engine = build_server(MODEL, "paged", dict(n_slots=512, block_size=4), loaded=loaded)
     with ServerThread(app, engine) as srv:
         before = metric_families(srv)
         out = client(srv).completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=9, **EXACT)
@@ -326,7 +325,7 @@ def test_other_bad_requests(server):
 
 def test_full_queue_answers_503_with_retry_after(loaded):
     # a static batch of 4 waits up to 60 s to fill: the first request waits, the second finds the queue full
-    app, engine = build_server(MODEL, "static", EngineConfig(max_num_seqs=4, max_wait_s=60.0), loaded=loaded,
+    app, engine = build_server(MODEL, "static", dict(batch_size=4, max_wait_s=60.0), loaded=loaded,
                                max_num_waiting=1)
     with ServerThread(app, engine) as srv:
         body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": True}
@@ -393,7 +392,7 @@ def test_every_policy_serves_a_burst(loaded, policy):
     and a later one too (a static batch's finished members stay in their padded batch)."""
     from minibatch.serving.bench import BenchRequest, bench
 
-    app, engine = build_server(MODEL, policy, EngineConfig(max_num_seqs=4, max_wait_s=0.05), loaded=loaded)
+    app, engine = build_server(MODEL, policy, dict(batch_size=4, max_num_seqs=4, max_wait_s=0.05), loaded=loaded)
     with ServerThread(app, engine) as srv:
         requests = [BenchRequest(prompt="hi " * (1 + i % 5), prompt_len=1 + i % 5, output_len=3 + i % 4)
                     for i in range(24)]
@@ -405,7 +404,7 @@ def test_every_policy_serves_a_burst(loaded, policy):
 
 @pytest.mark.parametrize("argv,names", [
     (["serve", "--policy", "hf_generate"], "--policy"),
-    (["serve", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--max-num-waiting", "0"], "--max-num-waiting"),
     (["bench-serve", "--base-url", "http://127.0.0.1:9", "--rate", "0"], "--rate"),

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minibatch.__main__ import main, parse_acceptance_rate
+from minibatch.__main__ import main
+from minibatch.sim.simulator import parse_acceptance_rate
 from minibatch.engine import Engine
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
@@ -29,7 +30,7 @@ GREEDY = SamplingParams(ignore_eos=True)
 
 # ---------------------------------------------------------------------- step shapes
 @pytest.mark.parametrize("policy,kwargs", [
-    ("static", dict(max_num_seqs=3)), ("orca", {}), ("paged", dict(block_size=4)),
+    ("static", dict(batch_size=3)), ("orca", {}), ("paged", dict(block_size=4)),
     ("chunked", dict(block_size=4, max_num_batched_tokens=16)), ("spec", dict(block_size=4)),
 ])
 def test_clock_prices_the_record_shape(policy, kwargs):
@@ -39,7 +40,7 @@ def test_clock_prices_the_record_shape(policy, kwargs):
             for i, (p, o) in enumerate([(5, 4), (30, 2), (9, 7), (2, 5), (17, 3)])]
     clock = SimClock()
     ex = SimExecutor(acceptance_rate=0.5) if policy == "spec" else SimExecutor()
-    engine = make_engine(policy, ex, clock, n_slots=256, **kwargs)
+    engine = make_engine(policy, ex, clock, config={"n_slots": 256}, **kwargs)
     engine.generate(reqs)
     shapes = [StepShape.of(r) for r in engine.trace]
     for rec, shape in zip(engine.trace, shapes):
@@ -57,7 +58,8 @@ def test_shape_hand_computed():
     """One prefill of 5 tokens (new 5, cached 0), a chunk of 4 after 8 cached (no logits), and two
     decodes with 10 and 20 cached tokens: N = 11, logits 3, two attention calls over 5*5 + 4*12
     pairs, decode attention 2 rows x 21 (the longer context, its new token included)."""
-    from minibatch.engine import StepEntry, StepRecord
+    from minibatch.engine import StepRecord
+    from minibatch.records import StepEntry
 
     entries = [StepEntry("a", 0, "prefill", 5, 0), StepEntry("b", 1, "prefill", 4, 8, sampled=False),
                StepEntry("c", 2, "decode", 1, 10), StepEntry("d", 3, "decode", 1, 20)]
@@ -259,7 +261,7 @@ def assert_valid_chrome_trace(data: dict) -> None:
 def test_chrome_trace_is_valid(tmp_path, policy):
     reqs = make_trace(12, rate_per_s=20, max_prompt_len=64, max_output_len=16, output_scale=0.25, seed=5)
     ex = SimExecutor(acceptance_rate=0.5) if policy == "spec" else SimExecutor()
-    kwargs = dict(max_num_seqs=4, n_slots=320, block_size=8) if policy != "static" else dict(max_num_seqs=4)
+    kwargs = dict(max_num_seqs=4, n_slots=320, block_size=8) if policy != "static" else dict(batch_size=4)
     if policy == "chunked":
         kwargs["max_num_batched_tokens"] = 32
     engine = make_engine(policy, ex, SimClock(), **kwargs)
@@ -334,7 +336,7 @@ def test_validate_policy_measures_and_simulates(tiny_profile):
     from minibatch.compare import CompareConfig, build_trace
     from minibatch.models import load_model
     from minibatch.runner import ModelRunner
-    from minibatch.sim.validate import METRICS, validate_policy
+    from minibatch.sim.validate import METRICS, measure_policy, simulate_measured
 
     model, tok = load_model("tiny-random-llama")
     cfg = CompareConfig(model="tiny-random-llama", dtype="float32", num_requests=6, rate=50.0, max_prompt_len=24,
@@ -343,7 +345,7 @@ def test_validate_policy_measures_and_simulates(tiny_profile):
     requests = build_trace(cfg, None, model.config.vocab_size)
     profile = Profile.load(tiny_profile)
     for policy in ("chunked", "spec_ngram"):
-        row = validate_policy(policy, cfg, ModelRunner(model, tok), requests, profile)
+        row = simulate_measured(measure_policy(policy, cfg, ModelRunner(model, tok), requests), cfg, requests, profile)
         assert set(row["error"]) == set(METRICS)
         assert row["measured"]["num_steps"] == len(row["steps"]) > 0
         assert all(len(s) == 6 and s[-1] > 0 for s in row["steps"])
@@ -364,7 +366,6 @@ def test_measured_step_times_rebuild_the_wall_clock_timeline(one_thread):
     included: both clocks stamp first tokens at the step's end, admit arrivals between steps and
     skip idle gaps with the same engine code, so every TTFT error of the simulator is a step-time
     error."""
-    import dataclasses
 
     from minibatch.clock import WallClock
     from minibatch.compare import CompareConfig, build_trace, run_policies
@@ -374,7 +375,8 @@ def test_measured_step_times_rebuild_the_wall_clock_timeline(one_thread):
 
     model, tok = load_model("tiny-random-llama")
     cfg = CompareConfig(model="tiny-random-llama", dtype="float32", num_requests=16, rate=400.0, max_prompt_len=48,
-                        max_output_len=10, batch_size=4, max_wait_s=0.01, check_reference=False, figures_dir=None,
+                        max_output_len=10, settings=dict(batch_size=4, max_wait_s=0.01), check_reference=False,
+                        figures_dir=None,
                         progress=False)
     requests = build_trace(cfg, None, model.config.vocab_size)
     for r in requests[8:]:  # two bursts: arrivals during steps within each, an idle gap between them
@@ -382,14 +384,13 @@ def test_measured_step_times_rebuild_the_wall_clock_timeline(one_thread):
     runner = ModelRunner(model, tok)
     idle = mid_step = 0
     for policy in ("static", "orca", "paged", "chunked"):
-        one = dataclasses.replace(cfg, policies=(policy,))
-        real = run_policies(one, requests, runner, WallClock)[policy]
+        real = run_policies(cfg, requests, runner, WallClock, policies=(policy,))[policy]
         trace = real.engine.trace
         idle += sum(b.start_s > a.end_s for a, b in zip(trace, trace[1:]))
         mid_step += sum(s.start_s < r.arrival_time_s < s.end_s for s in trace for r in real.requests)
         steps = [[getattr(StepShape.of(s), f) for f in STEP_FIELDS[:-1]] + [s.duration_s * 1e6] for s in trace]
         clock = MeasuredClock(steps, padded=trace[0].layout == "padded")
-        sim = simulate_row({"policy": policy}, one, requests, lambda: clock)
+        sim = simulate_row({"policy": policy}, cfg, requests, lambda: clock)
         assert clock.diverged_at is None and len(sim.engine.trace) == len(trace)
         for a, b in zip(real.requests, sim.requests):
             assert b.token_times_s == pytest.approx(a.token_times_s, abs=1e-9)

@@ -27,5 +27,6 @@ def test_smollm2_greedy_matches_hf_generate(smollm2, policy):
     runner, prompts, refs = smollm2
     reqs = [Request(f"r{i}", p, 10, SamplingParams(ignore_eos=True), arrival_time_s=0.03 * i)
             for i, p in enumerate(prompts)]
-    make_engine(policy, runner, SimClock(), max_num_seqs=3, n_slots=512, max_wait_s=0.05).generate(reqs)
+    shared = dict(batch_size=3, max_num_seqs=3, n_slots=512, max_wait_s=0.05)  # each policy takes its own
+    make_engine(policy, runner, SimClock(), config=shared).generate(reqs)
     assert [r.output_token_ids for r in reqs] == refs

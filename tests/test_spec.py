@@ -8,7 +8,8 @@ import torch
 
 from minibatch import ModelRunner, Request, SamplingParams
 from minibatch.engine import Engine
-from minibatch.lessons.speculative import check_rejection_sampler, chi_square_pvalue, spec_sequences
+from minibatch.lessons.speculative import check_rejection_sampler
+from minibatch.experiments.spec_exactness import chi_square_pvalue, spec_sequences
 from minibatch.policies import make_engine
 from minibatch.scheduler import ChunkedPrefillScheduler, PagedScheduler
 from minibatch.spec import (AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpecDecodingStats, SpeculativeRunner,
@@ -269,7 +270,7 @@ def test_adaptive_k_follows_acceptance():
 
 
 def test_predicted_speedup_and_break_even():
-    from minibatch.lessons.speculative import break_even_alpha, predicted_speedup
+    from minibatch.experiments.spec_speedup import break_even_alpha, predicted_speedup
 
     assert predicted_speedup(0.5, 2, 1.0, 0.0) == pytest.approx(1.75)  # 1 + 0.5 + 0.25 tokens per unit
     assert predicted_speedup(0.5, 2, 1.5, 0.25) == pytest.approx(1.75 / 2.0)
@@ -322,7 +323,7 @@ def test_stream_yields_every_token(one_thread, paged_setup):
 def test_simulated_speedup_shrinks_with_batch_size():
     """On the simulated clock a small batch gains from speculation and a large one loses: the
     speedup falls monotonically and crosses 1 (section 4 of notebook 06)."""
-    from minibatch.lessons.speculative import batch_sweep_sim
+    from minibatch.experiments.spec_speedup import batch_sweep_sim
 
     rows = batch_sweep_sim(acceptance_rate=0.7, ks=(4,), batch_sizes=(1, 4, 16, 64), output_len=64)
     speedups = [r["speedup"] for r in rows]

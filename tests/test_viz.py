@@ -30,7 +30,8 @@ def runs():
                        output_range=(1, 12), seed=3)
     out = {}
     for policy in ("static", "orca"):
-        engine = make_engine(policy, SimExecutor(), SimClock(), max_num_seqs=3, max_wait_s=0.1)
+        engine = make_engine(policy, SimExecutor(), SimClock(),
+                             config={"batch_size": 3, "max_num_seqs": 3, "max_wait_s": 0.1})
         out[policy] = (engine.generate([r.copy() for r in trace]), engine.trace)
     return out
 

@@ -9,9 +9,9 @@ blocks or bytes; times are seconds (``_s``) on the engine clock (SimClock or Wal
 from __future__ import annotations
 
 
-from minibatch.engine import Engine, StepRecord
+from minibatch.engine import StepRecord
 from minibatch.experiment import Run
-from minibatch.policies import get_policy, make_engine
+from minibatch.policies import get_policy
 from minibatch.scheduler import PagedScheduler
 from minibatch.request import SamplingParams
 
@@ -42,14 +42,9 @@ def variant_options(variant: str, *, n_slots: int, max_num_seqs: int = 32, block
         raise ValueError(f"variant {variant!r} needs orca_max_new_tokens (the server's reservation)")
     paged = issubclass(get_policy(row).scheduler, PagedScheduler)  # orca keeps its per-token slots
     reserve = orca_max_new_tokens if reserves_cap else None
-    return row, {"max_num_seqs": max_num_seqs, "n_slots": n_slots, "block_size": block_size if paged else None,
-                 "preemption_mode": preemption_mode, "reserve_new_tokens": reserve}
-
-
-def variant_engine(variant: str, executor, clock, **kwargs) -> Engine:
-    """An Engine for one of VARIANTS (keyword arguments: :func:`variant_options`)."""
-    row, options = variant_options(variant, **kwargs)
-    return make_engine(row, executor, clock, **options)
+    settings = {"max_num_seqs": max_num_seqs, "n_slots": n_slots, "block_size": block_size if paged else None,
+                "preemption_mode": preemption_mode, "reserve_new_tokens": reserve}
+    return row, {name: value for name, value in settings.items() if name in get_policy(row).options}
 
 
 def num_prefill_tokens(trace: list[StepRecord]) -> dict[str, int]:

@@ -31,9 +31,9 @@ from minibatch.sim.executor import SimExecutor
 # (FasterTransformer's); orca reserves prompt + max_new_tokens per request ("Orca (Max)" when the
 # reservation is the server's length limit); paged and chunked allocate blocks on demand.
 DEFAULT_SETUPS = {
-    "static bs=8": ("static", dict(max_num_seqs=8)),
-    "static bs=32": ("static", dict(max_num_seqs=32)),
-    "static bs=64": ("static", dict(max_num_seqs=64)),
+    "static bs=8": ("static", dict(batch_size=8)),
+    "static bs=32": ("static", dict(batch_size=32)),
+    "static bs=64": ("static", dict(batch_size=64)),
     "orca": ("orca", {}),
     "paged": ("paged", {}),
     "chunked": ("chunked", dict(max_num_batched_tokens=512)),
@@ -60,7 +60,7 @@ def setup_rows(profile: Profile, requests: list[Request], rate: float | None, se
     rows = []
     for name, (policy, kwargs) in (setups or DEFAULT_SETUPS).items():
         result = run(policy, requests, SimExecutor(), SimClock(profile, profile),
-                     **{**ENGINE_DEFAULTS, **engine_kwargs, **kwargs})
+                     config={**ENGINE_DEFAULTS, **engine_kwargs}, **kwargs)  # each policy takes the settings it has
         rows.append(summary_row(result, name, rate))
     return rows
 

@@ -13,7 +13,8 @@ from minibatch.models import attention_implementation, pad_token_id
 from minibatch.request import Request, SamplingParams
 from minibatch.runner import attention
 from minibatch.runner.batch import build_packed_batch
-from minibatch.scheduler.base import ScheduledRequest, SchedulerOutput
+from minibatch.scheduler.base import SchedulerOutput
+from minibatch.scheduler.output import ScheduledRequest
 
 
 def prefill_output(prompts: list[list[int]], block_size: int = 16) -> SchedulerOutput:

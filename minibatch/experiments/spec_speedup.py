@@ -17,7 +17,7 @@ from minibatch.experiment import run
 from minibatch.experiments.speculative import BLOCK_SIZE
 from minibatch.request import Request, SamplingParams
 from minibatch.sim.executor import SimExecutor
-from minibatch.spec import expected_tokens, predicted_speedup  # noqa: F401 (re-exported for lessons)
+from minibatch.spec import expected_tokens, predicted_speedup
 
 
 def sim_verify_cost_ratio(k: int = 4, context: int = 128, cost_model=None) -> float:

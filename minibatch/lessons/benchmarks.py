@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from minibatch.experiments.rate_sweep import DEFAULT_SETUPS, capacity_at, offline_table, rate_sweep  # noqa: F401
-from minibatch.experiments.rate_sweep import roofline_profile, summary_row  # noqa: F401
+from minibatch.experiments.rate_sweep import DEFAULT_SETUPS, rate_sweep
 from minibatch.lessons import exercise
 from minibatch.sim.cost_model import Profile, StepShape
-from minibatch.viz.simulation import plot_calibration, plot_capacity, plot_rate_sweep, plot_validation  # noqa: F401
+from minibatch.viz.simulation import plot_calibration
 
 # The published numbers section 6 puts beside ours (minibatch.claims): the often-quoted static-vs-continuous
 # table with its real source, the Anyscale post's headline, and Orca's and vLLM's headline claims.

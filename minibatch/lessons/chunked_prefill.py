@@ -16,13 +16,10 @@ from __future__ import annotations
 
 from minibatch.clock import SimClock
 from minibatch.claims import claim
-from minibatch.experiment import run, same_outputs  # noqa: F401
+from minibatch.experiment import run
 from minibatch.lessons import exercise
-from minibatch.experiments.chunked import budget_sweep, max_itl_s, micro_batching_experiment  # noqa: F401
-from minibatch.experiments.chunked import stall_trace  # noqa: F401
-from minibatch.experiments.queue_policy import starvation_experiment  # noqa: F401
+from minibatch.experiments.chunked import budget_sweep
 from minibatch.sim.executor import SimExecutor
-from minibatch.viz.chunked import plot_budget_split, plot_itl_timeline, plot_stall_gantt, plot_tradeoff  # noqa: F401
 
 # Published numbers notebook 05 puts beside ours (minibatch.claims): Sarathi-Serve's own headline, and two
 # numbers often quoted about chunked prefill and prefill micro-batching, from an article and a blog post.

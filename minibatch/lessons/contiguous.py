@@ -6,11 +6,8 @@ vLLM (Kwon et al., SOSP'23, §3.1): reservation, internal and external fragmenta
 
 from __future__ import annotations
 
-from minibatch.experiments.fragmentation import DEMO_EVENTS, DemoStep, Event, fragmentation_demo  # noqa: F401
-from minibatch.kv.contiguous import (FREE_LABEL, LABELS, SMOLLM2_135M_KV_BYTES_PER_TOKEN,  # noqa: F401 (for notebook 04)
-                                     ContiguousAllocator, FragmentationError, OutOfSlotsError, PagedAllocator,
-                                     compaction_bytes)
-from minibatch.viz.contiguous import plot_demo  # noqa: F401
+from minibatch.experiments.fragmentation import DemoStep
+from minibatch.kv.contiguous import (FREE_LABEL, LABELS)
 
 
 def print_demo(steps: list[DemoStep]) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from minibatch.engine import StepEntry, StepRecord
+from minibatch.engine import StepRecord
+from minibatch.records import StepEntry
 from minibatch.records import first_steps
 from minibatch.lessons import exercise
 from minibatch.request import Request

@@ -15,15 +15,8 @@ references), the figures in ``minibatch.viz.paged_kv``.
 from __future__ import annotations
 
 from minibatch.engine import StepRecord
-from minibatch.experiments.kernel_check import kernel_check  # noqa: F401
-from minibatch.experiments.kv_sharing import (  # noqa: F401
-    SYSTEM_PROMPT, cow_experiment, prefix_caching_experiment, system_and_user_ids,
-)
-from minibatch.experiments.kv_waste import expected_kv_waste, reservation_vs_paged, waste_sweep  # noqa: F401
-from minibatch.experiments.paged_kv import GREEDY, VARIANTS, variant_engine  # noqa: F401
-from minibatch.experiments.preemption import preemption_experiment, recomputed_tokens  # noqa: F401
 from minibatch.lessons import exercise
-from minibatch.viz.paged_kv import VLLM_CLAIM, draw_block_map, plot_waste_sweep  # noqa: F401
+from minibatch.viz.paged_kv import VLLM_CLAIM
 
 
 # ---------------------------------------------------------------------- tables

@@ -22,19 +22,19 @@ from typing import Callable
 
 import torch
 
-from minibatch.experiments.naive_packing import (  # noqa: F401
-    block_diagonal_causal_mask, causal_mask, greedy, packed_inputs, per_request_max_diff, row_forward,
+from minibatch.experiments.naive_packing import (
+    block_diagonal_causal_mask, causal_mask, row_forward,
 )
-from minibatch.experiments.selective import (  # noqa: F401
-    next_token_alone, num_blocks_used, packed_logits, padded_forward, prefill_output, time_forwards, unpad,
+from minibatch.experiments.selective import (
+    packed_logits,
 )
-from minibatch.experiments.selective_cost import (  # noqa: F401
-    LAYOUTS, ForwardCost, ModelDims, forward_cost, num_padding_tokens,
+from minibatch.experiments.selective_cost import (
+    LAYOUTS, ForwardCost, ModelDims, forward_cost,
 )
 from minibatch.lessons import exercise
 from minibatch.runner.batch import PackedBatch
 from minibatch.scheduler.base import SchedulerOutput
-from minibatch.viz.selective import draw_attention_masks, draw_padded_vs_packed, draw_split_merge  # noqa: F401
+from minibatch.viz.selective import draw_attention_masks
 
 
 def print_cost_table(lens: list[int], dims: ModelDims, layouts: tuple[str, ...] = LAYOUTS) -> list[ForwardCost]:

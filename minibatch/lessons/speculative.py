@@ -25,13 +25,10 @@ from typing import Callable
 
 import numpy as np
 
-from minibatch.experiments.spec_exactness import chi_square_pvalue, first_token_histograms, spec_sequences  # noqa: F401
-from minibatch.experiments.spec_speedup import (alpha_from_acceptance_length, batch_sweep_sim,  # noqa: F401
-                                                break_even_alpha, predicted_speedup, sim_verify_cost_ratio)
-from minibatch.experiments.speculative import GROUNDED_PROMPTS, k_sweep  # noqa: F401
+from minibatch.experiments.spec_exactness import chi_square_pvalue, first_token_histograms, spec_sequences
+from minibatch.experiments.spec_speedup import (alpha_from_acceptance_length, break_even_alpha, predicted_speedup)
 from minibatch.claims import claim
 from minibatch.lessons import exercise
-from minibatch.viz.speculative import plot_distribution, plot_spec_timeline, plot_speedup_vs_batch  # noqa: F401
 from minibatch.viz.speculative import plot_speedup_curves
 
 # The papers' speedups and alphas, at their scale, come from minibatch.claims ("leviathan-speedup",

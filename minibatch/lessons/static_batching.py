@@ -21,7 +21,7 @@ from minibatch.engine import StepRecord
 from minibatch.records import first_steps
 from minibatch.lessons import exercise
 from minibatch.models import set_attention
-from minibatch.metrics import measured_decode_utilization, utilization_formula
+from minibatch.records import measured_decode_utilization, utilization_formula
 from minibatch.experiment import run
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
@@ -64,7 +64,7 @@ def utilization_table(num_batches: int, batch_size: int, max_output_len: int = 3
     for _ in range(num_batches):
         lens = (rng.integers(1, max_output_len + 1, size=batch_size).tolist() if lengths == "uniform"
                 else [o for _, o in sharegpt_lengths(batch_size, rng)])
-        result = run("static", sim_requests(lens), SimExecutor(), max_num_seqs=batch_size)
+        result = run("static", sim_requests(lens), SimExecutor(), batch_size=batch_size)
         rows.append({"output_lens": lens, "formula": utilization_formula(lens),
                      "measured": measured_decode_utilization(result.records)})
     return rows
@@ -132,7 +132,8 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
     def engine_step(policy: str) -> float:
         reqs = [Request(f"p{i}", ids, 1, SamplingParams(ignore_eos=True)) for i, ids in enumerate(prompts)]
         n_slots = max(1024, sum(r.max_num_tokens for r in reqs))  # a small KV cache, reused across calls
-        engine = make_engine(policy, runner, WallClock(), max_num_seqs=len(reqs), n_slots=n_slots)
+        engine = make_engine(policy, runner, WallClock(),
+                             config={"batch_size": len(reqs), "max_num_seqs": len(reqs), "n_slots": n_slots})
         for r in reqs:
             engine.add_request(r)
         return engine.step().duration_s

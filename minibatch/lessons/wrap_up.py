@@ -21,7 +21,7 @@ from minibatch.workload import make_trace
 
 CPU_TRACE = dict(max_prompt_len=256, max_output_len=256, output_scale=0.25)  # notebook 07's CPU-sized lengths
 # Setups of the goodput sweep: name -> (policy, options). Orca reserves prompt + the longest output (as published).
-SETUPS = {"static": ("static", dict(max_num_seqs=8)), "orca": ("orca", dict(reserve_new_tokens=256)),
+SETUPS = {"static": ("static", dict(batch_size=8)), "orca": ("orca", dict(reserve_new_tokens=256)),
           "paged": ("paged", {}), "chunked": ("chunked", dict(max_num_batched_tokens=128))}
 ENGINE = dict(max_num_seqs=32, max_wait_s=0.5)
 COLUMNS = (("claim (source)", 30), ("our number", 26), ("conditions", 25), ("why they differ", 30))
@@ -119,7 +119,7 @@ def goodput_sweep(profile: Profile, rates, slo: SLO, num_requests: int = 120, n_
         trace = make_trace(num_requests, rate_per_s=rate, seed=seed, **CPU_TRACE)
         for name, (policy, options) in ((k, v) for k, v in SETUPS.items() if k not in stopped):
             s = run(policy, trace, SimExecutor(), SimClock(profile, profile), slo=slo,
-                    **{**ENGINE, "n_slots": n_slots, **options}).summary
+                    config={**ENGINE, "n_slots": n_slots}, **options).summary
             rows.append(dict(setup=name, rate=rate, goodput_req_s=s.goodput_req_s, ttft_p99_s=s.ttft_p99_s,
                              good_fraction=s.num_good_requests / s.num_requests, tpot_p99_s=s.tpot_p99_s))
             if stop_under is not None and rows[-1]["good_fraction"] < stop_under:

@@ -73,7 +73,7 @@ def context_slots(block_tables: torch.Tensor, seq_lens: list[int], block_size: i
 # Keyword arguments transformers' attention modules pass that do not change the attention itself:
 # positions are already applied to q/k (RoPE) or to the embeddings, and cache, router and output flags
 # are the model's business (output_attentions gets no weights back). Found by recording what the
-# architectures of minibatch/architectures.py pass (transformers 5.17 and 5.24).
+# architectures of tests/architectures.py pass (transformers 5.17 and 5.24).
 IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
                             "output_router_logits", "output_hidden_states", "return_dict"})
 # Options that are plain causal attention at these values (or None); any other value is refused.

@@ -34,7 +34,8 @@ No request is lost or duplicated: a request is always in exactly one of waiting,
 swapped until it finishes.
 """
 
-from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from minibatch.scheduler.base import Scheduler, SchedulerOutput, StepResult
+from minibatch.scheduler.output import ScheduledRequest
 from minibatch.scheduler.chunked import AdaptiveChunker, ChunkedPrefillScheduler, PrefillFirstScheduler
 from minibatch.scheduler.orca import OrcaScheduler
 from minibatch.scheduler.paged import PagedScheduler

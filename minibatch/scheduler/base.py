@@ -7,7 +7,8 @@ each computes; they never touch tensors (nano-vllm's split between Scheduler and
 from __future__ import annotations
 
 from minibatch.request import Request, RequestStatus
-from minibatch.scheduler.output import PACKED, ScheduledRequest, SchedulerOutput, StepResult  # noqa: F401
+from minibatch.scheduler.config import SchedulerConfig
+from minibatch.scheduler.output import PACKED, SchedulerOutput, StepResult
 from minibatch.scheduler.queue_policy import QueuePolicy, make_queue_policy
 
 
@@ -24,7 +25,7 @@ class Scheduler:
 
     name = "base"
     layout = PACKED  # the batch layout its steps use: "packed" (selective batching) or "padded"
-    options: frozenset[str] = frozenset()  # the EngineConfig fields from_config reads
+    config_cls = SchedulerConfig  # its settings (scheduler/config.py); from_config reads them
     pages_kv = False  # its requests' KV lives in block tables a KV block map can draw (the paged schedulers)
     block_manager = None  # Orca's and the paged schedulers' BlockManager: read by kv/ and scheduler/ only; others
     # ask the scheduler (kv_geometry, kv_capacity_slots, make_stats, block_ref_counts), as vLLM's
@@ -32,8 +33,13 @@ class Scheduler:
 
     @classmethod
     def from_config(cls, config) -> "Scheduler":
-        """A scheduler built from an :class:`~minibatch.config.EngineConfig` (the fields in ``options``)."""
+        """A scheduler built from its settings, a ``config_cls`` instance."""
         raise NotImplementedError(f"{cls.__name__} does not define from_config")
+
+    @classmethod
+    def queue_policy_from(cls, config) -> QueuePolicy:
+        """The order of service a config asks for (a scheduler with an order of its own overrides this)."""
+        return make_queue_policy(config.queue_policy, config.aging_s)
 
     def __init__(self, queue_policy: str | QueuePolicy = "fcfs"):
         self.waiting: list[Request] = []

@@ -27,7 +27,6 @@ from profiled step times and a TBT SLO; here the choice is made every step, onli
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import deque
 
@@ -35,10 +34,8 @@ import torch
 
 from minibatch.request import Request
 from minibatch.scheduler.base import SchedulerOutput
+from minibatch.scheduler.config import ChunkedConfig, PrefillFirstConfig
 from minibatch.scheduler.paged import PagedScheduler
-
-
-DEFAULT_BUDGET = 512  # chunked prefill's default max_num_batched_tokens (vLLM v0 with chunked prefill)
 
 
 class PrefillFirstScheduler(PagedScheduler):
@@ -59,7 +56,7 @@ class PrefillFirstScheduler(PagedScheduler):
     """
 
     name = "prefill_first"
-    options = PagedScheduler.options | {"max_num_prefills"}
+    config_cls = PrefillFirstConfig
 
     @classmethod
     def from_config(cls, config, **kwargs) -> "PrefillFirstScheduler":
@@ -101,14 +98,13 @@ class ChunkedPrefillScheduler(PagedScheduler):
 
     name = "chunked"
     chunked_prefill = True
-    options = PagedScheduler.options | {"target_itl_s"}
+    config_cls = ChunkedConfig
 
     @classmethod
     def from_config(cls, config, **kwargs) -> "ChunkedPrefillScheduler":
-        """max_num_batched_tokens default 512; target_itl_s: an AdaptiveChunker picks each step's budget."""
-        budget = DEFAULT_BUDGET if config.max_num_batched_tokens is None else config.max_num_batched_tokens
+        """target_itl_s: an AdaptiveChunker picks each step's budget."""
         chunker = None if config.target_itl_s is None else AdaptiveChunker(config.target_itl_s)
-        return super().from_config(dataclasses.replace(config, max_num_batched_tokens=budget), chunker=chunker,
+        return super().from_config(config, max_num_batched_tokens=config.max_num_batched_tokens, chunker=chunker,
                                    **kwargs)
 
     def __init__(self, max_num_seqs: int = 8, num_blocks: int = 256, block_size: int = 16, *,
@@ -185,7 +181,6 @@ class AdaptiveChunker:
         self.coefficients = tuple(float(c) for c in prior)  # (fixed_s, prefill_token_s, decode_token_s)
         self.num_fits = 0
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self.history: list[tuple[int, int]] = []  # (num_decodes, budget) per step, for plots
 
     def observe(self, record) -> None:
         """Add one step (a StepRecord: prefill and decode tokens, duration) and refit."""
@@ -202,9 +197,9 @@ class AdaptiveChunker:
             self.num_fits += 1
 
     def token_budget(self, num_decodes: int) -> int:
-        """The budget for a step with ``num_decodes`` running decodes: decodes + chunk tokens."""
+        """The budget for a step with ``num_decodes`` running decodes: decodes + chunk tokens (each
+        step's choice is in its plan and record, ``token_budget``)."""
         fixed_s, prefill_s, decode_s = self.coefficients
         room = (self.target_itl_s - fixed_s - decode_s * num_decodes) / prefill_s
         chunk = min(self.max_chunk, max(self.min_chunk, math.floor(room + 1e-9)))  # 1e-9: float round-off
-        self.history.append((num_decodes, num_decodes + chunk))
         return num_decodes + chunk

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from minibatch.kv.block_manager import BlockManager
 from minibatch.request import Request, RequestStatus
-from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
-from minibatch.scheduler.queue_policy import make_queue_policy
+from minibatch.scheduler.base import Scheduler, SchedulerOutput, StepResult
+from minibatch.scheduler.output import ScheduledRequest
+from minibatch.scheduler.config import OrcaConfig
 
 
 class OrcaScheduler(Scheduler):
@@ -51,15 +52,12 @@ class OrcaScheduler(Scheduler):
     """
 
     name = "orca"
-    options = frozenset({"max_num_seqs", "n_slots", "block_size", "reserve_new_tokens", "queue_policy", "aging_s"})
+    config_cls = OrcaConfig
 
     @classmethod
     def from_config(cls, config) -> "OrcaScheduler":
-        """block_size default 1: Orca's per-token reservation."""
-        return cls(max_num_seqs=config.max_num_seqs, n_slots=config.n_slots,
-                   block_size=1 if config.block_size is None else config.block_size,
-                   reserve_new_tokens=config.reserve_new_tokens,
-                   queue_policy=make_queue_policy(config.queue_policy, config.aging_s))
+        return cls(max_num_seqs=config.max_num_seqs, n_slots=config.n_slots, block_size=config.block_size,
+                   reserve_new_tokens=config.reserve_new_tokens, queue_policy=cls.queue_policy_from(config))
 
     def __init__(self, max_num_seqs: int = 8, n_slots: int = 16384, block_size: int = 1,
                  reserve_new_tokens: int | None = None, queue_policy="fcfs"):

@@ -12,6 +12,7 @@ earlier stage.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -82,6 +83,8 @@ class SchedulerOutput:
         blocks_to_swap_in: (cpu_block, gpu_block) pairs of requests coming back. The runner does
         swap-outs first, then swap-ins, then copies, then the forward.
     preempted: request_ids preempted this step (by recompute or swap).
+    token_budget: the most tokens this step may schedule (max_num_batched_tokens, or the adaptive
+        chunker's choice), fixed when the step's planning begins; inf: no budget.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -96,6 +99,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    token_budget: float = math.inf
 
     def freeze(self) -> "SchedulerOutput":
         """Lists become tuples, block tables are copied; any later assignment raises. Returns self."""

@@ -13,8 +13,10 @@ from minibatch.checks import check_choice, check_int
 from minibatch.config import PREEMPTION_MODES
 from minibatch.kv.block_manager import BlockManager
 from minibatch.request import Request, RequestStatus
-from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
-from minibatch.scheduler.queue_policy import QueuePolicy, make_queue_policy
+from minibatch.scheduler.base import Scheduler, SchedulerOutput, StepResult
+from minibatch.scheduler.output import ScheduledRequest
+from minibatch.scheduler.config import PagedConfig
+from minibatch.scheduler.queue_policy import QueuePolicy
 
 
 class PagedScheduler(Scheduler):
@@ -44,8 +46,7 @@ class PagedScheduler(Scheduler):
 
     name = "paged"
     pages_kv = True  # block tables of block_size slots: the KV block map draws them
-    options = frozenset({"max_num_seqs", "n_slots", "block_size", "preemption_mode", "watermark",
-                         "max_num_batched_tokens", "queue_policy", "aging_s"})
+    config_cls = PagedConfig
     chunked_prefill = False  # may a prompt be split across steps? (ChunkedPrefillScheduler)
     max_num_prefills: int | None = None  # most waiting requests admitted per step (None: no limit)
 
@@ -68,20 +69,19 @@ class PagedScheduler(Scheduler):
                                           watermark=watermark, num_cpu_blocks=num_cpu_blocks)
         self.num_lookahead_tokens = num_lookahead_tokens
         self.num_preemptions = 0
-        self._step_budget: float = math.inf
         if enable_prefix_caching:
             self.name = f"{self.name}_prefix"
 
     @classmethod
     def from_config(cls, config, **kwargs) -> "PagedScheduler":
-        """block_size default 16; num_blocks = n_slots // block_size. kwargs: a subclass's own arguments."""
-        block_size = 16 if config.block_size is None else config.block_size
+        """num_blocks = n_slots // block_size. kwargs: a subclass's own arguments."""
+        block_size = config.block_size
         if config.n_slots < block_size:
             raise ValueError(f"n_slots must be >= block_size ({block_size}), got {config.n_slots}")
         return cls(max_num_seqs=config.max_num_seqs, num_blocks=config.n_slots // block_size, block_size=block_size,
                    enable_prefix_caching=config.enable_prefix_caching, preemption_mode=config.preemption_mode,
-                   watermark=config.watermark, max_num_batched_tokens=config.max_num_batched_tokens,
-                   queue_policy=make_queue_policy(config.queue_policy, config.aging_s),
+                   watermark=config.watermark,
+                   queue_policy=cls.queue_policy_from(config),
                    num_lookahead_tokens=config.num_lookahead_tokens, **kwargs)
 
     def check_request(self, request: Request) -> None:
@@ -114,11 +114,10 @@ class PagedScheduler(Scheduler):
     def begin_step(self) -> SchedulerOutput:
         """A new, empty plan; fixes this step's token budget (``token_budget``). A subclass that
         reorders the stages calls it first, then the stages it wants, then ``finish_output``."""
-        self._step_budget = self.token_budget()
-        return SchedulerOutput()
+        return SchedulerOutput(token_budget=self.token_budget())
 
     def budget_left(self, out: SchedulerOutput) -> float:
-        return self._step_budget - out.num_scheduled_tokens
+        return out.token_budget - out.num_scheduled_tokens
 
     def num_new_tokens(self, req: Request, budget: float) -> int:
         """Tokens ``req`` computes this step given ``budget`` tokens left: all it has left, or,

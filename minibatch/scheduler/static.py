@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from minibatch.checks import check_real
 from minibatch.request import Request, RequestStatus
-from minibatch.scheduler.base import ScheduledRequest, Scheduler, SchedulerOutput, StepResult
+from minibatch.scheduler.config import StaticConfig
+from minibatch.scheduler.base import Scheduler, SchedulerOutput, StepResult
+from minibatch.scheduler.output import ScheduledRequest
 from minibatch.scheduler.output import PADDED
 
 
@@ -33,11 +35,11 @@ class StaticScheduler(Scheduler):
 
     name = "static"
     layout = PADDED
-    options = frozenset({"max_num_seqs", "max_wait_s"})
+    config_cls = StaticConfig
 
     @classmethod
     def from_config(cls, config) -> "StaticScheduler":
-        return cls(batch_size=config.max_num_seqs, max_wait_s=config.max_wait_s)
+        return cls(batch_size=config.batch_size, max_wait_s=config.max_wait_s)
 
     def __init__(self, batch_size: int = 8, max_wait_s: float = 1.0):
         super().__init__()

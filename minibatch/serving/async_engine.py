@@ -3,7 +3,7 @@ stream per request, aborts, and a bounded waiting queue.
 
 Continuous batching is what makes a server of one model work (Orca, OSDI'22 §3): requests join
 the running batch at the next iteration, whenever they arrive. Here they arrive from clients, at
-any time: ``generate`` hands a request to the loop thread and yields its tokens as the steps that
+any time: ``submit`` hands a request to the loop thread and yields its tokens as the steps that
 compute them end; ``abort`` (a client that went away) frees the request's KV blocks at the next
 step boundary. The engine runs on a :class:`~minibatch.clock.LiveClock` (real time).
 """
@@ -99,12 +99,6 @@ class AsyncEngine:
         return inbox + len(self.engine.pending) + len(self.engine.scheduler.waiting)
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request: Request) -> AsyncIterator[TokenDelta]:
-        """Submit ``request`` and yield its :class:`TokenDelta` s until it finishes (see
-        :meth:`submit`; here the checks run at the first iteration)."""
-        async for delta in self.submit(request):
-            yield delta
-
     def submit(self, request: Request) -> AsyncIterator[TokenDelta]:
         """Check and queue ``request`` now (call it from a running event loop); returns the async
         iterator of its TokenDeltas, until the one with a finish_reason. Leaving the iteration

@@ -14,40 +14,33 @@ import time
 import urllib.request
 
 from minibatch.clock import LiveClock
-from minibatch.policies import load_policy_module
-from minibatch.config import EngineConfig
-from minibatch.precision import DTYPES, dtype_name, resolve_dtype
+from minibatch.precision import dtype_name, resolve_dtype
 from minibatch.serving.async_engine import AsyncEngine
 from minibatch.serving.metrics import ServingMetrics
 
-DEFAULT_MODEL, DEFAULT_POLICY = "smollm2-135m", "paged"
+DEFAULT_POLICY = "paged"
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The serve command's own options (the engine options come from EngineConfig)."""
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name (default: {DEFAULT_MODEL}, offline)")
+    """The serve command's own options (the model's come from ModelConfig, the policy settings from the
+    policies' config classes)."""
     p.add_argument("--policy", default=DEFAULT_POLICY, help=f"scheduling policy (default: {DEFAULT_POLICY})")
-    p.add_argument("--draft-model", default=None, help="spec policies: the draft model")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models shows (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights, activations and KV cache (default: auto = bfloat16 where it is fast, else float32)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     p.add_argument("--max-num-waiting", type=int, default=256,
                    help="most requests waiting for admission; one more gets HTTP 503 (default: 256)")
-    p.add_argument("--attention-backend", default="torch", metavar="NAME",
-                   help="a registered attention backend: torch (the reference), triton (the paged-attention "
-                        "kernels), or one a --policy-module registers (default: torch)")
     p.add_argument("--policy-module", action="append", default=[], metavar="FILE.py",
                    help="a Python file that registers policies or attention backends; repeatable")
 
 
-def build_server(model: str, policy: str, config: EngineConfig | None = None, *, device: str = "cpu",
+def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
                  dtype="float32", draft_model: str | None = None, served_model_name: str | None = None,
                  max_num_waiting: int = 256, keep_history: bool = False, loaded=None, attention_backend="torch"):
     """(FastAPI app, AsyncEngine) for ``model`` under ``policy``; the engine loop is started.
+
+    config: the policy's settings, a dict or its config object (as ``make_engine``'s ``config``).
 
     dtype: a torch dtype or a ``--dtype`` name ("auto": bfloat16 where it is fast); ignored with ``loaded``.
     loaded: an already loaded (model, tokenizer) pair to serve (tests and notebooks share one).
@@ -75,8 +68,7 @@ def build_server(model: str, policy: str, config: EngineConfig | None = None, *,
 
         draft_runner = load_draft_runner(draft_model or default_draft(model), model, hf_model, tokenizer, device,
                                          attention_backend)
-    engine = make_engine(policy, runner, LiveClock(device), config=config or EngineConfig(),
-                         draft_runner=draft_runner)
+    engine = make_engine(policy, runner, LiveClock(device), config=config, draft_runner=draft_runner)
     name = served_model_name or model
     metrics = ServingMetrics(name)
     async_engine = AsyncEngine(engine, max_num_waiting, keep_history=keep_history, on_step=metrics.on_step)
@@ -86,22 +78,24 @@ def build_server(model: str, policy: str, config: EngineConfig | None = None, *,
     return app, async_engine.start()
 
 
-def run_serve(args, config: EngineConfig) -> int:
-    """``python -m minibatch serve``: load, start the engine, serve until Ctrl-C."""
+def run_serve(args, settings: dict) -> int:
+    """``python -m minibatch serve``: load, start the engine, serve until Ctrl-C. settings: the
+    policy's settings given on the command line (any the policy does not have is refused)."""
     import torch
     import uvicorn
 
-    from minibatch.checks import check_device, check_int
+    from minibatch.checks import check_int
+    from minibatch.experiment import check_policy_settings
+    from minibatch.policies import POLICIES
 
-    check_device(args.device, "--device")
     check_int(args.port, "--port", 0, 65535)
     check_int(args.threads, "--threads", 1, 1024)
     check_int(args.max_num_waiting, "--max-num-waiting", 1)
-    for path in args.policy_module:
-        load_policy_module(path)
+    if args.policy in POLICIES:  # (python -m minibatch loads --policy-module files first; build_server
+        settings = check_policy_settings(settings, (args.policy,))  # names an unknown policy)
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, args.device)
-    app, engine = build_server(args.model, args.policy, config, device=args.device, dtype=dtype,
+    app, engine = build_server(args.model, args.policy, settings, device=args.device, dtype=dtype,
                                draft_model=args.draft_model,
                                served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting,
                                attention_backend=args.attention_backend)

@@ -2,7 +2,8 @@
 
 Gauges are set after every engine step (and after aborts) from the scheduler; counters and
 histograms are fed from the step's :class:`~minibatch.engine.StepRecord` and from each finished
-request's event stamps (TTFT, TPOT, ITL, E2E in seconds, as ``minibatch.metrics`` defines them).
+request's event stamps (TTFT, TPOT, ITL, E2E in seconds: ``minibatch.metrics.LATENCIES``, their
+definitions and the histograms' documentation).
 Each server has its own ``CollectorRegistry``, so several servers can live in one process.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from minibatch.metrics import LATENCIES, latencies
 from minibatch.request import Request
 
 PREFIX = "minibatch:"
@@ -17,6 +19,10 @@ disable_created_metrics()  # no *_created series: one line per value, as vLLM sh
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+HISTOGRAMS = {"ttft": ("time_to_first_token_seconds", LATENCY_BUCKETS_S),  # vLLM's names
+              "tpot": ("time_per_output_token_seconds", ITL_BUCKETS_S),
+              "itl": ("inter_token_latency_seconds", ITL_BUCKETS_S),
+              "e2e": ("e2e_request_latency_seconds", LATENCY_BUCKETS_S)}
 
 
 class ServingMetrics:
@@ -45,12 +51,9 @@ class ServingMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.success = Counter(PREFIX + "request_success", "Finished requests by finish_reason.",
                                ["model_name", "finished_reason"], registry=r)
-        self.ttft = histogram("time_to_first_token_seconds", "TTFT: arrival to first token.", LATENCY_BUCKETS_S)
-        self.tpot = histogram("time_per_output_token_seconds", "TPOT: mean gap after the first token, per request.",
-                              ITL_BUCKETS_S)
-        self.itl = histogram("inter_token_latency_seconds", "ITL: gap between a request's successive tokens.",
-                             ITL_BUCKETS_S)
-        self.e2e = histogram("e2e_request_latency_seconds", "E2E: arrival to the last token.", LATENCY_BUCKETS_S)
+        # one histogram per latency, documented by its definition in minibatch.metrics.LATENCIES
+        self.latency = {name: histogram(prom_name, LATENCIES[name].description + ".", buckets)
+                        for name, (prom_name, buckets) in HISTOGRAMS.items()}
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", TOKEN_BUCKETS)
         self.model_name = model_name
 
@@ -78,12 +81,10 @@ class ServingMetrics:
         if r.finish_reason == "abort" or not r.token_times_s:
             return
         times = r.token_times_s
-        self.ttft.observe(times[0] - r.arrival_time_s)
-        self.e2e.observe(times[-1] - r.arrival_time_s)
-        if len(times) > 1:
-            self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
-        for a, b in zip(times, times[1:]):
-            self.itl.observe(b - a)
+        m = latencies(r.request_id, r.arrival_time_s, times, times[-1], r.num_prompt_tokens, len(times))
+        for name, histogram in self.latency.items():
+            for value in LATENCIES[name].values(m):
+                histogram.observe(value)
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

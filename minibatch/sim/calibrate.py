@@ -91,10 +91,10 @@ def scenarios(vocab_size: int, scale: float = 1.0, seed: int = 1234) -> list[Sce
         n = b if b == s(32) else 3 * b  # three batches each (one prefill step per batch), one of 32
         lengths = [(int(rng.integers(s(16), s(256) + 1)), int(rng.integers(4, s(64) + 1))) for _ in range(n)]
         out.append(Scenario(f"static-b{b}", "static", _requests(f"s{b}", lengths, rng, vocab_size),
-                            dict(max_num_seqs=b, max_wait_s=0.0)))
+                            dict(batch_size=b, max_wait_s=0.0)))
     lengths = [(s(768), 24), (s(64), 24), (s(128), 8), (s(32), 16)]  # one long prompt pads the whole batch
     out.append(Scenario("static-long-b4", "static", _requests("sl", lengths, rng, vocab_size),
-                        dict(max_num_seqs=4, max_wait_s=0.0)))
+                        dict(batch_size=4, max_wait_s=0.0)))
     return out
 
 

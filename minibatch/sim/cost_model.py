@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minibatch.clock import StepShape, shape_from_rows  # noqa: F401 (shape_from_rows re-exported)
-from minibatch.sim.profile_format import FEATURES, LAYOUTS, PROFILE_FORMAT, check_profile_data  # noqa: F401
+from minibatch.clock import StepShape
+from minibatch.sim.profile_format import FEATURES, LAYOUTS, PROFILE_FORMAT, check_profile_data
 
 KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 

@@ -12,7 +12,6 @@ step for step the schedule the real engine makes, and only the step times are pr
 
 from __future__ import annotations
 
-import dataclasses
 
 from minibatch.clock import SimClock
 from minibatch.sim.cost_model import Profile
@@ -45,8 +44,7 @@ def simulate_policies(cfg, profile: Profile, requests, acceptance_rate=None, pro
     runs = {}
     for policy in cfg.policies:
         ex = sim_executor(policy, acceptance_rate, cfg.seed, proposal_rate)
-        runs |= run_policies(dataclasses.replace(cfg, policies=(policy,)), requests, ex,
-                             lambda: SimClock(profile, profile))
+        runs |= run_policies(cfg, requests, ex, lambda: SimClock(profile, profile), policies=(policy,))
     return runs
 
 
@@ -83,3 +81,24 @@ def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
     print_table(result)
     write_json(result, cfg.json_path)
     return result
+
+
+def parse_acceptance_rate(text: str | None) -> float | list[float] | None:
+    """"0.7" -> 0.7; "0.6,0.3,0.1" -> per-position rates; None -> None.
+
+    Raises:
+        ValueError: not numbers in [0, 1], or per-position rates that increase (names --acceptance-rate).
+    """
+    if text is None:
+        return None
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--acceptance-rate must be a number or comma-separated numbers in [0, 1], "
+                         f"got {text!r}") from None
+    if not all(0.0 <= a <= 1.0 for a in rates):
+        raise ValueError(f"--acceptance-rate must be in [0, 1], got {text!r}")
+    if any(b > a for a, b in zip(rates, rates[1:])):
+        raise ValueError(f"--acceptance-rate per-position rates must be non-increasing (position i+1 is "
+                         f"reached only through position i), got {text!r}")
+    return rates[0] if len(rates) == 1 else rates

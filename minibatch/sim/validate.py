@@ -56,8 +56,8 @@ def measure_policy(policy: str, cfg, runner, requests, draft_runner=None) -> dic
     on any profile) and, when speculating, its acceptance and proposal rates."""
     from minibatch.compare import make_compare_clock, run_policies
 
-    one = dataclasses.replace(cfg, policies=(policy,))
-    r = run_policies(one, requests, runner, lambda: make_compare_clock(cfg, runner.device), draft_runner=draft_runner)
+    r = run_policies(cfg, requests, runner, lambda: make_compare_clock(cfg, runner.device), draft_runner=draft_runner,
+                     policies=(policy,))
     engine, measured = r[policy].engine, r[policy].summary.to_dict()
     padded = any(r.layout == "padded" for r in engine.trace)
     steps = [[getattr(StepShape.of(r), f) for f in STEP_FIELDS[:-1]] + [round(r.duration_s * 1e6)]
@@ -139,16 +139,16 @@ class MeasuredClock(SimClock):
         self.diverged_at: int | None = None
         self._next = 0
 
-    def end_step(self, record) -> tuple[float, float]:
+    def end_step(self, step_shape: StepShape, draft_forwards=(), draft_time_s: float = 0.0) -> tuple[float, float]:
         i = self._next
         if i >= len(self.steps):
             raise ValueError(f"steps: the simulation ran more steps than the {len(self.steps)} measured")
         shape = StepShape(*self.steps[i][:-1], padded=self.padded)
-        if self.diverged_at is None and dataclasses.replace(StepShape.of(record), rows=0, context=0) != shape:
+        if self.diverged_at is None and dataclasses.replace(step_shape, rows=0, context=0) != shape:
             self.diverged_at = i
         self._next += 1
         dt = self.steps[i][-1] / 1e6
-        self.now_s += dt
+        self._advance(dt)
         return dt, 0.0
 
 
@@ -161,7 +161,7 @@ def simulate_row(row: dict, cfg, requests, clock_factory):
 
     policy = row["policy"]
     ex = sim_executor(policy, row.get("acceptance_rate_per_pos"), cfg.seed, row.get("proposal_rate", 1.0))
-    return run_policies(dataclasses.replace(cfg, policies=(policy,)), requests, ex, clock_factory)[policy]
+    return run_policies(cfg, requests, ex, clock_factory, policies=(policy,))[policy]
 
 
 def simulate_measured(row: dict, cfg, requests, profile: Profile) -> dict:
@@ -189,8 +189,3 @@ def simulate_measured(row: dict, cfg, requests, profile: Profile) -> dict:
         replayed = simulate_row(row, cfg, requests, lambda: clock).summary.to_dict()
         out["mechanics_error"] = compare_runs(row["measured"], replayed) | {"diverged_at_step": clock.diverged_at}
     return out
-
-
-def validate_policy(policy: str, cfg, runner, requests, profile: Profile, draft_runner=None) -> dict:
-    """Measured vs simulated for one policy on ``requests`` (see the module docstring)."""
-    return simulate_measured(measure_policy(policy, cfg, runner, requests, draft_runner), cfg, requests, profile)

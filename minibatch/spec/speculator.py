@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minibatch.checks import MAX_SPEC_TOKENS
+from minibatch.config import option
 from minibatch.request import Request
 
 
@@ -282,3 +284,16 @@ class SpecDecodingStats:
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "acceptance_rate_per_pos": [round(x, 4) for x in self.acceptance_rate_per_pos],
                 "draft_time_s": round(self.draft_time_s, 4), "verify_time_s": round(self.verify_time_s, 4)}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding's settings, added to a speculative policy's scheduler config (policies.py)."""
+
+    num_speculative_tokens: int = option(4, "draft tokens per step, k (with adaptive k: the largest)", "int",
+                                         low=1, high=MAX_SPEC_TOKENS)
+    adaptive_k: bool = option(False, "choose k per request from its acceptance history", "bool")
+
+    def speculator(self) -> "FixedK | AdaptiveK":
+        k = self.num_speculative_tokens
+        return AdaptiveK(max_k=k) if self.adaptive_k else FixedK(k)
