@@ -20,8 +20,19 @@ among the other side's top-k logprobs, and the comparison stops at that first di
   SmolLM2's logits are rounded to steps of 1/8 to 1/4, exact ties are common, and a correct engine
   flips about one token in 40; over whole 256-token outputs most tokens would follow a flip.)
 
+At an **exact tie** the reference had no preference: its logprobs of its own token and of ours are
+equal (``reference_gap`` 0.0), and ``generate``'s argmax took the lower token id. Our token is as
+likely as its, so the two continuations are equally the model's, and nothing after the tie can be
+compared. Such a divergence is close (our-side top-k still applies) and its request counts as matched
+through its window. Tiny random models in bf16 tie often. Without this, a correct engine failed the
+floor on them (``python -m minibatch compare --model tiny-random-llama --clock sim --num-requests 6
+--policies static,orca,paged --dtype bfloat16``: 3 of 5 divergences at gap 0.0, matched fraction 0.40;
+``tests/test_precision.py`` runs it). A near-tie that is not exact (a gap of one bf16 step, 0.03125 at
+logits of magnitude 4-8) still counts against the floor.
+
 A wrong position or a lost KV block changes the logits by far more than rounding: the first
-divergence comes early, where the reference is confident, and the check fails.
+divergence comes early, where the reference is confident, and the check fails (an exact tie exactly
+there is no cover: the other requests' confident divergences fail the floor).
 """
 
 from __future__ import annotations
@@ -75,7 +86,8 @@ def _divergence(r: Request, ref: ReferenceOutput | list[int], i: int, rule: str)
     gap = top[theirs] - top[ours] if ours in top else None
     ours_ok = gap is not None and gap <= MAX_LOGPROB_GAP
     theirs_ok = theirs in r.logprobs[i] if i < len(r.logprobs) else None  # None: our run kept no logprobs
-    return d | {"reference_gap": gap, "close": bool(ours_ok and theirs_ok is not False),
+    close = bool(ours_ok and theirs_ok is not False)
+    return d | {"reference_gap": gap, "close": close, "exact_tie": close and gap == 0.0,
                 "reference_token_in_our_top_k": theirs_ok}
 
 
@@ -88,8 +100,9 @@ def check_outputs(requests: list[Request], refs: dict, rule: str = "exact") -> d
 
     Returns a JSON-ready report: ``rule``, its thresholds, ``passed`` (None when no request has a
     reference), ``matched_fraction`` (of the first ``MATCH_WINDOW`` reference tokens of each request, the
-    share before its first divergence) and ``divergences``: request_id -> its first divergence (position,
-    both tokens and, for "logprob-close", the reference's logprob gap and whether it counts as close).
+    share before its first divergence; all of them after an exact tie) and ``divergences``: request_id ->
+    its first divergence (position, both tokens and, for "logprob-close", the reference's logprob gap,
+    whether it counts as close and whether it was an exact tie).
 
     Raises:
         ValueError: an unknown rule.
@@ -108,10 +121,12 @@ def check_outputs(requests: list[Request], refs: dict, rule: str = "exact") -> d
         ref_ids = ref.token_ids if isinstance(ref, ReferenceOutput) else ref
         i = first_divergence(r.output_token_ids, ref_ids)
         window = min(len(ref_ids), MATCH_WINDOW)
-        matched += window if i is None else min(i, window)
         total += window
-        if i is not None:
-            divergences[r.request_id] = _divergence(r, ref, i, rule)
+        if i is None:
+            matched += window
+            continue
+        divergences[r.request_id] = d = _divergence(r, ref, i, rule)
+        matched += window if d.get("exact_tie") else min(i, window)  # after an exact tie nothing is comparable
     fraction = matched / total if total else 1.0
     if rule == "exact":
         passed = not divergences

@@ -104,6 +104,43 @@ def test_logprob_close_rule_by_hand():
     assert early["passed"] is False
 
 
+def test_an_exact_tie_is_not_a_mismatch():
+    """At an exact tie (reference gap 0.0) the request counts as matched through its window; one bf16 step
+    (0.03125) is a near-tie, close but counted against the floor; a confident divergence still fails."""
+    tokens, lps = [3] * (MATCH_WINDOW - 1), [{3: -0.1}] * (MATCH_WINDOW - 1)
+    ours = {8: -0.69, 7: -0.69}
+
+    def at_first_token(ref_lp):
+        return check_outputs([finished("a", [8] + tokens, [ours] + lps)], {"a": ref([7] + tokens, [ref_lp] + lps)},
+                             "logprob-close")
+
+    tie = at_first_token({7: -0.69, 8: -0.69})
+    assert tie["passed"] is True and tie["matched_fraction"] == 1.0 and tie["divergences"]["a"]["exact_tie"] is True
+    step = at_first_token({7: -0.69, 8: -0.69 - 0.03125})
+    assert step["divergences"]["a"]["close"] is True and step["divergences"]["a"]["exact_tie"] is False
+    assert step["passed"] is False  # an early near-tie leaves too little matched
+    assert at_first_token({7: -0.01, 8: -6.0})["passed"] is False
+
+
+def test_tiny_models_pass_at_exact_ties_and_a_broken_engine_still_fails(tmp_path, one_thread):
+    """The command that failed a correct engine on exact ties passes; DropsFirstBlock on its trace fails."""
+    from minibatch.compare import CompareConfig, build_trace, with_logprobs
+
+    argv = ["--model", MODEL, "--clock", "sim", "--num-requests", "6", "--policies", "static,orca,paged",
+            "--dtype", "bfloat16"]
+    main(["compare", *argv, "--no-progress", "--figures-dir", "", "--reference-cache", "",
+          "--json", str(tmp_path / "r.json")])
+    rows = json.loads((tmp_path / "r.json").read_text())["policies"]
+    assert {p: r["matches_reference"] for p, r in rows.items()} == {"static": True, "orca": True, "paged": True}
+    assert any(d["exact_tie"] for d in rows["paged"]["reference_check"]["divergences"].values())
+    model, tok = load_model(MODEL, dtype="bfloat16")
+    cfg = CompareConfig(model=MODEL, num_requests=6, dtype="bfloat16", check_reference=False, figures_dir=None)
+    reqs = [with_logprobs(r, 5) for r in build_trace(cfg, tok, model.config.vocab_size)]
+    refs = reference_outputs(model, reqs, logprobs=5)
+    bad = run("paged", reqs, DropsFirstBlock(model, tok), SimClock(), n_slots=4096, block_size=4)
+    assert check_outputs(bad.requests, refs, "logprob-close")["passed"] is False
+
+
 class DropsFirstBlock(ModelRunner):
     """A broken engine: every decode step loses the first KV block of each request (zeroed)."""
 

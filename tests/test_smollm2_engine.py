@@ -30,3 +30,24 @@ def test_smollm2_greedy_matches_hf_generate(smollm2, policy):
     shared = dict(batch_size=3, max_num_seqs=3, n_slots=512, max_wait_s=0.05)  # each policy takes its own
     make_engine(policy, runner, SimClock(), config=shared).generate(reqs)
     assert [r.output_token_ids for r in reqs] == refs
+
+
+def test_smollm2_bf16_is_logprob_close_and_a_broken_engine_is_caught():
+    """The bf16 rule on the real model: every policy that batches differently passes it; an engine that
+    loses each request's first KV block at every decode step fails it."""
+    from minibatch.equivalence import check_outputs
+    from minibatch.experiment import run
+    from minibatch.reference import reference_outputs
+    from test_precision import DropsFirstBlock
+
+    model, tok = load_model("smollm2-135m", dtype="bfloat16")
+    reqs = [Request(f"r{i}", chat_prompt_ids(tok, text), 16, SamplingParams(ignore_eos=True, logprobs=5),
+                    arrival_time_s=0.02 * i) for i, text in enumerate(demo_prompts()[:4])]
+    refs = reference_outputs(model, reqs, logprobs=5)
+    shared = dict(max_num_seqs=4, n_slots=512, block_size=16)
+    for policy in ("paged", "chunked"):
+        good = run(policy, reqs, ModelRunner(model, tok), SimClock(), config=shared)
+        report = check_outputs(good.requests, refs, "logprob-close")
+        assert report["passed"] is True, (policy, report)
+    bad = run("paged", reqs, DropsFirstBlock(model, tok), SimClock(), config=shared)
+    assert check_outputs(bad.requests, refs, "logprob-close")["passed"] is False
