@@ -33,7 +33,7 @@ from minibatch.experiment import load_runner, run
 from minibatch.experiments import chunked
 from minibatch.claims import claim
 from minibatch.lessons.chunked_prefill import CLAIM_IDS, fold, print_table, print_versus
-from minibatch.report import environment, write_json
+from minibatch.report import environment, machine_load, write_json
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,6 +77,7 @@ def versus_baseline(rows: list[dict], baseline: str = "prefill_first") -> list[d
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    load_before = machine_load()  # how busy the machine was: recorded with the result
     t_start = time.perf_counter()
     model, tokenizer, runner, clock = load_runner(args.model, args.device, args.clock, args.threads)
     if args.quick:
@@ -126,6 +127,7 @@ def main(argv=None) -> dict:
         print(f"  published: {claim('winechord-micro-batching').cite()}")
 
     result["run_time_s"] = time.perf_counter() - t_start
+    result["environment"] = environment(load_before)
     write_json(result, args.json_path)
     return result
 

@@ -31,7 +31,7 @@ from minibatch.experiment import load_runner, run
 from minibatch.experiments import kv_sharing, kv_waste, preemption
 from minibatch.experiments.kernel_check import kernel_check
 from minibatch.experiments.paged_kv import GREEDY, variant_options
-from minibatch.report import environment, write_json
+from minibatch.report import environment, machine_load, write_json
 from minibatch.request import Request
 from minibatch.viz.paged_kv import VLLM_CLAIM
 from minibatch.prompts import demo_prompts
@@ -75,6 +75,7 @@ METRICS = (("kv_waste_fraction", "KV waste", ".1%"), ("max_num_running", "max ru
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    load_before = machine_load()  # how busy the machine was: recorded with the result
     t_start = time.perf_counter()
     model, tokenizer, runner, clock = load_runner(args.model, args.device, args.clock, args.threads)
     if args.quick:
@@ -170,6 +171,7 @@ def main(argv=None) -> dict:
 
     result["run_time_s"] = round(time.perf_counter() - t_start, 1)
     print(f"\ntotal {result['run_time_s']} s")
+    result["environment"] = environment(load_before)
     write_json(result, args.json_path)
     return result
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from minibatch.files import write_json
-from minibatch.report import environment
+from minibatch.report import environment, machine_load
 from minibatch.serving.bench import bench, load_tokenizer, sample_requests
 from minibatch.serving.launch import ServerProcess
 
@@ -83,6 +83,7 @@ def main() -> int:
     p.add_argument("--no-transformers-serve", dest="transformers_serve", action="store_false")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    load_before = machine_load()  # how busy the machine was: recorded with the result
     rates = [float(x) for x in args.rates.split(",")]
     requests = sample_requests(args.num_prompts, 0, load_tokenizer(args.model), args.max_prompt_len,
                                args.max_output_len)
@@ -106,6 +107,7 @@ def main() -> int:
                     f"{k}={s[k]:.3f}" if isinstance(s[k], float) else f"{k}={s[k]}" for k in SUMMARY_KEYS),
                     flush=True)
     if args.json:
+        result["environment"] = environment(load_before)
         write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0

@@ -26,7 +26,7 @@ import time
 
 from minibatch.experiments import rate_sweep
 from minibatch.lessons.benchmarks import CLAIM_IDS
-from minibatch.report import environment, write_json
+from minibatch.report import environment, machine_load, write_json
 from minibatch.sim.cost_model import Profile
 from minibatch.workload import make_trace
 
@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    load_before = machine_load()  # how busy the machine was: recorded with the result
     result = {"command": "python " + " ".join(sys.argv), "environment": environment(), "claims": list(CLAIM_IDS),
               "settings": {}}
     for name in args.settings.split(","):
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
             print(f"  offline {row['setup']:<13} {row['request_throughput_req_s']:8.3f} req/s "
                   f"{row['output_throughput_tok_s']:9.1f} tok/s  mean batch {row['mean_batch_size']:.1f}")
         print(f"  capacity at normalized latency <= {r['latency_limit_normalized_s']} s/token: {r['capacity']}")
+    result["environment"] = environment(load_before)
     write_json(result, args.json)
     return 0
 

@@ -26,7 +26,7 @@ import time
 import torch
 
 from minibatch.experiment import default_draft, load_draft_runner
-from minibatch.report import environment, write_json
+from minibatch.report import environment, machine_load, write_json
 from minibatch.lessons import speculative as lesson
 from minibatch.experiments.speculative import GROUNDED_PROMPTS, k_sweep
 from minibatch.request import Request, SamplingParams
@@ -64,6 +64,7 @@ def main(argv=None) -> dict:
     from minibatch.prompts import chat_prompt_ids
 
     args = parse_args(argv)
+    load_before = machine_load()  # how busy the machine was: recorded with the result
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -120,6 +121,7 @@ def main(argv=None) -> dict:
 
     print()
     lesson.print_against_papers(result)
+    result["environment"] = environment(load_before)
     write_json(result, args.json_path)
     return result
 

@@ -35,7 +35,7 @@ import time
 from minibatch.compare import CompareConfig, build_trace
 from minibatch.experiment import load_draft_runner
 from minibatch.experiment import load_runner, warm_up
-from minibatch.report import environment, write_json
+from minibatch.report import environment, machine_load, write_json
 from minibatch.files import read_json
 from minibatch.sim.cost_model import Profile
 from minibatch.sim.validate import compare_runs, measure_policy, simulate_measured
@@ -71,6 +71,7 @@ def main(argv=None) -> int:
                         "run-to-run difference of the measurements, the noise floor of any simulator")
     p.add_argument("--json", default=None, help="the report: measured vs simulated, errors (no steps)")
     args = p.parse_args(argv)
+    load_before = machine_load()  # how busy the machine was: recorded with the result
     suffix = "" if args.dtype == "float32" else "-" + args.dtype
     profile_path = args.profile or f"data/profiles/{args.model}-cpu{suffix}.json"
     profile = Profile.load(profile_path)
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
             measured["traces"][name] = {"config": TRACES[name], "num_requests": len(requests),
                                         "policies": measured_rows}
             if args.measured:  # after every trace: a crash later keeps what was measured
+                measured["environment"] = environment(load_before)
                 write_json(measured, args.measured)
         result["traces"][name] = {"config": TRACES[name], "num_requests": len(requests), "policies": rows}
     for key, what in (("error", "simulated vs measured"), ("error_at_measured_speed", "simulated at measured speed"),

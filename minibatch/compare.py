@@ -24,7 +24,7 @@ from minibatch.metrics import SLO
 from minibatch.models import ModelConfig
 from minibatch.policies import POLICIES, get_policy
 from minibatch.scheduler.config import StaticConfig
-from minibatch.report import environment, print_table, save_figures, write_json
+from minibatch.report import contention, environment, machine_load, print_table, save_figures, write_json
 from minibatch.request import Request, SamplingParams
 from minibatch.workload import ARRIVALS
 
@@ -216,6 +216,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     from minibatch.runner import ModelRunner
     from minibatch.runner.kv_owner import check_kv_fits
 
+    load_before = machine_load()  # other busy processes slow a wall-clock run: recorded before and after
     t0 = time.perf_counter()
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     print(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params in "
@@ -261,13 +262,17 @@ def run_compare(cfg: CompareConfig) -> dict:
     warm_up(runner, draft_runner, cfg.policies)  # after the reference: its attention switch has first-call costs too
     runs = run_policies(cfg, requests, runner, lambda: make_compare_clock(cfg, runner.device),
                         draft_runner=draft_runner, model=model, refs=refs, rule=rule)
-    result = {"command": cfg.command, "environment": environment(),
+    env = environment(load_before)
+    contended = contention(env) if cfg.clock == "wall" else None
+    result = {"command": cfg.command, "environment": env, "contended": contended,
               "config": asdict(cfg) | {"n_slots": kv_slots(cfg, requests), "policies": list(cfg.policies),
                                        "draft_model": draft_name if drafts else None,
                                        "dtype": dtype_name(model.dtype), "dtype_option": cfg.dtype},
               "num_requests": len(requests), "num_output_tokens": sum(r.max_new_tokens for r in requests),
               "policies": {p: r.row() for p, r in runs.items()}}
     print_table(result)
+    if contended:
+        print(f"warning: {contended}")
     if cfg.policies != all_policies():
         print("the full table: python -m minibatch compare --policies all")
     if cfg.figures_dir:

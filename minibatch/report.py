@@ -32,8 +32,9 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def environment() -> dict:
-    """Versions and machine, stored with every result so numbers can be compared honestly."""
+def environment(load_before: dict | None = None) -> dict:
+    """Versions and machine, stored with every result so numbers can be compared honestly; with
+    ``load_before`` (:func:`machine_load` at the start of the run) also ``load_before`` and ``load_after``."""
     import os
     import platform
 
@@ -46,7 +47,57 @@ def environment() -> dict:
         env["load_average_1m"] = round(os.getloadavg()[0], 2)
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+    if load_before is not None:
+        env |= {"load_before": load_before, "load_after": machine_load()}
     return env
+
+
+BUSY_CPU_PERCENT = 50.0  # another process using half a core or more competes with a timed run on a small machine
+
+
+def machine_load(sample_s: float = 0.3) -> dict:
+    """How busy the machine is now: the 1-minute load average, the CPU count, and the other processes
+    (not this one or its children) that used >= BUSY_CPU_PERCENT of a core over ``sample_s`` seconds
+    (pid, name, percent of one core), busiest first."""
+    import os
+    import time
+
+    import psutil
+
+    mine = {os.getpid()} | {c.pid for c in psutil.Process().children(recursive=True)}
+    procs = [p for p in psutil.process_iter(["pid", "name"]) if p.pid not in mine]
+    for p in procs:
+        try:
+            p.cpu_percent(None)  # starts the sample
+        except psutil.Error:
+            pass
+    time.sleep(sample_s)
+    busy = []
+    for p in procs:
+        try:
+            pct = p.cpu_percent(None)
+        except psutil.Error:
+            continue
+        if pct >= BUSY_CPU_PERCENT:
+            busy.append({"pid": p.pid, "name": p.info["name"], "cpu_percent": round(pct)})
+    load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    return {"load_average_1m": load, "cpu_count": os.cpu_count(),
+            "busy_processes": sorted(busy, key=lambda b: -b["cpu_percent"])}
+
+
+def contention(env: dict) -> str | None:
+    """A one-line warning when a run's ``environment`` (with load_before/after) shows a contended machine:
+    another busy process before or after it, or a 1-minute load average above the CPU count + 1 after it (more
+    runnable threads than cores, beyond the run's own). None if quiet."""
+    samples = [env[k] for k in ("load_before", "load_after") if k in env]
+    busy = {f"{b['name']} ({b['cpu_percent']}%)" for s in samples for b in s["busy_processes"]}
+    after = env.get("load_after", {})
+    over = after.get("load_average_1m") is not None and after["load_average_1m"] > (after.get("cpu_count") or 1) + 1
+    if not busy and not over:
+        return None
+    why = ([f"other busy processes: {', '.join(sorted(busy))}"] if busy else []) + (
+        [f"load average {after['load_average_1m']} on {after['cpu_count']} CPUs"] if over else [])
+    return f"the machine was contended during this wall-clock run ({'; '.join(why)}): its timings may be inflated"
 
 
 # columns of compare's table after the registered metric columns (minibatch.metrics.COLUMNS with a header)

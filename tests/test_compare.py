@@ -38,7 +38,7 @@ def test_sim_clock_run_is_deterministic(tmp_path):
         main(args + ["--json", str(tmp_path / f"{i}.json")])
         results.append(json.loads((tmp_path / f"{i}.json").read_text()))
     for r in results:
-        r.pop("command")
+        r.pop("command"), r.pop("environment")  # the machine's load, sampled at the run's start and end
         r["config"].pop("command"), r["config"].pop("json_path")
         for entry in r["policies"].values():
             entry.pop("run_time_s")
@@ -148,3 +148,49 @@ def test_ci_runs_the_readme_test_command():
     quick = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
     assert len(quick) == 2 and "python -m minibatch compare" in quick[0] and "pytest --nbval" in quick[1]
     assert "grep -m1 -- '-m pytest' README.md" in (root / ".ci" / "run").read_text()
+
+
+def test_a_busy_machine_is_recorded_and_named():
+    """machine_load names another process that keeps a core busy; contention() turns the samples into
+    the warning compare prints after a wall-clock run (and None on a quiet machine)."""
+    import subprocess
+    import sys
+
+    from minibatch.report import contention, machine_load
+
+    import os
+    import signal
+
+    import time
+
+    # another process (its parent exits at once, so it is no child of ours) that keeps a core busy
+    launcher = ("import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', 'while True: pass'], "
+                "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
+    other = int(subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True).stdout)
+    try:
+        time.sleep(0.3)
+        assert other in {b["pid"] for b in machine_load(sample_s=1.0)["busy_processes"]}
+    finally:
+        os.kill(other, signal.SIGKILL)
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # the run's own: not counted
+    try:
+        time.sleep(0.3)
+        assert child.pid not in {b["pid"] for b in machine_load(sample_s=0.5)["busy_processes"]}
+    finally:
+        child.kill()
+        child.wait()
+    other = {"load_average_1m": 1.0, "cpu_count": 2, "busy_processes": [{"pid": 1, "name": "hog", "cpu_percent": 97}]}
+    quiet = {"load_average_1m": 1.0, "cpu_count": 2, "busy_processes": []}
+    assert contention({"load_before": quiet, "load_after": quiet}) is None
+    assert "other busy processes: hog (97%)" in contention({"load_before": other, "load_after": quiet})
+    assert "load average 3.5 on 2 CPUs" in contention({"load_before": quiet, "load_after": quiet | {
+        "load_average_1m": 3.5}})
+
+
+def test_compare_records_the_load_before_and_after(tmp_path):
+    main(["compare", "--model", "tiny-random-llama", "--num-requests", "3", "--max-output-len", "4", "--no-progress",
+          "--policies", "orca", "--clock", "sim", "--figures-dir", "", "--json", str(tmp_path / "r.json")])
+    result = json.loads((tmp_path / "r.json").read_text())
+    for key in ("load_before", "load_after"):
+        assert set(result["environment"][key]) == {"load_average_1m", "cpu_count", "busy_processes"}
+    assert result["contended"] is None  # judged for wall-clock runs only

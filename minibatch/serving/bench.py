@@ -270,13 +270,14 @@ def run_bench_serve(args: argparse.Namespace, command: str | None = None) -> dic
         ValueError: a bad option, an unreachable server, a tokenizer that does not load (names the option).
     """
     from minibatch.files import check_output_file, write_json
-    from minibatch.report import environment
+    from minibatch.report import environment, machine_load
 
     slo = check_args(args)
     if args.json:
         check_output_file(args.json, "--json")
     model = args.model or first_model_id(args.base_url, min(args.timeout_s, 30.0))
     tokenizer_name = args.tokenizer or default_tokenizer_name(model)
+    load_before = machine_load()  # how busy the client's machine was: recorded before and after
     tokenizer = load_tokenizer(tokenizer_name)
     requests = sample_requests(args.num_prompts, args.seed, tokenizer, args.max_prompt_len, args.max_output_len,
                                args.output_len)
@@ -286,8 +287,9 @@ def run_bench_serve(args: argparse.Namespace, command: str | None = None) -> dic
     config = {k: v for k, v in vars(args).items() if not callable(v)}
     config.update(model=model, tokenizer=tokenizer_name,
                   slo=asdict(slo) if slo else None, rate=args.rate if math.isfinite(args.rate) else "inf")
-    result = {"command": command or " ".join(["python -m minibatch"] + sys.argv[1:]), "environment": environment(),
-              "base_url": api_base(args.base_url), "model": model, "config": config, **out}
+    result = {"command": command or " ".join(["python -m minibatch"] + sys.argv[1:]),
+              "environment": environment(load_before), "base_url": api_base(args.base_url), "model": model,
+              "config": config, **out}
     print(format_summary(out["summary"]))
     if args.json:
         write_json(args.json, result)

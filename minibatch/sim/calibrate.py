@@ -195,16 +195,20 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
     """
     from minibatch.experiment import load_runner, warm_up
     from minibatch.precision import dtype_name
-    from minibatch.report import environment
+    from minibatch.report import contention, environment, machine_load
 
     if not 0 < scale <= 1:
         raise ValueError(f"scale must be in (0, 1], got {scale}")
+    load_before = machine_load()  # a busy machine inflates every measured step: recorded, and warned about
     t0 = time.perf_counter()
     model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
                                               attention_backend=attention_backend)
     warm_up(runner)
     samples = measure(runner, scenarios(model.config.vocab_size, scale), progress)
-    meta = {"command": command, "environment": environment(), "device": str(device), "scale": scale,
+    env = environment(load_before)
+    if contention(env):
+        print(f"warning: {contention(env)}")
+    meta = {"command": command, "environment": env, "device": str(device), "scale": scale,
             "dtype": dtype_name(model.dtype), "attention_backend": runner.attention_backend.name,
             "vocab_size": model.config.vocab_size}  # simulate draws its made-up prompt ids below it
     profile = fit_profile(model_name, samples, meta)
