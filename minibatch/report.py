@@ -40,7 +40,10 @@ def environment(load_before: dict | None = None) -> dict:
 
     import transformers
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+    from minibatch import __version__
+
+    env = {"minibatch": __version__, "python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__,
            "machine": platform.machine(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
            "torch_threads": torch.get_num_threads()}
     if hasattr(os, "getloadavg"):  # other processes on the machine slow every step: record how busy it was
@@ -163,3 +166,21 @@ def save_figures(runs: dict, figures_dir: str) -> list[str]:
     paths.append(save(ax_tput.figure, "compare_throughput_latency", figures_dir))
     plt.close(ax_tput.figure)
     return [str(p) for p in paths]
+
+
+MACHINE_KEYS = ("cpu_model", "cpu_count", "machine", "gpu", "torch", "minibatch")  # what a step's speed depends on
+
+
+def machine_differences(recorded: dict, current: dict) -> list[str]:
+    """How the machine and engine a profile was measured on (its ``environment``) differ from ``current``
+    (``environment()``): one "key: recorded -> current" per MACHINE_KEYS entry that differs, and one line per
+    entry the profile did not record (older profiles lack cpu_model and minibatch)."""
+    out = []
+    for key in MACHINE_KEYS:
+        if key not in current and key not in recorded:
+            continue
+        if key not in recorded:
+            out.append(f"{key} not recorded")
+        elif recorded[key] != current.get(key):
+            out.append(f"{key}: {recorded[key]} -> {current.get(key)}")
+    return out

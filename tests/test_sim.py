@@ -2,6 +2,7 @@
 line, Chrome trace export and the step-through widget."""
 
 import json
+from pathlib import Path
 from dataclasses import asdict
 
 import matplotlib
@@ -158,6 +159,23 @@ def test_calibrate_writes_a_profile_that_fits_its_samples(tiny_profile):
         total = np.sum([s["time_s"] for s in rows])
         assert abs(pred.sum() - total) / total < 0.25  # a tiny model's steps are noisy (~1 ms)
         assert p.meta["fit_error"][layout]["median"] < 0.5
+
+
+def test_simulate_says_when_the_profile_is_another_machines(tiny_profile, tmp_path, capsys):
+    """A profile calibrated here records this machine (no note); the same profile with another CPU count
+    and an older engine gets a note naming both and pointing to calibrate, and the JSON lists them."""
+    from minibatch.report import environment, machine_differences
+
+    data = json.loads(Path(tiny_profile).read_text())
+    assert machine_differences(data["environment"], environment()) == []
+    data["environment"] |= {"cpu_count": 96, "minibatch": "0.0.1"}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    main(["simulate", "--profile", str(other), "--num-requests", "20", "--policies", "paged", "--no-progress",
+          "--json", str(tmp_path / "s.json")])
+    note = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("note:"))
+    assert "cpu_count: 96 -> " in note and "minibatch: 0.0.1 -> " in note and "calibrate" in note
+    assert len(json.loads((tmp_path / "s.json").read_text())["profile_machine_differences"]) == 2
 
 
 def test_simulate_cli_runs_thousands_of_requests(tiny_profile, tmp_path, capsys):

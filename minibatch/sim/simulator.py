@@ -61,7 +61,7 @@ def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
 
     from minibatch.compare import build_trace, kv_slots
     from minibatch.policies import POLICIES
-    from minibatch.report import environment, print_table, write_json
+    from minibatch.report import environment, machine_differences, print_table, write_json
 
     outside = [p for p in cfg.policies if p not in POLICIES]
     if outside:
@@ -70,10 +70,16 @@ def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
     profile = Profile.load(profile_path)
     requests = build_trace(cfg, None, profile.vocab_size)
     print(f"profile {profile_path}: {profile.model} in {profile.dtype}, calibrated by {profile.meta.get('command')!r}")
+    env = environment()
+    differs = machine_differences(profile.meta.get("environment", {}), env)
+    if differs:  # simulated times are the calibration machine's, with the engine of then
+        print(f"note: the profile was measured on another machine or engine ({'; '.join(differs)}): simulated "
+              "times are that machine's; python -m minibatch calibrate fits this one")
     print(f"trace: {len(requests)} requests, {sum(r.num_prompt_tokens for r in requests)} prompt + "
           f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over {requests[-1].arrival_time_s:.1f} s")
     runs = simulate_policies(cfg, profile, requests, acceptance_rate)
-    result = {"command": cfg.command, "environment": environment(), "profile": str(profile_path),
+    result = {"command": cfg.command, "environment": env, "profile": str(profile_path),
+              "profile_machine_differences": differs,
               "model": profile.model, "num_requests": len(requests), "acceptance_rate": acceptance_rate,
               "config": asdict(cfg) | {"n_slots": kv_slots(cfg, requests), "policies": list(cfg.policies),
                                        "dtype": profile.dtype},
