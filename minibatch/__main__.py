@@ -15,7 +15,7 @@ import dataclasses
 import sys
 
 from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareConfig, run_compare
-from minibatch.config import choices_of, opt
+from minibatch.config import choices_of, opt, setting_fields
 from minibatch.experiment import all_policies, policy_spec
 from minibatch.policies import POLICIES, load_policy_module
 from minibatch.models import ModelConfig
@@ -93,8 +93,7 @@ def add_settings_options(p: argparse.ArgumentParser, specs: list, defaults: dict
 
 def settings_from_args(args, specs: list) -> dict:
     """The policy settings given on the command line (those not given are absent)."""
-    names = dict.fromkeys(f.name for spec in specs for f in dataclasses.fields(spec.config_cls)
-                          if f.metadata.get("cli"))
+    names = dict.fromkeys(name for spec in specs for name in setting_fields(spec.config_cls))
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 

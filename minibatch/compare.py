@@ -126,7 +126,7 @@ class CompareConfig(ModelConfig):
     def policy_config(self, policy: str, requests: list[Request]):
         """The settings of one policy's run (its ``config_cls``): compare's defaults (COMPARE_SETTINGS,
         KV memory from :func:`kv_slots`), then ``settings``. Every policy that has a setting gets the
-        same value (a token budget, too: without chunked prefill it must hold each whole prompt)."""
+        same value; one it lacks is not its own (the token budget is only the chunked policies')."""
         return policy_spec(policy).make_config(COMPARE_SETTINGS | {"n_slots": kv_slots(self, requests)}
                                                | self.settings)
 

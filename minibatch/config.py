@@ -82,8 +82,13 @@ def check_fields(obj, name_of: Callable[[str], str] = str) -> None:
             object.__setattr__(obj, f.name, check_field(f.metadata, getattr(obj, f.name), name_of(f.name)))
 
 
+def setting_fields(config_cls) -> dict:
+    """The user-facing fields of a config class (those with a command line): name -> the field's metadata."""
+    return {f.name: f.metadata for f in dataclasses.fields(config_cls) if f.metadata.get("cli")}
+
+
 def settings_of(config_cls, settings: dict) -> dict:
     """The entries of ``settings`` that are user-facing fields of ``config_cls``. None means "not set"
     (the field's default), except for a field that allows None, where it is that value (aging_s=None: no aging)."""
-    fields = {f.name: f.metadata for f in dataclasses.fields(config_cls) if f.metadata.get("cli")}
+    fields = setting_fields(config_cls)
     return {k: v for k, v in settings.items() if k in fields and (v is not None or fields[k]["optional"])}

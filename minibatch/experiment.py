@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from minibatch.engine import Engine, StepRecord
 from minibatch.metrics import SLO, BenchmarkSummary, summarize
 from minibatch.checks import FieldTypeError
-from minibatch.config import check_field, opt, settings_of
+from minibatch.config import check_field, opt, setting_fields, settings_of
 from minibatch.policies import POLICIES, check_settings, get_policy, make_engine, shared_settings
 from minibatch.request import Request
 from minibatch.scheduler.config import SchedulerConfig, StaticConfig
@@ -48,7 +48,7 @@ class Baseline:
 
     @property
     def options(self) -> frozenset[str]:
-        return frozenset(f.name for f in fields(self.config_cls) if f.metadata.get("cli"))
+        return frozenset(setting_fields(self.config_cls))
 
     def make_config(self, settings: dict):
         return self.config_cls(**settings_of(self.config_cls, settings))
@@ -84,7 +84,7 @@ def check_policy_settings(settings: dict, policies: tuple[str, ...]) -> dict:
     checked = {}
     for name, value in settings.items():
         users = [p for p in policies if name in policy_spec(p).options]
-        metas = {p: next(f.metadata for f in fields(policy_spec(p).config_cls) if f.name == name) for p in users}
+        metas = {p: setting_fields(policy_spec(p).config_cls)[name] for p in users}
         if value is None:
             if any(m["optional"] for m in metas.values()):
                 checked[name] = None

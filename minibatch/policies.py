@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from minibatch.checks import MAX_SPEC_TOKENS, FieldTypeError, check_choice, check_int
-from minibatch.config import settings_of
+from minibatch.config import setting_fields, settings_of
 from minibatch.engine import Engine
 from minibatch.scheduler import (ChunkedPrefillScheduler, OrcaScheduler, PagedScheduler, PrefillFirstScheduler,
                                  Scheduler, StaticScheduler)
@@ -61,7 +61,7 @@ class PolicySpec:
     @property
     def options(self) -> frozenset[str]:
         """The settings a user may give this policy (its config's fields, less those the row sets)."""
-        return frozenset(f.name for f in dataclasses.fields(self.config_cls) if f.metadata.get("cli"))
+        return frozenset(setting_fields(self.config_cls))
 
     def make_config(self, settings: dict | None = None):
         """The policy's config from ``settings`` (setting name -> value; names the config lacks are
@@ -252,7 +252,7 @@ def shared_settings(spec, config) -> dict:
     if not (dataclasses.is_dataclass(config) and issubclass(spec.config_cls, type(config))):
         raise FieldTypeError(f"config must be a dict of settings or the policy's config ({spec.config_cls.__name__} "
                              f"for {spec.name!r}), got {type(config).__name__}")
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.metadata.get("cli")}
+    return {name: getattr(config, name) for name in setting_fields(type(config))}
 
 
 def _speculator_max_k(spec: PolicySpec, speculator, options: dict) -> int:
