@@ -140,10 +140,10 @@ def support_requests(model, seed: int = SEED) -> list:
     return requests
 
 
-def check_architecture(model_type: str, policies=POLICIES) -> SupportResult:
-    """Build the tiny ``model_type``, load it into a ModelRunner and, unless refused, run
-    ``support_requests`` under each policy (simulated clock) against HF ``generate`` (greedy,
-    each request alone)."""
+def check_architecture(model_type: str, policies=POLICIES, attention_backend: str = "torch") -> SupportResult:
+    """Build the tiny ``model_type``, load it into a ModelRunner with ``attention_backend`` and, unless refused,
+    run ``support_requests`` under each policy (simulated clock) against HF ``generate`` (greedy, each request
+    alone)."""
     from minibatch.reference import reference_outputs
     from minibatch.policies import make_engine
     from minibatch.runner.model_runner import ModelRunner
@@ -152,7 +152,7 @@ def check_architecture(model_type: str, policies=POLICIES) -> SupportResult:
     model = build_tiny_model(model_type)
     result = SupportResult(model_type, type(model).__name__)
     try:
-        runner = ModelRunner(model)
+        runner = ModelRunner(model, attention_backend=attention_backend)
     except NotImplementedError as e:
         result.refused = str(e)
         return result

@@ -60,6 +60,18 @@ def test_exact_or_refused(model_type):
         assert result.num_draft_tokens > 0  # spec_ngram really verified drafts
 
 
+# full attention, sliding windows (mistral, qwen2), mixed layer kinds (gemma3_text), GQA (qwen3), learned positions
+FAST_BACKEND_MODELS = ("llama", "mistral", "qwen2", "gemma3_text", "qwen3", "gpt2")
+
+
+@pytest.mark.parametrize("model_type", FAST_BACKEND_MODELS)
+def test_the_sdpa_backend_is_exact(model_type):
+    """The fast backend (whole-block K/V reads, fused SDPA in the model's dtype) gives HF generate's tokens under
+    the packed policies: decodes, prefills with nothing cached, chunks extending a cached context, verification."""
+    result = check_architecture(model_type, ("paged", "chunked", "spec_ngram"), attention_backend="sdpa")
+    assert result.refused is None and result.exact == {"paged": True, "chunked": True, "spec_ngram": True}
+
+
 # ----------------------------------------------------------------------------- negative control
 
 class BypassingAttention(LlamaAttention):

@@ -32,6 +32,17 @@ def test_smollm2_greedy_matches_hf_generate(smollm2, policy):
     assert [r.output_token_ids for r in reqs] == refs
 
 
+@pytest.mark.parametrize("policy", ["paged", "chunked"])
+def test_smollm2_sdpa_backend_matches_hf_generate(smollm2, policy):
+    """The fast attention backend on the real model, fp32: token-exact with HF generate."""
+    runner, prompts, refs = smollm2
+    fast = ModelRunner(runner.model, runner.tokenizer, attention_backend="sdpa")
+    reqs = [Request(f"r{i}", p, 10, SamplingParams(ignore_eos=True), arrival_time_s=0.03 * i)
+            for i, p in enumerate(prompts)]
+    make_engine(policy, fast, SimClock(), max_num_seqs=3, n_slots=512).generate(reqs)
+    assert [r.output_token_ids for r in reqs] == refs
+
+
 def test_smollm2_bf16_is_logprob_close_and_a_broken_engine_is_caught():
     """The bf16 rule on the real model: every policy that batches differently passes it; an engine that
     loses each request's first KV block at every decode step fails it."""
@@ -45,9 +56,9 @@ def test_smollm2_bf16_is_logprob_close_and_a_broken_engine_is_caught():
                     arrival_time_s=0.02 * i) for i, text in enumerate(demo_prompts()[:4])]
     refs = reference_outputs(model, reqs, logprobs=5)
     shared = dict(max_num_seqs=4, n_slots=512, block_size=16)
-    for policy in ("paged", "chunked"):
-        good = run(policy, reqs, ModelRunner(model, tok), SimClock(), config=shared)
+    for policy, backend in (("paged", "torch"), ("chunked", "torch"), ("paged", "sdpa"), ("chunked", "sdpa")):
+        good = run(policy, reqs, ModelRunner(model, tok, attention_backend=backend), SimClock(), config=shared)
         report = check_outputs(good.requests, refs, "logprob-close")
-        assert report["passed"] is True, (policy, report)
+        assert report["passed"] is True, (policy, backend, report)
     bad = run("paged", reqs, DropsFirstBlock(model, tok), SimClock(), config=shared)
     assert check_outputs(bad.requests, refs, "logprob-close")["passed"] is False

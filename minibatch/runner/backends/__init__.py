@@ -11,7 +11,7 @@ Adding one is one file: subclass :class:`AttentionBackend`, call :func:`register
 """
 
 from minibatch.runner.backends.base import BACKENDS, AttentionBackend, backend_names, get_backend, register_backend
-from minibatch.runner.backends import torch_ref, triton_paged  # register the built-ins
+from minibatch.runner.backends import torch_ref, triton_paged, sdpa  # register the built-ins (reference first)
 
-__all__ = ["BACKENDS", "AttentionBackend", "backend_names", "get_backend", "register_backend", "torch_ref",
+__all__ = ["BACKENDS", "AttentionBackend", "backend_names", "get_backend", "register_backend", "sdpa", "torch_ref",
            "triton_paged"]
