@@ -17,6 +17,7 @@ import sys
 from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareConfig, run_compare
 from minibatch.config import choices_of, opt, setting_fields
 from minibatch.experiment import all_policies, policy_spec
+from minibatch.experiments.step_profile import add_profile_arguments, profile_command
 from minibatch.policies import POLICIES, load_policy_module
 from minibatch.models import ModelConfig
 from minibatch.precision import dtype_name, resolve_dtype
@@ -160,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_options(v, list(POLICIES.values()))
     b = sub.add_parser("bench-serve", help="measure TTFT, ITL, TPOT and goodput of any OpenAI-compatible server")
     add_bench_serve_arguments(b)
+    pr = sub.add_parser("profile", help="where a step's time goes: components of decode and prefill steps, roofline")
+    add_config_options(pr, "model", ModelConfig)
+    add_profile_arguments(pr)
     g = sub.add_parser("gpu-check", help="everything that must work on a GPU, in one command: kernels compiled, "
                        "cuda tests, equality with HF generate, the main job, a benchmark (CPU twins without a GPU)")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda where there is one)")
@@ -210,6 +214,10 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         return run_serve(args, settings_from_args(args, list(POLICIES.values())))
     if args.command == "bench-serve":
         run_bench_serve(args, command)
+        return 0
+    if args.command == "profile":
+        model_config(args)
+        profile_command(args, command)
         return 0
     if args.command == "gpu-check":
         from minibatch.gpu_check import run_gpu_check

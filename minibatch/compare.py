@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from minibatch.baselines.vllm_peer import PeerUnavailable
 from minibatch.checks import MAX_SECONDS, MAX_TOKENS
 from minibatch.config import opt, option
 from minibatch.experiment import (Run, all_policies, check_policy_settings, default_draft, load_draft_runner,
@@ -188,8 +189,12 @@ def run_policies(cfg: CompareConfig, requests: list[Request], executor, clock_fa
     runs = {}
     for policy in cfg.policies if policies is None else policies:
         config = cfg.policy_config(policy, requests)
-        r = run(policy, requests, executor, clock_factory(), config=config, draft_runner=draft_runner, model=model,
-                progress=cfg.progress, slo=slo)
+        try:
+            r = run(policy, requests, executor, clock_factory(), config=config, draft_runner=draft_runner,
+                    model=model, progress=cfg.progress, slo=slo)
+        except PeerUnavailable as e:  # a peer engine that is not installed: its row is skipped, saying why
+            print(f"{policy}: skipped: {e}")
+            continue
         r.extra["settings"] = asdict(config)
         if refs is not None and cfg.check_reference:
             from minibatch.equivalence import check_outputs

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from minibatch.baselines.vllm_peer import VllmConfig
 from minibatch.engine import Engine, StepRecord
 from minibatch.metrics import SLO, BenchmarkSummary, summarize
 from minibatch.checks import FieldTypeError
@@ -38,9 +39,16 @@ def _hf_generate_batch(model, requests: list[Request], config: SchedulerConfig, 
     return run_hf_generate_batch(model, requests, progress=progress)
 
 
+def _vllm(model, requests: list[Request], config, progress: bool):
+    from minibatch.baselines.vllm_peer import run_vllm
+
+    return run_vllm(model, requests, config, progress)
+
+
 @dataclass(frozen=True)
 class Baseline:
-    """A Hugging Face peer: ``run(model, requests, config, progress)`` with its settings' ``config_cls``."""
+    """A peer engine: ``run(model, requests, config, progress)`` with its settings' ``config_cls``; it returns the
+    requests, or (requests, extra columns for the run's row)."""
 
     name: str
     run: Callable
@@ -54,10 +62,12 @@ class Baseline:
         return self.config_cls(**settings_of(self.config_cls, settings))
 
 
-# The Hugging Face peers: HF generate on padded static batches (the outside baseline, static batching's
-# settings) and transformers' own continuous batching (generate_batch, no settings). They need the model itself.
+# The peers: HF generate on padded static batches (the outside baseline, static batching's settings),
+# transformers' own continuous batching (generate_batch, no settings) and vLLM (in a child process, with the same
+# max_num_seqs, KV bytes and token budget). They need the model itself.
 BASELINES = {b.name: b for b in (Baseline("hf_generate", _hf_generate, StaticConfig),
-                                 Baseline("hf_generate_batch", _hf_generate_batch, SchedulerConfig))}
+                                 Baseline("hf_generate_batch", _hf_generate_batch, SchedulerConfig),
+                                 Baseline("vllm", _vllm, VllmConfig))}
 
 
 def all_policies() -> tuple[str, ...]:
@@ -164,8 +174,9 @@ def run(policy: str, requests: list[Request], executor, clock=None, *, config=No
         baseline = BASELINES[policy]
         check_settings(baseline, options)
         cfg = baseline.make_config(shared_settings(baseline, config) | options)
-        baseline.run(model if model is not None else executor.model, reqs, cfg, progress)
-        return Run(policy, reqs, None, time.perf_counter() - t0, slo)
+        out = baseline.run(model if model is not None else executor.model, reqs, cfg, progress)
+        extra = out[1] if isinstance(out, tuple) else {}
+        return Run(policy, reqs, None, time.perf_counter() - t0, slo, extra=extra)
     engine = make_engine(policy, executor, clock, config=config, draft_runner=draft_runner, speculator=speculator,
                          **options)
     engine.generate(reqs, progress=progress)
@@ -189,8 +200,9 @@ def warm_up(runner, draft_runner=None, policies=None) -> None:
     for policy in BUILTIN_POLICIES if policies is None else [p for p in policies if p in POLICIES]:
         if get_policy(policy).proposer == "draft" and draft_runner is None:
             continue
-        r = Request("warmup", [1, 2, 3, 4], 3, SamplingParams(ignore_eos=True))
-        run(policy, [r], runner, SimClock(), config={"n_slots": 64}, draft_runner=draft_runner)
+        # two requests of two KV blocks: decode batches and tables of more than one (a compiled kernel's shapes)
+        reqs = [Request(f"warmup{i}", list(range(1 + i, 21 + i)), 3, SamplingParams(ignore_eos=True)) for i in range(2)]
+        run(policy, reqs, runner, SimClock(), config={"n_slots": 128}, draft_runner=draft_runner)
 
 
 def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threads: int | None = None,

@@ -64,11 +64,13 @@ def test_exact_or_refused(model_type):
 FAST_BACKEND_MODELS = ("llama", "mistral", "qwen2", "gemma3_text", "qwen3", "gpt2")
 
 
-@pytest.mark.parametrize("model_type", FAST_BACKEND_MODELS)
-def test_the_sdpa_backend_is_exact(model_type):
-    """The fast backend (whole-block K/V reads, fused SDPA in the model's dtype) gives HF generate's tokens under
-    the packed policies: decodes, prefills with nothing cached, chunks extending a cached context, verification."""
-    result = check_architecture(model_type, ("paged", "chunked", "spec_ngram"), attention_backend="sdpa")
+@pytest.mark.parametrize("model_type,backend", [(m, "sdpa") for m in FAST_BACKEND_MODELS]
+                         + [("llama", "compiled"), ("mistral", "compiled")])
+def test_the_fast_backends_are_exact(model_type, backend):
+    """The fast backends (sdpa: whole-block K/V reads, fused SDPA in the model's dtype; compiled: its decode
+    compiled to read K/V through the block table) give HF generate's tokens under the packed policies: decodes,
+    prefills with nothing cached, chunks extending a cached context, verification; sliding windows included."""
+    result = check_architecture(model_type, ("paged", "chunked", "spec_ngram"), attention_backend=backend)
     assert result.refused is None and result.exact == {"paged": True, "chunked": True, "spec_ngram": True}
 
 

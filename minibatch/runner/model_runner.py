@@ -24,6 +24,7 @@ from minibatch.runner.backends import get_backend
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
 from minibatch.runner.sampler import Sampler, step_logprobs
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
+from minibatch.runner.prepack import prepack_linears
 from minibatch.runner.support import check_packed_support, config_int, config_max_model_len
 from minibatch.scheduler.output import SchedulerOutput, StepResult
 
@@ -41,6 +42,9 @@ class ModelRunner(KVOwnership):
             a draft model's cheaper LM head (FR-Spec, Zhao et al. 2025: a small draft over a
             49k vocabulary spends most of its time in the LM head; the most frequent tokens
             carry almost all of its proposals). None (default): the whole vocabulary.
+        prepack_weights: on a CPU in bfloat16, lay every linear weight out once for oneDNN instead of at each
+            call (``runner.prepack``: the same kernel on the same numbers, bit-identical outputs, ~25% less
+            matmul time in decode steps). Changes the model's Linear modules in place.
 
     Raises:
         ValueError: an unknown attention_backend, or one that does not support the model's device or dtype.
@@ -58,8 +62,11 @@ class ModelRunner(KVOwnership):
             has, else ``NO_POSITION_LIMIT``.
     """
 
-    def __init__(self, model, tokenizer=None, attention_backend: str = "torch", vocab_subset=None):
+    def __init__(self, model, tokenizer=None, attention_backend: str = "torch", vocab_subset=None,
+                 prepack_weights: bool = True):
         self.model = model.eval()
+        if prepack_weights:
+            prepack_linears(model)
         self.tokenizer = tokenizer
         cfg = model.config.get_text_config()
         self.device = next(model.parameters()).device

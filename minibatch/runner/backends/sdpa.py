@@ -40,6 +40,7 @@ class SdpaAttentionData:
     decode_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefill_masks: dict | None = None
+    decode_lens: torch.Tensor | None = None  # (num_decodes,) int64 seq_lens, for backends that mask themselves
 
 
 class SdpaBackend(AttentionBackend):
@@ -73,7 +74,7 @@ class SdpaBackend(AttentionBackend):
         else:
             store_kv_ref(m.kv_cache, layer, k, v, m.slot_mapping)
         if not m.prefill_indices:  # an all-decode step: no copy of q
-            return decode_attention(q, k_cache, v_cache, data, scale, window)
+            return self.decode(q, k_cache, v_cache, data, scale, window)
         out = torch.empty_like(q)
         for i in m.prefill_indices:
             start, end, seq_len = m.cu_seqlens_q[i], m.cu_seqlens_q[i + 1], m.seq_lens[i]
@@ -88,8 +89,12 @@ class SdpaBackend(AttentionBackend):
                 ctx_v = v_cache[blocks].flatten(0, 1)[:seq_len]
                 out[start:end] = causal_attention(q[start:end], ctx_k, ctx_v, scale, mask)
         if m.decode_indices:
-            out[data.decode_rows] = decode_attention(q[data.decode_rows], k_cache, v_cache, data, scale, window)
+            out[data.decode_rows] = self.decode(q[data.decode_rows], k_cache, v_cache, data, scale, window)
         return out
+
+    def decode(self, q, k_cache, v_cache, data: SdpaAttentionData, scale: float, window: int | None) -> torch.Tensor:
+        """The one-token queries' attention (``decode_attention``; a subclass may run its own kernel)."""
+        return decode_attention(q, k_cache, v_cache, data, scale, window)
 
 
 def causal_mask(q_len: int, seq_len: int, device) -> torch.Tensor:

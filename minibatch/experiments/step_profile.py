@@ -1,0 +1,300 @@
+"""Where a step's time goes: ``python -m minibatch profile``.
+
+Real engine steps (the paged policy on a ModelRunner), one shape at a time: decode steps of B requests whose
+contexts hold ``context_len`` tokens, and prefill steps of one prompt of N tokens. Each shape is timed without the
+profiler (the median of ``repeats`` steps: ``step_s``), then profiled with torch's profiler, every event's self
+time credited to the component it ran in:
+
+* projections ``qkv_proj`` / ``o_proj``, ``mlp``, ``norms``, ``embedding``, ``logits`` (the LM head): module
+  forward hooks around the model's own modules, found by name;
+* ``attention`` (the backend's attend) and ``kv_write`` (its K/V stores: index_copy_ / index_put_ ops inside
+  it); ``rotary_and_reshapes``: the rest of the attention module (RoPE, views, transposes);
+* ``prepare_inputs`` (the packed batch's tensors and metadata), ``sampling``, ``schedule`` (the scheduler);
+* ``python_overhead``: time in no torch op at all (the interpreter between ops, hooks, the engine's bookkeeping).
+
+Each shape is placed on this machine's roofline (``minibatch.roofline``: peak matmul FLOP/s and memory bandwidth,
+measured now): FLOPs = 2 x non-embedding parameters x tokens + the LM head's rows + attention's 4 x context x
+hidden per token and layer; bytes = every weight once + the K/V read and written. ``bound_s`` = max(FLOPs / peak,
+bytes / bandwidth) and ``step_s / bound_s`` says how far the step is from it. The profiler slows the
+Python-heavy parts most: component times are its view (their shares are what to read), ``step_s`` is not.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+COMPONENTS = ("embedding", "norms", "qkv_proj", "rotary_and_reshapes", "kv_write", "attention", "o_proj", "mlp",
+              "logits", "sampling", "prepare_inputs", "schedule", "python_overhead", "other_ops")
+MODULE_COMPONENTS = (("embed_tokens", "embedding"), ("wte", "embedding"), ("q_proj", "qkv_proj"),
+                     ("k_proj", "qkv_proj"), ("v_proj", "qkv_proj"), ("qkv_proj", "qkv_proj"),
+                     ("o_proj", "o_proj"), ("dense", "o_proj"), ("mlp", "mlp"), ("norm", "norms"),
+                     ("self_attn", "rotary_and_reshapes"), ("lm_head", "logits"))
+KV_WRITE_OPS = ("aten::index_copy_", "aten::index_put_", "aten::_index_put_impl_")
+LABEL = "mb::"
+
+
+def component_of_module(name: str) -> str | None:
+    """The component a module's name puts it in (its last dotted part), or None."""
+    leaf = name.rsplit(".", 1)[-1]
+    for key, component in MODULE_COMPONENTS:
+        if leaf == key or (key == "norm" and "norm" in leaf):
+            return component
+    return None
+
+
+@contextmanager
+def labelled(model, engine):
+    """Label every component of a step with a ``record_function`` range for the profiler (hooks and wrappers,
+    all removed on exit)."""
+    import minibatch.runner.model_runner as model_runner
+
+    ranges: list = []
+
+    def push(label):
+        def hook(*_):
+            ranges.append(torch.profiler.record_function(LABEL + label))
+            ranges[-1].__enter__()
+        return hook
+
+    def pop(*_):
+        ranges.pop().__exit__(None, None, None)
+
+    def wrap(fn, label):
+        def wrapped(*a, **k):
+            with torch.profiler.record_function(LABEL + label):
+                return fn(*a, **k)
+        return wrapped
+
+    with ExitStack() as stack:
+        for name, module in model.named_modules():
+            component = component_of_module(name)
+            if component is not None:
+                stack.callback(module.register_forward_pre_hook(push(component)).remove)
+                stack.callback(module.register_forward_hook(pop).remove)
+        backend, runner, scheduler = engine.executor.attention_backend, engine.executor, engine.scheduler
+        for obj, attr, label in ((backend, "forward", "attention"), (runner.sampler, "sample_batch", "sampling"),
+                                 (scheduler, "schedule", "schedule"), (model_runner, "build_packed_batch",
+                                                                       "prepare_inputs")):
+            original = getattr(obj, attr)
+            setattr(obj, attr, wrap(original, label))
+            stack.callback(lambda o=obj, a=attr, f=original: setattr(o, a, f) if o is model_runner
+                           else delattr(o, a))
+        yield
+
+
+def breakdown(events, steps: int) -> dict[str, float]:
+    """Seconds per step of each component from a profiler's events (see the module docstring)."""
+    totals = dict.fromkeys(COMPONENTS, 0.0)
+
+    def visit(event, component):
+        if event.name.startswith(LABEL):
+            component = event.name[len(LABEL):]
+            totals["python_overhead"] += event.self_cpu_time_total / 1e6  # Python inside the range, no op
+        else:
+            where = "kv_write" if component == "attention" and event.name in KV_WRITE_OPS else component
+            totals[where or "other_ops"] += event.self_cpu_time_total / 1e6
+        for child in event.cpu_children:
+            visit(child, component)
+
+    for event in events:
+        if event.cpu_parent is None:
+            visit(event, None)
+    return {k: v / steps for k, v in totals.items()}
+
+
+def step_counts(model, num_logits: int, tokens: int, attended: list[int], kv_read_tokens: int,
+                kv_bytes_per_token: int) -> tuple[int, int]:
+    """(FLOPs, bytes) of one step: ``tokens`` computed, ``num_logits`` rows through the LM head, ``attended``:
+    how many keys each new token attends to, ``kv_read_tokens``: K/V token slots read from the cache."""
+    cfg = model.config.get_text_config()
+    params = sum(p.numel() for p in model.parameters())  # a tied LM head is counted once
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    body = params - embed.numel() - (0 if head is embed else head.numel())  # what every token goes through
+    dtype_bytes = embed.element_size()
+    flops = 2 * body * tokens + 2 * head.numel() * num_logits + 4 * cfg.hidden_size * cfg.num_hidden_layers * sum(
+        attended)
+    return flops, params * dtype_bytes + (kv_read_tokens + tokens) * kv_bytes_per_token
+
+
+def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) -> dict:
+    """Time and profile one shape: kind "decode" (``size`` requests with ``context_len`` cached tokens each) or
+    "prefill" (one prompt of ``size`` tokens). Returns the shape's row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minibatch.clock import WallClock
+    from minibatch.policies import make_engine
+    from minibatch.request import Request, SamplingParams
+
+    n_reqs, prompt_len = (size, context_len) if kind == "decode" else (1, size)
+    max_new = 2 * repeats + 4
+    gen = torch.Generator().manual_seed(0)
+    engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=n_reqs, block_size=16,
+                         n_slots=n_reqs * (prompt_len + max_new + 16) + 64)
+    added = []
+
+    def add():
+        added.append(Request(f"p{len(added)}", torch.randint(10, runner.vocab_size, (prompt_len,),
+                                                             generator=gen).tolist(), max_new,
+                             SamplingParams(ignore_eos=True)))
+        engine.add_request(added[-1])
+
+    def timed_step() -> float:
+        if kind == "prefill":  # a new prompt each time: every timed step is its prefill
+            add()
+        t0 = time.perf_counter()
+        engine.step()
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        if kind == "prefill":
+            engine.abort_request(added[-1].request_id)
+        return elapsed
+
+    if kind == "decode":
+        for _ in range(n_reqs):
+            add()
+        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+            engine.step()  # every prompt prefilled: the steps from here on are decodes
+    timed_step()  # warm-up
+    times = [timed_step() for _ in range(repeats)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    with labelled(runner.model, engine), profile(activities=activities) as p:
+        prof_times = [timed_step() for _ in range(repeats)]
+    parts = breakdown(p.events(), repeats)
+    profiled_s = statistics.median(prof_times)
+    parts["python_overhead"] += max(0.0, profiled_s - sum(parts.values()))  # outside every op and range
+    if kind == "decode":
+        tokens, attended, kv_read = n_reqs, [context_len + 1] * n_reqs, n_reqs * context_len
+    else:
+        tokens, attended, kv_read = size, list(range(1, size + 1)), 0
+    flops, nbytes = step_counts(runner.model, n_reqs, tokens, attended, kv_read, runner.kv_bytes_per_token)
+    return {"kind": kind, "batch": n_reqs, "tokens": tokens, "context_len": context_len if kind == "decode" else 0,
+            "step_s": statistics.median(times), "profiled_step_s": profiled_s, "flops": flops, "bytes": nbytes,
+            "components_s": {k: round(v, 6) for k, v in parts.items()},
+            "overhead_share": round((parts["python_overhead"] + parts["schedule"]) / profiled_s, 3)}
+
+
+def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bfloat16", attention_backend="sdpa",
+                decode_batches=(1, 8, 32, 64), prefill_lens=(256, 1024), context_len: int = 256, repeats: int = 5,
+                threads: int | None = None) -> dict:
+    """Profile every shape on ``model_name`` and place it on this machine's roofline; returns the JSON-ready
+    result (``shapes``: one row per shape, ``roofline``: the measured roofs)."""
+    from minibatch.experiment import load_runner
+    from minibatch.precision import dtype_name
+    from minibatch.roofline import measure_cpu
+    from minibatch.report import environment, machine_load
+
+    load_before = machine_load()
+    model, _, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
+                                      attention_backend=attention_backend)
+    if runner.device.type == "cuda":
+        roof = measure_cuda_roofline(runner.dtype)
+    else:
+        roof = measure_cpu(torch.get_num_threads(), runner.dtype)
+    shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
+    rows = []
+    for kind, size in shapes:
+        row = profile_shape(runner, kind, size, context_len, repeats)
+        row["bound_s"] = max(row["flops"] / roof.peak_flop_per_s, row["bytes"] / roof.bytes_per_s)
+        row["bound"] = "compute" if row["flops"] / roof.peak_flop_per_s >= row["bytes"] / roof.bytes_per_s \
+            else "memory"
+        row["step_over_bound"] = round(row["step_s"] / row["bound_s"], 2)
+        rows.append(row)
+        top = sorted(row["components_s"].items(), key=lambda kv: -kv[1])[:3]
+        print(f"{kind} {size:>5}: step {row['step_s'] * 1e3:7.1f} ms, roofline bound {row['bound_s'] * 1e3:6.1f} ms "
+              f"({row['bound']}-bound), {row['step_over_bound']:.1f}x; overhead {row['overhead_share']:.0%}; top: "
+              + ", ".join(f"{k} {v / row['profiled_step_s']:.0%}" for k, v in top))
+    return {"environment": environment(load_before), "model": model_name, "dtype": dtype_name(runner.dtype),
+            "attention_backend": attention_backend, "threads": torch.get_num_threads(), "context_len": context_len,
+            "repeats": repeats, "roofline": {"name": roof.name, "peak_flop_per_s": roof.peak_flop_per_s,
+                                             "bytes_per_s": roof.bytes_per_s, "source": roof.source},
+            "shapes": rows}
+
+
+def measure_cuda_roofline(dtype):
+    """The GPU's roofs, measured like ``roofline.measure_cpu``: a large matmul in ``dtype`` and a large copy."""
+    from minibatch.roofline import Roofline, min_time_s
+
+    def synced(fn):
+        return lambda: (fn(), torch.cuda.synchronize())
+
+    n = 8192
+    a, b = torch.randn(n, n, dtype=dtype, device="cuda"), torch.randn(n, n, dtype=dtype, device="cuda")
+    peak = 2 * n**3 / min_time_s(synced(lambda: a @ b))
+    x = torch.empty(2**30 // 4, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    bandwidth = 2 * 2**30 / min_time_s(synced(lambda: y.copy_(x)))  # a copy reads and writes every byte
+    return Roofline(torch.cuda.get_device_name(), peak, bandwidth,
+                    f"measured: {n}x{n} {str(dtype).removeprefix('torch.')} matmul, copy of 1 GiB, best of 5")
+
+
+def plot_profile(result: dict, path: str) -> str:
+    """Stacked bars of each shape's components (share of the profiled step) with its step time over the roofline
+    bound written on top; saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["shapes"]
+    labels = [f"{r['kind']}\n{r['batch'] if r['kind'] == 'decode' else r['tokens']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    bottom = [0.0] * len(rows)
+    colors = plt.get_cmap("tab20").colors
+    for i, comp in enumerate(COMPONENTS):
+        shares = [r["components_s"][comp] / r["profiled_step_s"] for r in rows]
+        ax.bar(labels, shares, bottom=bottom, label=comp, color=colors[i % len(colors)])
+        bottom = [b + s for b, s in zip(bottom, shares)]
+    for x, (r, top) in enumerate(zip(rows, bottom)):
+        ax.text(x, top + 0.01, f"{r['step_s'] * 1e3:.0f} ms\n{r['step_over_bound']:.1f}x bound", ha="center",
+                fontsize=8)
+    ax.set_ylabel("share of the (profiled) step")
+    ax.set_ylim(0, 1.25)
+    ax.set_title(f"Where a step's time goes: {result['model']}, {result['dtype']}, {result['attention_backend']} "
+                 f"attention, {result['threads']} threads")
+    ax.legend(fontsize=7, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
+    fig.tight_layout()
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_profile_arguments(p) -> None:
+    p.add_argument("--decode-batches", default="1,8,32,64", help="decode steps of this many requests (comma list)")
+    p.add_argument("--prefill-lens", default="256,1024", help="prefill steps of one prompt this long (comma list)")
+    p.add_argument("--context-len", type=int, default=256, help="cached tokens of every decoding request")
+    p.add_argument("--repeats", type=int, default=5, help="steps timed (and as many profiled) per shape")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the result here")
+    p.add_argument("--figure", default=None, help="save the breakdown figure here (PNG)")
+
+
+def profile_command(args, command: str) -> dict:
+    """``python -m minibatch profile``: check the options, profile, print, write JSON and figure."""
+    from minibatch.checks import check_int
+    from minibatch.files import check_output_file
+    from minibatch.report import write_json
+
+    def sizes(text, name):
+        return tuple(check_int(int(x) if x.strip().lstrip("-").isdigit() else x, name, 1, 1 << 16)
+                     for x in text.split(",") if x.strip())
+    batches, prefills = sizes(args.decode_batches, "--decode-batches"), sizes(args.prefill_lens, "--prefill-lens")
+    check_int(args.context_len, "--context-len", 1, 1 << 16)
+    check_int(args.repeats, "--repeats", 1, 1000)
+    for path, name in ((args.json_path, "--json"), (args.figure, "--figure")):
+        if path:
+            check_output_file(path, name)
+    result = {"command": command} | run_profile(args.model, args.device, args.dtype, args.attention_backend, batches,
+                                                prefills, args.context_len, args.repeats, args.threads)
+    if args.figure:
+        result["figure"] = plot_profile(result, args.figure)
+    write_json(result, args.json_path)
+    return result

@@ -1,0 +1,72 @@
+"""The ``compiled`` attention backend: ``sdpa``, with its decode attention written as plain tensor math and
+compiled by ``torch.compile`` (inductor) into one kernel that reads K/V through the block table.
+
+Eager torch has no paged-attention op, so the ``sdpa`` backend first copies every decode's K/V blocks into a padded
+(num_decodes, max_blocks x block_size, ...) tensor and then attends: the copy reads and writes all of it once more.
+Written as gather -> scores -> masked softmax -> weighted sum, inductor fuses the gather into the reductions (the
+loads index the cache through the block table directly), so no padded copy is made: vLLM's PagedAttention decode
+kernel (Kwon et al., SOSP'23, §4.1), generated instead of hand-written. Scores and softmax are fp32.
+
+The first step with two or more decodes compiles it (seconds; a C++ compiler is needed on a CPU, Triton on CUDA);
+shapes are dynamic, so later steps reuse the kernel (``experiment.warm_up`` runs such a step before timed runs).
+Prefills run as in ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minibatch.runner.attention import AttentionMetadata
+from minibatch.runner.backends.base import register_backend
+from minibatch.runner.backends.sdpa import SdpaAttentionData, SdpaBackend
+
+_compiled = None
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """Decode attention over the paged cache. q: (n, num_heads, head_dim); k_cache, v_cache: (num_blocks,
+    block_size, num_kv_heads, head_dim); tables: (n, max_blocks) int64; seq_lens: (n,) int64. Returns (n,
+    num_heads, head_dim) in q's dtype. GQA: the ``group`` query heads of a KV head share its keys."""
+    n, num_heads, d = q.shape
+    h_kv = k_cache.shape[2]
+    # (n, h_kv, L, d): under torch.compile these are loads indexed through the table, not a copy
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2).float()
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2).float()
+    qg = q.view(n, h_kv, num_heads // h_kv, 1, d).float()
+    scores = (qg * k[:, :, None]).sum(-1) * scale  # (n, h_kv, group, L): softmax along the contiguous axis
+    pos = torch.arange(k.shape[2], device=q.device)[None, :]
+    hidden = pos >= seq_lens[:, None]  # (n, L): past the context
+    if window is not None:
+        hidden = hidden | (pos < seq_lens[:, None] - window)
+    probs = torch.softmax(scores.masked_fill(hidden[:, None, None, :], float("-inf")), dim=-1)
+    out = (probs[..., None] * v[:, :, None]).sum(-2)  # (n, h_kv, group, d)
+    return out.reshape(n, num_heads, d).to(q.dtype)
+
+
+def compiled_paged_decode():
+    """``paged_decode`` compiled once per process (dynamic shapes)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(paged_decode, dynamic=True)
+    return _compiled
+
+
+class CompiledBackend(SdpaBackend):
+    name = "compiled"
+    description = "sdpa, with decode attention compiled (torch.compile) to read K/V through the block table"
+
+    def prepare(self, m: AttentionMetadata) -> None:
+        super().prepare(m)
+        if m.decode_indices:
+            data: SdpaAttentionData = m.data
+            data.decode_lens = torch.tensor([m.seq_lens[i] for i in m.decode_indices], device=m.block_tables.device)
+
+    def decode(self, q, k_cache, v_cache, data: SdpaAttentionData, scale: float, window: int | None):
+        # sizes of 1 would be specialised by the compiler (and recompiled at the first real batch): run them eagerly
+        tiny = min(data.decode_tables.shape) < 2
+        fn = paged_decode if tiny else compiled_paged_decode()
+        return fn(q, k_cache, v_cache, data.decode_tables, data.decode_lens, scale, window)
+
+
+register_backend(CompiledBackend())

@@ -1,0 +1,84 @@
+"""vLLM as a peer (``minibatch.baselines.vllm_peer``): what it is given, how its results fill our requests, and
+that compare skips it with one line where vLLM is not installed. vLLM itself is never installed in CI: its run is
+``benchmarks/vllm_peer.py``'s; here a stand-in interpreter plays the worker."""
+
+import json
+import sys
+
+import pytest
+
+from minibatch.__main__ import main
+from minibatch.baselines import vllm_peer
+from minibatch.baselines.vllm_peer import PeerUnavailable, VllmConfig, run_vllm, vllm_job
+from minibatch.metrics import summarize
+from minibatch.models import load_model
+from minibatch.request import Request, SamplingParams
+from minibatch.runner import ModelRunner
+
+FAKE_WORKER = '''#!{python}
+import json, sys
+job = json.load(open(sys.argv[2]))
+out = {{"vllm_version": "fake", "load_s": 1.0, "warmup_s": 0.5, "run_time_s": 2.0, "requests": {{}}}}
+for i, r in enumerate(job["requests"]):
+    if r["request_id"] == "lost":
+        continue
+    n = r["max_tokens"]
+    out["requests"][r["request_id"]] = {{"output_token_ids": [7] * n, "finish_reason": "length",
+        "token_times_s": [0.1 * (i + 1) + 0.05 * k for k in range(n)],
+        "logprobs": [{{"7": -0.5, "8": -1.5}}] * n if r["logprobs"] else []}}
+json.dump(out, open(sys.argv[3], "w"))
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-random-llama", dtype="float32")
+
+
+def fake_python(tmp_path):
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_WORKER.format(python=sys.executable))
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_vllm_gets_the_same_settings_and_inputs(tiny, tmp_path):
+    model, tok = tiny
+    reqs = [Request("a", [5, 6, 7], 4, SamplingParams(ignore_eos=True)), Request("b", [9] * 10, 6, arrival_time_s=0.5)]
+    job = vllm_job(model, reqs, VllmConfig(max_num_seqs=32, n_slots=1000, max_num_batched_tokens=256), "DIR")
+    engine = job["engine"]
+    assert engine["model"] == "DIR" and engine["dtype"] == "float32" and engine["max_num_seqs"] == 32
+    assert engine["kv_cache_memory_bytes"] == 1000 * ModelRunner(model, tok).kv_bytes_per_token  # same KV bytes
+    assert engine["max_num_batched_tokens"] == 256 and engine["enable_prefix_caching"] is False
+    assert engine["enforce_eager"] is False  # vLLM's default, compiled mode
+    a, b = job["requests"]
+    assert a["prompt_token_ids"] == [5, 6, 7] and a["max_tokens"] == 4 and a["stop_token_ids"] == []
+    assert b["stop_token_ids"] == list(ModelRunner(model, tok).eos_token_ids) and b["arrival_time_s"] == 0.5
+    with pytest.raises(ValueError, match="request 's' samples: the vllm peer runs greedy traces"):
+        vllm_job(model, [Request("s", [5, 6], 3, SamplingParams(temperature=0.7, seed=1))], VllmConfig(), "DIR")
+
+
+def test_its_results_fill_our_requests_like_any_run(tiny, tmp_path):
+    model, _ = tiny
+    reqs = [Request(f"r{i}", [5 + i, 6, 7], 3, SamplingParams(ignore_eos=True, logprobs=1)) for i in range(2)]
+    done, extra = run_vllm(model, reqs, VllmConfig(vllm_python=fake_python(tmp_path)))
+    assert [r.output_token_ids for r in done] == [[7, 7, 7], [7, 7, 7]] and all(r.is_finished for r in done)
+    assert done[1].token_times_s == pytest.approx([0.2, 0.25, 0.3]) and done[0].logprobs[0] == {7: -0.5, 8: -1.5}
+    summary = summarize(done)
+    assert summary.ttft_p50_s == pytest.approx(0.15) and summary.total_output_tokens == 6
+    assert extra["peer"]["engine"] == "vllm" and extra["peer"]["settings"]["max_num_seqs"] == 8
+    with pytest.raises(RuntimeError, match="request 'lost': vllm returned no finished output"):
+        run_vllm(model, [Request("lost", [5, 6], 2, SamplingParams(ignore_eos=True))],
+                 VllmConfig(vllm_python=fake_python(tmp_path)))
+
+
+def test_compare_skips_vllm_with_one_line_when_it_is_not_installed(tmp_path, capsys, monkeypatch, one_thread):
+    monkeypatch.setattr(vllm_peer.importlib.util, "find_spec", lambda name: None)
+    out = tmp_path / "out.json"
+    main(["compare", "--model", "tiny-random-llama", "--policies", "paged,vllm", "--num-requests", "4", "--clock",
+          "sim", "--max-output-len", "8", "--figures-dir", "", "--no-progress", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "vllm: skipped: vllm is not installed in this environment and --vllm-python is not given" in printed
+    assert list(json.loads(out.read_text())["policies"]) == ["paged"]
+    with pytest.raises(PeerUnavailable, match="--vllm-python /no/such/python: no such file"):
+        vllm_peer.vllm_python(VllmConfig(vllm_python="/no/such/python"))
