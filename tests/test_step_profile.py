@@ -1,0 +1,59 @@
+"""The step profile (``python -m minibatch profile``, minibatch/experiments/step_profile.py): every shape's
+components add up to its profiled step, the roofline counts are the hand-computed ones, bad options are one line."""
+
+import json
+
+import pytest
+
+from minibatch.__main__ import main
+from minibatch.experiments.step_profile import COMPONENTS, component_of_module, step_counts
+from minibatch.models import load_model
+from minibatch.runner import ModelRunner
+
+
+def test_profile_command_writes_components_roofline_and_figure(tmp_path, one_thread):
+    out, fig = tmp_path / "profile.json", tmp_path / "profile.png"
+    main(["profile", "--model", "tiny-random-llama", "--dtype", "float32", "--attention-backend", "sdpa",
+          "--decode-batches", "1,4", "--prefill-lens", "24", "--context-len", "20", "--repeats", "2",
+          "--json", str(out), "--figure", str(fig)])
+    result = json.loads(out.read_text())
+    assert [(r["kind"], r["batch"], r["tokens"]) for r in result["shapes"]] == [
+        ("decode", 1, 1), ("decode", 4, 4), ("prefill", 1, 24)]
+    for r in result["shapes"]:
+        parts = r["components_s"]
+        assert set(parts) == set(COMPONENTS) and min(parts.values()) >= 0
+        assert sum(parts.values()) == pytest.approx(r["profiled_step_s"], rel=0.05)  # nothing lost, nothing twice
+        assert parts["qkv_proj"] > 0 and parts["attention"] > 0 and parts["mlp"] > 0 and parts["sampling"] > 0
+        assert 0 < r["overhead_share"] < 1 and r["bound_s"] > 0 and r["step_over_bound"] == pytest.approx(
+            r["step_s"] / r["bound_s"], rel=0.01)
+    assert result["roofline"]["peak_flop_per_s"] > 0 and fig.stat().st_size > 0 and result["command"].startswith(
+        "python -m minibatch profile")
+
+
+def test_roofline_counts_by_hand():
+    model, tok = load_model("tiny-random-llama", dtype="float32")
+    cfg = model.config
+    runner = ModelRunner(model, tok)
+    params = sum(p.numel() for p in model.parameters())
+    vocab_rows = cfg.vocab_size * cfg.hidden_size
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    body = params - vocab_rows * (1 if tied else 2)
+    flops, nbytes = step_counts(model, num_logits=2, tokens=3, attended=[5, 6, 7], kv_read_tokens=10,
+                                kv_bytes_per_token=runner.kv_bytes_per_token)
+    assert flops == 2 * body * 3 + 2 * vocab_rows * 2 + 4 * cfg.hidden_size * cfg.num_hidden_layers * 18
+    assert nbytes == params * 4 + (10 + 3) * runner.kv_bytes_per_token
+
+
+def test_module_names_map_to_components():
+    assert component_of_module("model.layers.3.self_attn.q_proj") == "qkv_proj"
+    assert component_of_module("model.layers.3.post_attention_layernorm") == "norms"
+    assert component_of_module("model.layers.3.mlp") == "mlp" and component_of_module("lm_head") == "logits"
+    assert component_of_module("model.layers.3.mlp.act_fn") is None
+
+
+@pytest.mark.parametrize("option,value", [("--decode-batches", "0"), ("--prefill-lens", "x"), ("--repeats", "0")])
+def test_bad_profile_options_are_one_line(option, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--model", "tiny-random-llama", option, value])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and option in err
