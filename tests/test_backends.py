@@ -138,3 +138,24 @@ def test_serve_runs_a_registered_backend(one_thread):
             model="tiny-random-llama", prompt=prompt, max_tokens=6, temperature=0,
             extra_body={"ignore_eos": True})
     assert out.choices[0].text == tok.decode(ref, skip_special_tokens=True) and Counting.calls > calls
+
+
+def test_compiled_decode_splits_by_context_length_and_agrees_with_sdpa(one_thread):
+    """Decodes of very different context lengths run as a short and a long group (each padded only to its own
+    longest context); the result equals one padded SDPA call."""
+    from minibatch.runner.backends.compiled import CompiledBackend, length_groups
+    from minibatch.runner.backends.sdpa import SdpaAttentionData, decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    block_size, n, num_blocks = 4, 20, 401
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, 2, 8, generator=g) for _ in range(2))
+    lens = torch.tensor([3 + 2 * i if i % 2 else 60 + i for i in range(n)])  # short and long, interleaved
+    tables = torch.randperm(num_blocks - 1, generator=g)[: n * 20].view(n, 20) + 1
+    q = torch.randn(n, 4, 8, generator=g)
+    groups = length_groups(lens, tables, block_size)
+    assert len(groups) == 2 and sorted(torch.cat([r for r, _, _ in groups]).tolist()) == list(range(n))
+    assert groups[0][1].shape[1] < tables.shape[1]  # the short group reads fewer blocks
+    mask = (torch.arange(20 * block_size)[None, :] < lens[:, None])[:, None, None, :]
+    data = SdpaAttentionData(True, decode_tables=tables, decode_mask=mask, decode_lens=lens, decode_groups=groups)
+    expected = decode_attention(q, k_cache, v_cache, data, 0.35)
+    assert torch.allclose(CompiledBackend().decode(q, k_cache, v_cache, data, 0.35, None), expected, atol=1e-5)

@@ -61,12 +61,38 @@ class CompiledBackend(SdpaBackend):
         if m.decode_indices:
             data: SdpaAttentionData = m.data
             data.decode_lens = torch.tensor([m.seq_lens[i] for i in m.decode_indices], device=m.block_tables.device)
+            data.decode_groups = length_groups(data.decode_lens, data.decode_tables, m.kv_cache.shape[3])
 
     def decode(self, q, k_cache, v_cache, data: SdpaAttentionData, scale: float, window: int | None):
+        if len(data.decode_groups) == 1:
+            return self._decode(q, k_cache, v_cache, data.decode_tables, data.decode_lens, scale, window)
+        out = torch.empty_like(q)
+        for rows, tables, lens in data.decode_groups:
+            out[rows] = self._decode(q[rows], k_cache, v_cache, tables, lens, scale, window)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, tables, lens, scale, window):
         # sizes of 1 would be specialised by the compiler (and recompiled at the first real batch): run them eagerly
-        tiny = min(data.decode_tables.shape) < 2
-        fn = paged_decode if tiny else compiled_paged_decode()
-        return fn(q, k_cache, v_cache, data.decode_tables, data.decode_lens, scale, window)
+        fn = paged_decode if min(tables.shape) < 2 else compiled_paged_decode()
+        return fn(q, k_cache, v_cache, tables, lens, scale, window)
+
+
+def length_groups(lens: torch.Tensor, tables: torch.Tensor, block_size: int, min_rows: int = 8) -> list:
+    """Split decodes into a short and a long half by context length, each with its block tables cut to its own
+    longest context, so short contexts are not padded to the longest one (the kernel computes every padded
+    position). Returns [(rows, tables, lens)], one group when there are fewer than 2 x ``min_rows`` decodes or
+    splitting saves under 15% of the padded positions."""
+    n = lens.shape[0]
+    if n < 2 * min_rows:
+        return [(None, tables, lens)]
+    order = torch.argsort(lens)
+    half = n // 2
+    groups = [order[:half], order[half:]]
+    blocks = [-(-int(lens[g].max()) // block_size) for g in groups]
+    if sum(len(g) * b for g, b in zip(groups, blocks)) > 0.85 * n * tables.shape[1]:
+        return [(None, tables, lens)]
+    return [(g, tables[g, :b], lens[g]) for g, b in zip(groups, blocks)]
 
 
 register_backend(CompiledBackend())

@@ -41,6 +41,7 @@ class SdpaAttentionData:
     decode_mask: torch.Tensor | None = None
     prefill_masks: dict | None = None
     decode_lens: torch.Tensor | None = None  # (num_decodes,) int64 seq_lens, for backends that mask themselves
+    decode_groups: list | None = None  # a backend's own split of the decodes (compiled: by context length)
 
 
 class SdpaBackend(AttentionBackend):
