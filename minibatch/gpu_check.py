@@ -40,7 +40,7 @@ import torch
 
 from minibatch.gpu_steps import (CheckContext, StepFailed, check_benchmark, check_cuda_tests, check_environment,
                                  check_greedy_bf16, check_greedy_fp32, check_kernels, check_main_job,
-                                 real_weights_available)
+                                 check_profile, real_weights_available)
 
 PASSED, FAILED, NEEDS_GPU = "passed", "failed", "needs a GPU"
 
@@ -76,6 +76,8 @@ STEPS: list[Step] = [
     Step("main-job", "python -m minibatch compare on the device, reference check on", check_main_job),
     Step("benchmark", "one saturated ShareGPT trace: our policies vs HF generate and generate_batch",
          check_benchmark),
+    Step("profile", "where a step's time goes: decode and prefill steps by component, on the roofline",
+         check_profile),
 ]
 
 

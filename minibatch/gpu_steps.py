@@ -274,3 +274,20 @@ def check_benchmark(ctx: CheckContext) -> dict:
     if short:
         raise StepFailed("; ".join(short), details)
     return details
+
+
+def check_profile(ctx: CheckContext) -> dict:
+    """The step profile (``python -m minibatch profile``) on the device: decode batches 1 and 32, a 1024-token
+    prefill, sdpa attention, bf16 on a GPU; each shape's time, roofline bound and largest components."""
+    import contextlib
+    import io
+
+    from minibatch.experiments.step_profile import run_profile
+
+    model = ctx.main_model if ctx.on_gpu else "tiny-random-llama"
+    with contextlib.redirect_stdout(io.StringIO()):
+        result = run_profile(model, ctx.device, "bfloat16" if ctx.on_gpu else "float32", "sdpa", (1, 32),
+                             (1024,) if ctx.on_gpu else (64,), context_len=256 if ctx.on_gpu else 32, repeats=3)
+    return {"model": model, "roofline": result["roofline"], "shapes": [
+        {k: r[k] for k in ("kind", "batch", "tokens", "step_s", "bound_s", "step_over_bound", "overhead_share")}
+        | {"top": sorted(r["components_s"], key=r["components_s"].get)[-3:]} for r in result["shapes"]]}

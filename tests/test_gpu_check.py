@@ -30,6 +30,9 @@ def test_every_cpu_twin_passes_and_the_cuda_step_needs_a_gpu(tmp_path, capsys):
     assert set(bench["output_throughput_tok_s"]) == {"static", "orca", "paged", "chunked", "spec_ngram",
                                                       "hf_generate", "hf_generate_batch"}
     assert bench["best_vs_hf_generate"] > 0
+    assert [(r["kind"], r["batch"]) for r in steps["profile"]["shapes"]] == [("decode", 1), ("decode", 32),
+                                                                            ("prefill", 1)]
+    assert {"sdpa", "compiled"} <= {k.split("/")[1] for k in steps["greedy-fp32"] if "/" in k}
     printed = capsys.readouterr().out
     assert "NEEDS A GPU  cuda-tests" in printed and "gpu-check on cpu: passed" in printed
 

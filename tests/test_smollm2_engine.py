@@ -32,11 +32,11 @@ def test_smollm2_greedy_matches_hf_generate(smollm2, policy):
     assert [r.output_token_ids for r in reqs] == refs
 
 
-@pytest.mark.parametrize("policy", ["paged", "chunked"])
-def test_smollm2_sdpa_backend_matches_hf_generate(smollm2, policy):
-    """The fast attention backend on the real model, fp32: token-exact with HF generate."""
+@pytest.mark.parametrize("policy,backend", [("paged", "sdpa"), ("chunked", "sdpa"), ("paged", "compiled")])
+def test_smollm2_fast_backends_match_hf_generate(smollm2, policy, backend):
+    """The fast attention backends on the real model, fp32: token-exact with HF generate."""
     runner, prompts, refs = smollm2
-    fast = ModelRunner(runner.model, runner.tokenizer, attention_backend="sdpa")
+    fast = ModelRunner(runner.model, runner.tokenizer, attention_backend=backend)
     reqs = [Request(f"r{i}", p, 10, SamplingParams(ignore_eos=True), arrival_time_s=0.03 * i)
             for i, p in enumerate(prompts)]
     make_engine(policy, fast, SimClock(), max_num_seqs=3, n_slots=512).generate(reqs)

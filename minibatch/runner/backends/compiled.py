@@ -45,10 +45,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def compiled_paged_decode():
-    """``paged_decode`` compiled once per process (dynamic shapes)."""
+    """``paged_decode`` compiled once per process (dynamic shapes). Sizes that happen to be equal when it compiles
+    (say 2 decodes and the cache's K/V axis of 2) are not assumed equal later ("duck sizing" off), so a new batch
+    never recompiles it."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(paged_decode, dynamic=True)
+        from torch.fx.experimental import _config as fx_config
+
+        compiled = torch.compile(paged_decode, dynamic=True)
+
+        def run(*args):
+            with fx_config.patch(use_duck_shape=False):
+                return compiled(*args)
+
+        _compiled = run
     return _compiled
 
 
@@ -92,7 +102,7 @@ def length_groups(lens: torch.Tensor, tables: torch.Tensor, block_size: int, min
     blocks = [-(-int(lens[g].max()) // block_size) for g in groups]
     if sum(len(g) * b for g, b in zip(groups, blocks)) > 0.85 * n * tables.shape[1]:
         return [(None, tables, lens)]
-    return [(g, tables[g, :b], lens[g]) for g, b in zip(groups, blocks)]
+    return [(g, tables[g, :b].contiguous(), lens[g]) for g, b in zip(groups, blocks)]
 
 
 register_backend(CompiledBackend())
