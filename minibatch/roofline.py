@@ -111,3 +111,21 @@ def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32,
     return Roofline(f"this CPU, {threads} thread{'s' * (threads > 1)}", peak, bandwidth,
                     f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} matmul, "
                     f"sum of {read_bytes // 2**20} MiB, best of {repeats}")
+
+
+def measure_cuda(dtype: torch.dtype = torch.bfloat16, matmul_size: int = 8192, copy_bytes: int = 2**30,
+                 repeats: int = 5) -> Roofline:
+    """The current CUDA device's roofs, measured like :func:`measure_cpu`: peak = a ``matmul_size``-square matrix
+    product in ``dtype``, bandwidth = a copy of ``copy_bytes`` (it reads and writes every byte), best of ``repeats``."""
+    def synced(fn):
+        return lambda: (fn(), torch.cuda.synchronize())
+
+    n = matmul_size
+    a, b = torch.randn(n, n, dtype=dtype, device="cuda"), torch.randn(n, n, dtype=dtype, device="cuda")
+    peak = 2 * n**3 / min_time_s(synced(lambda: a @ b), repeats)
+    x = torch.empty(copy_bytes // 4, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    bandwidth = 2 * copy_bytes / min_time_s(synced(lambda: y.copy_(x)), repeats)
+    return Roofline(torch.cuda.get_device_name(), peak, bandwidth,
+                    f"measured: {n}x{n} {str(dtype).removeprefix('torch.')} matmul, copy of "
+                    f"{copy_bytes // 2**20} MiB, best of {repeats}")

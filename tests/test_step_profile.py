@@ -57,3 +57,16 @@ def test_bad_profile_options_are_one_line(option, value, capsys):
         main(["profile", "--model", "tiny-random-llama", option, value])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and option in err
+
+
+def test_07b_regime_prediction(capsys):
+    from minibatch.files import read_json
+    from minibatch.lessons.step_time import check_regime, profile_rows
+
+    profile = read_json("data/cpu/step_profile.json")
+    bound = next(r["bound"] for r in profile_rows(profile) if r["shape"] == "decode 1")
+    other = {"memory": "compute", "compute": "memory"}[bound]
+    assert check_regime(bound, profile) is True and check_regime(other, profile) is False
+    assert check_regime(..., profile) is False  # the student edition's stub
+    printed = capsys.readouterr().out
+    assert printed.count("correct:") == 1 and "not implemented yet" in printed and bound + "-bound" in printed

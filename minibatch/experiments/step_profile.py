@@ -131,7 +131,7 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
     from minibatch.request import Request, SamplingParams
 
     n_reqs, prompt_len = (size, context_len) if kind == "decode" else (1, size)
-    max_new = 2 * repeats + 4
+    max_new = 2 * repeats + 6
     gen = torch.Generator().manual_seed(0)
     engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=n_reqs, block_size=16,
                          n_slots=n_reqs * (prompt_len + max_new + 16) + 64)
@@ -160,13 +160,15 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
             add()
         while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
             engine.step()  # every prompt prefilled: the steps from here on are decodes
-    timed_step()  # warm-up
+    timed_step(), timed_step()  # warm-up: first calls allocate, pick kernels, compile
     times = [timed_step() for _ in range(repeats)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
-    with labelled(runner.model, engine), profile(activities=activities) as p:
-        prof_times = [timed_step() for _ in range(repeats)]
-    parts = breakdown(p.events(), repeats)
-    profiled_s = statistics.median(prof_times)
+    with labelled(runner.model, engine):
+        timed_step()  # the hooks' own first call
+        with profile(activities=activities) as p:
+            prof_times = [timed_step() for _ in range(repeats)]
+    parts = breakdown(p.events(), repeats)  # per step: means over the profiled steps
+    profiled_s = statistics.mean(prof_times)
     parts["python_overhead"] += max(0.0, profiled_s - sum(parts.values()))  # outside every op and range
     if kind == "decode":
         tokens, attended, kv_read = n_reqs, [context_len + 1] * n_reqs, n_reqs * context_len
@@ -186,14 +188,14 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     result (``shapes``: one row per shape, ``roofline``: the measured roofs)."""
     from minibatch.experiment import load_runner
     from minibatch.precision import dtype_name
-    from minibatch.roofline import measure_cpu
+    from minibatch.roofline import measure_cpu, measure_cuda
     from minibatch.report import environment, machine_load
 
     load_before = machine_load()
     model, _, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
                                       attention_backend=attention_backend)
     if runner.device.type == "cuda":
-        roof = measure_cuda_roofline(runner.dtype)
+        roof = measure_cuda(runner.dtype)
     else:
         roof = measure_cpu(torch.get_num_threads(), runner.dtype)
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
@@ -216,29 +218,9 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
             "shapes": rows}
 
 
-def measure_cuda_roofline(dtype):
-    """The GPU's roofs, measured like ``roofline.measure_cpu``: a large matmul in ``dtype`` and a large copy."""
-    from minibatch.roofline import Roofline, min_time_s
-
-    def synced(fn):
-        return lambda: (fn(), torch.cuda.synchronize())
-
-    n = 8192
-    a, b = torch.randn(n, n, dtype=dtype, device="cuda"), torch.randn(n, n, dtype=dtype, device="cuda")
-    peak = 2 * n**3 / min_time_s(synced(lambda: a @ b))
-    x = torch.empty(2**30 // 4, dtype=torch.float32, device="cuda")
-    y = torch.empty_like(x)
-    bandwidth = 2 * 2**30 / min_time_s(synced(lambda: y.copy_(x)))  # a copy reads and writes every byte
-    return Roofline(torch.cuda.get_device_name(), peak, bandwidth,
-                    f"measured: {n}x{n} {str(dtype).removeprefix('torch.')} matmul, copy of 1 GiB, best of 5")
-
-
-def plot_profile(result: dict, path: str) -> str:
-    """Stacked bars of each shape's components (share of the profiled step) with its step time over the roofline
-    bound written on top; saved to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def profile_figure(result: dict):
+    """Stacked bars of each shape's components (share of the profiled step), its step time and its step time over
+    the roofline bound written on top. Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     rows = result["shapes"]
@@ -259,12 +241,24 @@ def plot_profile(result: dict, path: str) -> str:
                  f"attention, {result['threads']} threads")
     ax.legend(fontsize=7, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
     fig.tight_layout()
+    return fig
+
+
+def plot_profile(result: dict, path: str) -> str:
+    """Save :func:`profile_figure` to ``path`` (PNG); returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     from pathlib import Path
 
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    from minibatch.viz.plots import save
+
+    fig = profile_figure(result)
+    saved = save(fig, Path(path).name, Path(path).parent)
     plt.close(fig)
-    return path
+    return str(saved)
 
 
 def add_profile_arguments(p) -> None:

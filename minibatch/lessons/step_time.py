@@ -1,0 +1,55 @@
+"""Notebook 07b (where a step's time goes): the committed step profiles and the vLLM comparison as tables, and the
+exercise check. The measuring itself is ``minibatch.experiments.step_profile`` (``python -m minibatch profile``)
+and ``benchmarks/vllm_peer.py``; this module only reads their JSON.
+"""
+
+from __future__ import annotations
+
+from minibatch.lessons import exercise
+
+
+def profile_rows(result: dict) -> list[dict]:
+    """One dict per shape of a step profile: its name, step and bound times (ms), the bound's kind, step / bound,
+    the Python and scheduling share and the three largest components with their shares."""
+    rows = []
+    for r in result["shapes"]:
+        parts = r["components_s"]
+        top = sorted(parts, key=parts.get, reverse=True)[:3]
+        rows.append({"shape": f"{r['kind']} {r['batch'] if r['kind'] == 'decode' else r['tokens']}",
+                     "step_ms": round(r["step_s"] * 1e3, 1), "bound_ms": round(r["bound_s"] * 1e3, 1),
+                     "bound": r["bound"], "step_over_bound": r["step_over_bound"],
+                     "overhead_share": r["overhead_share"],
+                     "top": ", ".join(f"{c} {parts[c] / r['profiled_step_s']:.0%}" for c in top)})
+    return rows
+
+
+def print_profile(result: dict) -> None:
+    """The profile as a table (see :func:`profile_rows`)."""
+    print(f"{result['model']}, {result['dtype']}, {result['attention_backend']} attention, {result['threads']} "
+          f"threads; roofline: {result['roofline']['peak_flop_per_s'] / 1e9:.0f} GFLOP/s, "
+          f"{result['roofline']['bytes_per_s'] / 1e9:.1f} GB/s")
+    print(f"{'shape':<14}{'step ms':>9}{'bound ms':>10}{'bound':>9}{'x bound':>9}{'overhead':>10}  largest parts")
+    for r in profile_rows(result):
+        print(f"{r['shape']:<14}{r['step_ms']:>9}{r['bound_ms']:>10}{r['bound']:>9}{r['step_over_bound']:>9}"
+              f"{r['overhead_share']:>10.0%}  {r['top']}")
+
+
+def backend_steps(results: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """backend -> shape -> step time (ms), from one profile per attention backend."""
+    return {name: {f"{r['kind']} {r['batch'] if r['kind'] == 'decode' else r['tokens']}": round(r["step_s"] * 1e3, 1)
+                   for r in res["shapes"]} for name, res in results.items()}
+
+
+def peer_rounds(result: dict) -> list[dict]:
+    """The vLLM benchmark's rounds: our output tokens/s, vLLM's and transformers' and our ratio to each."""
+    return [{k: (round(v, 1) if isinstance(v, float) and k.endswith("tok_s") else v) for k, v in line.items()
+             if k.endswith(("tok_s", "_over_vllm", "_over_hf_generate_batch"))} for line in result["summary"]["rounds"]]
+
+
+@exercise.check(hint="compare the step's FLOPs over the peak with its bytes over the bandwidth; a decode of one "
+                     "request computes one token per weight it reads")
+def check_regime(my_prediction, result: dict, shape: str = "decode 1", show_answer: bool = False):
+    """``my_prediction``: "memory" or "compute", the roof that bounds ``shape`` in the profile ``result``."""
+    row = next(r for r in profile_rows(result) if r["shape"] == shape)
+    exercise.expect(my_prediction, row["bound"], "my_prediction", show_answer=show_answer)
+    return f"{shape} is {row['bound']}-bound on this roofline"
