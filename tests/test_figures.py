@@ -2,7 +2,8 @@
 
 Writers: a notebook cell that calls ``show(fig, "NAME", ...)`` (or ``save``) with the name as a literal, the
 concept script (``scripts/draw_concepts.py``: ``concept_<module>`` for each module of minibatch_course/concepts)
-or the main job's report (``compare_*``, minibatch/report.py). A notebook-written PNG must equal, byte for byte,
+the main job's report (``compare_*``, minibatch/report.py) or a committed command whose JSON names the figure
+(``step_profile``: ``python -m minibatch profile --figure``). A notebook-written PNG must equal, byte for byte,
 the inline image of the cell that wrote it: the committed file and the committed notebook come from one run.
 """
 
@@ -18,6 +19,8 @@ FIGURES = sorted((ROOT / "figures").glob("*.png"))
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CONCEPTS = {p.stem for p in (ROOT / "minibatch_course/concepts").glob("*.py") if not p.stem.startswith("_")}
 REPORT = set(re.findall(r'save\([^,]+, "(compare_\w+)"', (ROOT / "minibatch/report.py").read_text()))
+# figures written by a committed command (its JSON records the command and the figure)
+COMMANDS = {"step_profile": "data/cpu/step_profile.json"}
 
 
 def notebook_writers() -> dict[str, list[tuple[str, int, list[bytes]]]]:
@@ -43,6 +46,12 @@ def test_every_figure_has_exactly_one_writer(png):
     found += ["scripts/draw_concepts.py"] * (png.stem.removeprefix("concept_") in CONCEPTS and
                                              png.stem.startswith("concept_"))
     found += ["minibatch/report.py"] * (png.stem in REPORT)
+    if png.stem in COMMANDS:
+        import json
+
+        record = json.loads((ROOT / COMMANDS[png.stem]).read_text())
+        assert record["figure"] == f"figures/{png.name}" and f"--figure figures/{png.name}" in record["command"]
+        found.append(record["command"])
     assert len(found) == 1, f"{png.name}: written by {found or 'nothing in the repository'}"
 
 

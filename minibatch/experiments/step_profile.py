@@ -86,6 +86,24 @@ def labelled(model, engine):
         yield
 
 
+@contextmanager
+def native_stderr_hidden():
+    """torch's profiler library writes a line to the process's stderr (file descriptor 2, not ``sys.stderr``) at
+    every start and stop; hide them while the block runs. Python exceptions still propagate."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def breakdown(events, steps: int) -> dict[str, float]:
     """Seconds per step of each component from a profiler's events (see the module docstring)."""
     totals = dict.fromkeys(COMPONENTS, 0.0)
@@ -165,7 +183,7 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
     with labelled(runner.model, engine):
         timed_step()  # the hooks' own first call
-        with profile(activities=activities) as p:
+        with native_stderr_hidden(), profile(activities=activities) as p:
             prof_times = [timed_step() for _ in range(repeats)]
     parts = breakdown(p.events(), repeats)  # per step: means over the profiled steps
     profiled_s = statistics.mean(prof_times)
@@ -218,49 +236,6 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
             "shapes": rows}
 
 
-def profile_figure(result: dict):
-    """Stacked bars of each shape's components (share of the profiled step), its step time and its step time over
-    the roofline bound written on top. Returns the matplotlib figure."""
-    import matplotlib.pyplot as plt
-
-    rows = result["shapes"]
-    labels = [f"{r['kind']}\n{r['batch'] if r['kind'] == 'decode' else r['tokens']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    bottom = [0.0] * len(rows)
-    colors = plt.get_cmap("tab20").colors
-    for i, comp in enumerate(COMPONENTS):
-        shares = [r["components_s"][comp] / r["profiled_step_s"] for r in rows]
-        ax.bar(labels, shares, bottom=bottom, label=comp, color=colors[i % len(colors)])
-        bottom = [b + s for b, s in zip(bottom, shares)]
-    for x, (r, top) in enumerate(zip(rows, bottom)):
-        ax.text(x, top + 0.01, f"{r['step_s'] * 1e3:.0f} ms\n{r['step_over_bound']:.1f}x bound", ha="center",
-                fontsize=8)
-    ax.set_ylabel("share of the (profiled) step")
-    ax.set_ylim(0, 1.25)
-    ax.set_title(f"Where a step's time goes: {result['model']}, {result['dtype']}, {result['attention_backend']} "
-                 f"attention, {result['threads']} threads")
-    ax.legend(fontsize=7, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
-    fig.tight_layout()
-    return fig
-
-
-def plot_profile(result: dict, path: str) -> str:
-    """Save :func:`profile_figure` to ``path`` (PNG); returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from pathlib import Path
-
-    from minibatch.viz.plots import save
-
-    fig = profile_figure(result)
-    saved = save(fig, Path(path).name, Path(path).parent)
-    plt.close(fig)
-    return str(saved)
-
-
 def add_profile_arguments(p) -> None:
     p.add_argument("--decode-batches", default="1,8,32,64", help="decode steps of this many requests (comma list)")
     p.add_argument("--prefill-lens", default="256,1024", help="prefill steps of one prompt this long (comma list)")
@@ -289,6 +264,8 @@ def profile_command(args, command: str) -> dict:
     result = {"command": command} | run_profile(args.model, args.device, args.dtype, args.attention_backend, batches,
                                                 prefills, args.context_len, args.repeats, args.threads)
     if args.figure:
+        from minibatch.viz.step_profile import plot_profile
+
         result["figure"] = plot_profile(result, args.figure)
     write_json(result, args.json_path)
     return result

@@ -30,7 +30,7 @@ def print_profile(result: dict) -> None:
           f"{result['roofline']['bytes_per_s'] / 1e9:.1f} GB/s")
     print(f"{'shape':<14}{'step ms':>9}{'bound ms':>10}{'bound':>9}{'x bound':>9}{'overhead':>10}  largest parts")
     for r in profile_rows(result):
-        print(f"{r['shape']:<14}{r['step_ms']:>9}{r['bound_ms']:>10}{r['bound']:>9}{r['step_over_bound']:>9}"
+        print(f"{r['shape']:<14}{r['step_ms']:>9}{r['bound_ms']:>10}{r['bound']:>9}{r['step_over_bound']:>9.1f}"
               f"{r['overhead_share']:>10.0%}  {r['top']}")
 
 
