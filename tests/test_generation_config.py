@@ -6,6 +6,8 @@ defaults, ...) is what ``model.generate`` applies by default; the engine impleme
 correct engine and the baselines do different work.
 """
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -139,4 +141,6 @@ def test_run_compare_matches_reference_for_every_policy(quirky, tmp_path):
                          clock="sim",
                                        max_prompt_len=16, max_output_len=10, policies=all_policies(),
                                        figures_dir=None, progress=False))
-    assert {p: e["matches_reference"] for p, e in result["policies"].items()} == {p: True for p in all_policies()}
+    # vLLM is a peer only where it is installed (compare skips its row otherwise, saying so)
+    expected = [p for p in all_policies() if p != "vllm" or importlib.util.find_spec("vllm") is not None]
+    assert {p: e["matches_reference"] for p, e in result["policies"].items()} == {p: True for p in expected}
