@@ -93,11 +93,14 @@ def vllm_job(model, requests: list[Request], config: VllmConfig, model_dir: str)
 
     Raises:
         ValueError: a sampled request (the peer runs greedy traces, the ones whose outputs can be checked)."""
-    cfg = model.config.get_text_config()
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_bytes_per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+    from minibatch.kv.contiguous import kv_bytes_per_token
+    from minibatch.runner.support import config_int
+
+    cfg = model.config.get_text_config()  # the geometry read as ModelRunner reads it
+    heads = config_int(model, cfg, "num_attention_heads")
+    head_dim = config_int(model, cfg, "head_dim", config_int(model, cfg, "hidden_size") // heads)
+    kv_bytes = kv_bytes_per_token(config_int(model, cfg, "num_hidden_layers"),
+                                  config_int(model, cfg, "num_key_value_heads", heads), head_dim, model.dtype.itemsize)
     eos = list(eos_token_ids(model))
     jobs = []
     for r in requests:
@@ -110,8 +113,8 @@ def vllm_job(model, requests: list[Request], config: VllmConfig, model_dir: str)
     longest = max(r.max_num_tokens for r in requests)
     limit = max_model_len(model)
     engine = dict(model=model_dir, dtype=str(model.dtype).removeprefix("torch."), skip_tokenizer_init=True,
-                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
-                  kv_cache_memory_bytes=config.n_slots * kv_bytes_per_token,
+                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                  kv_cache_memory_bytes=config.n_slots * kv_bytes,
                   max_model_len=longest if limit is None else min(limit, max(longest, 64)),
                   enable_prefix_caching=config.enable_prefix_caching, enforce_eager=config.enforce_eager, seed=0)
     return {"engine": engine, "env": {"VLLM_CONFIGURE_LOGGING": "0"}, "warmup": WARMUP, "requests": jobs}
