@@ -290,4 +290,5 @@ def check_profile(ctx: CheckContext) -> dict:
                              (1024,) if ctx.on_gpu else (64,), context_len=256 if ctx.on_gpu else 32, repeats=3)
     return {"model": model, "roofline": result["roofline"], "shapes": [
         {k: r[k] for k in ("kind", "batch", "tokens", "step_s", "bound_s", "step_over_bound", "overhead_share")}
+        | {k: r[k] for k in ("device_busy_share", "kernels_per_step") if k in r}
         | {"top": sorted(r["components_s"], key=r["components_s"].get)[-3:]} for r in result["shapes"]]}

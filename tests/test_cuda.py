@@ -36,7 +36,7 @@ def tiny(request):
 
 def generate(runner, reqs, policy="paged", **options):
     reqs = [r.copy() for r in reqs]
-    engine = make_engine(policy, runner, SimClock(), **{"max_num_seqs": 8, "block_size": 4, **options})
+    engine = make_engine(policy, runner, SimClock(), config={"max_num_seqs": 8, "block_size": 4, **options})
     engine.generate(reqs)
     return {r.request_id: r.output_token_ids for r in reqs}, engine
 

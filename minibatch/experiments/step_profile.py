@@ -17,6 +17,11 @@ measured now): FLOPs = 2 x non-embedding parameters x tokens + the LM head's row
 hidden per token and layer; bytes = every weight once + the K/V read and written. ``bound_s`` = max(FLOPs / peak,
 bytes / bandwidth) and ``step_s / bound_s`` says how far the step is from it. The profiler slows the
 Python-heavy parts most: component times are its view (their shares are what to read), ``step_s`` is not.
+
+On a GPU, ``components_s`` is host time (the CPU issuing each op; kernels run asynchronously) and
+``device_components_s`` the kernels' own time, credited to the op that launched them; ``device_busy_share`` =
+device time / step time. A share far below 1 means the step is launch-bound: the GPU waits for the CPU, which is
+what CUDA graphs remove (a step's kernels captured once and replayed with one launch).
 """
 
 from __future__ import annotations
@@ -104,24 +109,28 @@ def native_stderr_hidden():
         os.close(devnull)
 
 
-def breakdown(events, steps: int) -> dict[str, float]:
-    """Seconds per step of each component from a profiler's events (see the module docstring)."""
-    totals = dict.fromkeys(COMPONENTS, 0.0)
+def breakdown(events, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per step of each component from a profiler's events (see the module docstring): (host time,
+    device time). Host time is the CPU's (on a GPU: issuing the kernels); device time is the kernels' own time
+    on the GPU, credited to the op that launched them (all zeros on a CPU)."""
+    host, device = dict.fromkeys(COMPONENTS, 0.0), dict.fromkeys(COMPONENTS, 0.0)
 
     def visit(event, component):
         if event.name.startswith(LABEL):
             component = event.name[len(LABEL):]
-            totals["python_overhead"] += event.self_cpu_time_total / 1e6  # Python inside the range, no op
+            host["python_overhead"] += event.self_cpu_time_total / 1e6  # Python inside the range, no op
         else:
-            where = "kv_write" if component == "attention" and event.name in KV_WRITE_OPS else component
-            totals[where or "other_ops"] += event.self_cpu_time_total / 1e6
+            where = ("kv_write" if component == "attention" and event.name in KV_WRITE_OPS else component) \
+                or "other_ops"
+            host[where] += event.self_cpu_time_total / 1e6
+            device[where] += getattr(event, "self_device_time_total", 0) / 1e6
         for child in event.cpu_children:
             visit(child, component)
 
-    for event in events:
-        if event.cpu_parent is None:
+    for event in events:  # the kernels themselves are events too: counted through the ops that launched them
+        if event.cpu_parent is None and event.device_type == torch.autograd.DeviceType.CPU:
             visit(event, None)
-    return {k: v / steps for k, v in totals.items()}
+    return {k: v / steps for k, v in host.items()}, {k: v / steps for k, v in device.items()}
 
 
 def step_counts(model, num_logits: int, tokens: int, attended: list[int], kv_read_tokens: int,
@@ -185,9 +194,16 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
         timed_step()  # the hooks' own first call
         with native_stderr_hidden(), profile(activities=activities) as p:
             prof_times = [timed_step() for _ in range(repeats)]
-    parts = breakdown(p.events(), repeats)  # per step: means over the profiled steps
+    parts, device_parts = breakdown(p.events(), repeats)  # per step: means over the profiled steps
     profiled_s = statistics.mean(prof_times)
     parts["python_overhead"] += max(0.0, profiled_s - sum(parts.values()))  # outside every op and range
+    on_gpu = {}
+    if runner.device.type == "cuda":  # the GPU's own time: a small busy share means the step is launch-bound
+        busy = sum(device_parts.values())
+        kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in p.events()) / repeats
+        on_gpu = {"device_components_s": {k: round(v, 6) for k, v in device_parts.items() if v},
+                  "kernels_per_step": round(kernels),
+                  "device_busy_s": busy, "device_busy_share": round(busy / profiled_s, 3)}
     if kind == "decode":
         tokens, attended, kv_read = n_reqs, [context_len + 1] * n_reqs, n_reqs * context_len
     else:
@@ -196,7 +212,7 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
     return {"kind": kind, "batch": n_reqs, "tokens": tokens, "context_len": context_len if kind == "decode" else 0,
             "step_s": statistics.median(times), "profiled_step_s": profiled_s, "flops": flops, "bytes": nbytes,
             "components_s": {k: round(v, 6) for k, v in parts.items()},
-            "overhead_share": round((parts["python_overhead"] + parts["schedule"]) / profiled_s, 3)}
+            "overhead_share": round((parts["python_overhead"] + parts["schedule"]) / profiled_s, 3)} | on_gpu
 
 
 def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bfloat16", attention_backend="sdpa",
@@ -228,7 +244,9 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
         top = sorted(row["components_s"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{kind} {size:>5}: step {row['step_s'] * 1e3:7.1f} ms, roofline bound {row['bound_s'] * 1e3:6.1f} ms "
               f"({row['bound']}-bound), {row['step_over_bound']:.1f}x; overhead {row['overhead_share']:.0%}; top: "
-              + ", ".join(f"{k} {v / row['profiled_step_s']:.0%}" for k, v in top))
+              + ", ".join(f"{k} {v / row['profiled_step_s']:.0%}" for k, v in top)
+              + (f"; GPU busy {row['device_busy_share']:.0%} of the step, {row['kernels_per_step']} kernels"
+                 if "device_busy_s" in row else ""))
     return {"environment": environment(load_before), "model": model_name, "dtype": dtype_name(runner.dtype),
             "attention_backend": attention_backend, "threads": torch.get_num_threads(), "context_len": context_len,
             "repeats": repeats, "roofline": {"name": roof.name, "peak_flop_per_s": roof.peak_flop_per_s,

@@ -135,7 +135,9 @@ class ModelRunner(KVOwnership):
                                 (out.blocks_to_copy, self.kv_cache, self.kv_cache)):
             if pairs:
                 s, d = zip(*pairs)
-                dst[:, :, list(d)] = src[:, :, list(s)].to(dst.device, non_blocking=True)
+                # non_blocking only towards the GPU (ordered on its stream): a non-blocking copy to the CPU
+                # returns before the data lands, and the CPU-side index_put_ would read it too early
+                dst[:, :, list(d)] = src[:, :, list(s)].to(dst.device, non_blocking=dst.device.type == "cuda")
 
     @property
     def kv_bytes_per_token(self) -> int:
