@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default=None, help="result JSON (default data/gpu/gpu_check_<device name>.json)")
     g.add_argument("--steps", default=None, help="comma-separated subset of the steps (default: all)")
     g.add_argument("--bench-requests", type=int, default=None,
-                   help="requests in the benchmark step's trace (default 256 on a GPU, 16 on CPU)")
+                   help="requests in the benchmark step's trace (default 64 on a GPU, 16 on CPU)")
     return parser
 
 

@@ -121,7 +121,7 @@ def run_gpu_check(device: str | None = None, steps: list[str] | None = None, ben
     if main_model is None:
         main_model = ("smollm2-135m" if real_weights_available() else "smollm2-135m-random") if on_gpu \
             else "tiny-random-llama"
-    ctx = CheckContext(device=device, bench_requests=bench_requests or (256 if on_gpu else 16), repo=_repo(),
+    ctx = CheckContext(device=device, bench_requests=bench_requests or (64 if on_gpu else 16), repo=_repo(),
                        main_model=main_model)
     reports = []
     for step in STEPS:
@@ -143,10 +143,12 @@ def run_gpu_check(device: str | None = None, steps: list[str] | None = None, ben
         report.seconds = round(time.perf_counter() - t0, 2)
         reports.append(report)
         echo(summary_line(report))
-    result = {"command": command, "device": device, "passed": all(r.status != FAILED for r in reports),
-              "environment": next((r.details for r in reports if r.name == "environment"), None),
-              "steps": [vars(r) for r in reports]}
-    write_json(out, result)
+        # written after every step (atomically): a lease that ends mid-check keeps the steps already done
+        result = {"command": command, "device": device, "passed": all(r.status != FAILED for r in reports),
+                  "complete": len(reports) == len([s for s in STEPS if not steps or s.name in steps]),
+                  "environment": next((r.details for r in reports if r.name == "environment"), None),
+                  "steps": [vars(r) for r in reports]}
+        write_json(out, result)
     verdict = "passed" if result["passed"] else "FAILED: " + ", ".join(r.name for r in reports if r.status == FAILED)
     echo(f"gpu-check on {device}: {verdict} ({sum(r.seconds for r in reports):.0f} s); wrote {out}")
     return result

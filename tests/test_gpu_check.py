@@ -70,6 +70,21 @@ def test_a_crashing_step_is_reported_and_the_others_still_run(tmp_path, monkeypa
     assert "traceback" in result["steps"][1]["details"]
 
 
+def test_a_check_killed_mid_way_keeps_the_steps_already_done(tmp_path, monkeypatch):
+    """A lease can end mid-check: the JSON is written after every step, marked incomplete until the last."""
+    def lease_over(*a, **k):
+        raise KeyboardInterrupt  # not an Exception: nothing records it, as when the process is killed
+
+    monkeypatch.setattr(kernels, "store_kv", lease_over)
+    out = tmp_path / "c.json"
+    with pytest.raises(KeyboardInterrupt):
+        run_gpu_check("cpu", ["environment", "kernels"], out=str(out), echo=lambda line: None)
+    result = json.loads(out.read_text())
+    assert [s["name"] for s in result["steps"]] == ["environment"] and result["complete"] is False
+    monkeypatch.undo()
+    assert run_gpu_check("cpu", ["environment"], out=str(out), echo=lambda line: None)["complete"] is True
+
+
 @pytest.mark.parametrize("argv, message", [
     (["gpu-check", "--steps", "kernels,warp-drive"], "--steps must be a comma-separated subset"),
     (["gpu-check", "--device", "cuda:3"], "--device"),

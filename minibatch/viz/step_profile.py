@@ -19,10 +19,12 @@ def profile_figure(result: dict):
         ax.bar(labels, shares, bottom=bottom, label=comp, color=colors[i % len(colors)])
         bottom = [b + s for b, s in zip(bottom, shares)]
     for x, (r, top) in enumerate(zip(rows, bottom)):
-        ax.text(x, top + 0.01, f"{r['step_s'] * 1e3:.0f} ms\n{r['step_over_bound']:.1f}x bound", ha="center",
+        busy = f"\nGPU busy {r['device_busy_share']:.0%}" if "device_busy_share" in r else ""
+        ax.text(x, top + 0.01, f"{r['step_s'] * 1e3:.0f} ms\n{r['step_over_bound']:.1f}x bound{busy}", ha="center",
                 fontsize=8)
-    ax.set_ylabel("share of the (profiled) step")
-    ax.set_ylim(0, 1.25)
+    on_gpu = "device_busy_share" in rows[0]  # on a GPU the components are host time: the CPU issuing each op
+    ax.set_ylabel("share of the (profiled) step" + (", host time" if on_gpu else ""))
+    ax.set_ylim(0, 1.3 if on_gpu else 1.25)
     ax.set_title(f"Where a step's time goes: {result['model']}, {result['dtype']}, {result['attention_backend']} "
                  f"attention, {result['threads']} threads")
     ax.legend(fontsize=7, ncol=2, bbox_to_anchor=(1.01, 1), loc="upper left")
