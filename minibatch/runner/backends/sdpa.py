@@ -86,8 +86,8 @@ class SdpaBackend(AttentionBackend):
                 out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end], scale)
             else:
                 blocks = m.block_tables[i, : -(-seq_len // block_size)]
-                ctx_k = k_cache[blocks].flatten(0, 1)[:seq_len]  # (seq_len, h_kv, d)
-                ctx_v = v_cache[blocks].flatten(0, 1)[:seq_len]
+                ctx_k = gather_blocks(k_cache, blocks[None])[0, :, :seq_len].transpose(0, 1)  # (seq_len, h_kv, d)
+                ctx_v = gather_blocks(v_cache, blocks[None])[0, :, :seq_len].transpose(0, 1)
                 out[start:end] = causal_attention(q[start:end], ctx_k, ctx_v, scale, mask)
         if m.decode_indices:
             out[data.decode_rows] = self.decode(q[data.decode_rows], k_cache, v_cache, data, scale, window)
@@ -123,6 +123,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out[0].transpose(0, 1)
 
 
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """The blocks of ``tables`` (n, max_blocks) int64 from ``cache`` (num_blocks, block_size, num_kv_heads,
+    head_dim), as (n, num_kv_heads, max_blocks x block_size, head_dim) (a strided view of one new tensor).
+    One ``index_select`` over blocks seen as rows: measured 25x faster on a CPU than indexing the 4-d cache with
+    ``cache[tables]`` (0.11 vs 2.7 ms for 32 tables of 17 blocks of SmolLM2's K and V, bf16, 2 threads)."""
+    num_blocks, block_size, h_kv, d = cache.shape
+    n, max_blocks = tables.shape
+    rows = cache.view(num_blocks, -1).index_select(0, tables.flatten())
+    return rows.view(n, max_blocks * block_size, h_kv, d).transpose(1, 2)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, data: SdpaAttentionData,
                      scale: float, window: int | None = None) -> torch.Tensor:
     """All one-token queries in one call. q: (num_decodes, num_heads, head_dim); k_cache, v_cache: (num_blocks,
@@ -131,8 +142,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     n, num_heads, d = q.shape
     tables = data.decode_tables
     h_kv = k_cache.shape[2]
-    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # (n, h_kv, max_blocks x block_size, d), a strided view
-    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    k, v = gather_blocks(k_cache, tables), gather_blocks(v_cache, tables)  # (n, h_kv, max_blocks x block_size, d)
     qg = q.view(n, h_kv, num_heads // h_kv, d)  # GQA: a KV head's query heads are rows against its keys
     mask = data.decode_mask  # (n, 1, 1, max_blocks x block_size)
     if window is not None:
