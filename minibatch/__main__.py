@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_options(k, "model", ModelConfig)  # --model, --device, --dtype, --attention-backend, --draft-model
     k.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     k.add_argument("--scale", type=float, default=1.0, help="shrink the calibration workloads, in (0, 1]")
+    k.add_argument("--quick", action="store_true", help="fewer sizes and steps on every axis (about a quarter of "
+                   "the time; benchmarks/validate_sim.py --profile compares it with the full fit)")
     k.add_argument("--out", default=None, help="profile JSON (default data/profiles/<model>-<device>.json in "
                    "float32, <model>-<device>-<dtype>.json otherwise)")
     k.add_argument("--draft-only", default=None, metavar="PROFILE",
@@ -280,7 +282,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
     check_output_file(out, "--out")
     profile = calibrate(args.model, args.device, args.threads, args.scale, args.draft_model,
                         progress=not args.no_progress, command=command, dtype=dtype,
-                        attention_backend=args.attention_backend)
+                        attention_backend=args.attention_backend, quick=args.quick)
     print_profile(profile)
     print(f"wrote {profile.save(out)} ({profile.meta['calibration_time_s']} s)")
     return 0

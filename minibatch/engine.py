@@ -13,6 +13,7 @@ The engine only stamps events on requests (first scheduled, each token, finish) 
 from __future__ import annotations
 
 import heapq
+import weakref
 from typing import Iterator
 
 from minibatch.checks import check_in_vocab
@@ -64,6 +65,10 @@ class Engine:
         self.check_request(request)
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} was already added")
+        if request.owner is not None and request.owner() not in (None, self):
+            raise ValueError(f"request {request.request_id!r} was already added to another engine, which owns its "
+                             "state; pass request.copy()")
+        request.owner = weakref.ref(self)
         if not request.sampling.ignore_eos:
             request.eos_token_ids = tuple(self.executor.eos_token_ids)
         heapq.heappush(self.pending, (request.arrival_time_s, len(self.requests), request))

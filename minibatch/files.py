@@ -128,6 +128,18 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def _non_finite_at(data, where: str = "") -> str | None:
+    """Where the first NaN / Infinity sits in parsed JSON (e.g. ``requests[0].arrival_time_s``), or None."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return where or "the top level"
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _non_finite_at(value, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}".lstrip("."))
+        if found:
+            return found
+    return None
+
+
 def read_json(path: str | Path, what: str = "JSON"):
     """Parse the JSON file ``path`` strictly (no NaN/Infinity); ``what`` names the kind of file
     in messages ("trace", "profile").
@@ -164,8 +176,14 @@ def read_json(path: str | Path, what: str = "JSON"):
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a JSON {what} file ({e.msg}: line {e.lineno}, column {e.colno}; "
                          "truncated?)") from None
-    except ValueError as e:  # NaN / Infinity
-        raise ValueError(f"{path}: not a JSON {what} file ({e}; write null)") from None
+    except ValueError as e:  # NaN / Infinity: name the field it is in
+        try:
+            where = _non_finite_at(json.loads(text))
+        except (ValueError, RecursionError):
+            where = None
+        raise ValueError(f"{path}: not a JSON {what} file: {where + ' is ' if where else ''}{str(e).split()[0]}, "
+                         "which JSON does not allow (write a finite number, or leave an optional field out for its "
+                         "default)") from None
     except RecursionError:
         raise ValueError(f"{path}: not a {what} file (nested too deeply)") from None
     try:

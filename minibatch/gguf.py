@@ -177,6 +177,7 @@ def _convert_smollm2(target: Path) -> None:
         with quiet_loading():
             plain.save_pretrained(tmp)  # also writes generation_config.json
             tokenizer.save_pretrained(tmp)
+        _share(tmp)
         if lock is not None:
             (tmp / ".lock").unlink()  # the cache entry holds model files only (we keep the lock open)
         try:
@@ -188,6 +189,18 @@ def _convert_smollm2(target: Path) -> None:
         if lock is not None:
             lock.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _share(entry: Path) -> None:
+    """Make a cache entry's files readable by everyone (0o644), as its directory is (0o755): some writers
+    (safetensors) make their files owner-only, and a class often shares one cache. Files this user does not own
+    are left as they are."""
+    for file in entry.iterdir():
+        if file.is_file() and file.name != ".lock" and file.stat().st_mode & 0o044 != 0o044:
+            try:
+                file.chmod(0o644)
+            except PermissionError:
+                pass
 
 
 def _discard_damaged(path: Path, problem: str) -> None:
@@ -223,6 +236,8 @@ def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
             _discard_damaged(path, problem)
     if not path.exists():
         _convert_smollm2(path)
+    else:
+        _share(path)  # an entry converted before files were made readable
     try:
         return load_pretrained(str(path))
     except (OSError, ValueError, RuntimeError) as e:  # safetensors / json / tokenizer errors

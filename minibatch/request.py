@@ -139,6 +139,9 @@ class Request:
     first_scheduled_time_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     finish_time_s: float | None = None
+    # a weak reference to the engine this request was added to: one engine owns a request's state (another
+    # engine gets request.copy())
+    owner: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         from minibatch.checks import MAX_TOKENS, FieldTypeError, check_int, check_real, check_str, check_token_ids

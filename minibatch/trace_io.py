@@ -69,7 +69,7 @@ def _check_trace_request(row) -> None:
     missing = [k for k in TRACE_REQUIRED_KEYS if k not in row]
     if missing:
         raise ValueError(f"missing field {missing[0]!r} (required: {', '.join(TRACE_REQUIRED_KEYS)})")
-    sampling = row.get("sampling", {})
+    sampling = _default(row, "sampling", {})
     fields = [f.name for f in dataclasses.fields(SamplingParams)]
     if not isinstance(sampling, dict):
         raise ValueError(f"sampling must be an object with keys among {', '.join(fields)}, "
@@ -79,6 +79,12 @@ def _check_trace_request(row) -> None:
         raise ValueError(f"sampling: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(fields)})")
 
 
+def _default(row: dict, key: str, default):
+    """An optional field's value; missing or null (JSON's "not given") is its default."""
+    value = row.get(key)
+    return default if value is None else value
+
+
 def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]:
     """Read a trace written by :func:`save_trace` into fresh Requests.
 
@@ -86,7 +92,7 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
     object with request_id (non-empty string, unique), prompt_token_ids (non-empty list of ints
     >= 0, below ``vocab_size`` when given), max_new_tokens (int >= 1), and optionally
     arrival_time_s (finite number >= 0, default 0), sampling (SamplingParams fields), priority
-    (int, default 0), prompt_text (string or null). No other keys.
+    (int, default 0), prompt_text (string or null); an optional field that is null gets its default. No other keys.
 
     Raises:
         ValueError: every bad file: missing, a folder, binary, empty, truncated or not JSON, wrong
@@ -123,14 +129,14 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
                                  "(ids must be unique)")
             seen[row["request_id"]] = i
             try:
-                sampling = SamplingParams(**row.get("sampling", {}))
+                sampling = SamplingParams(**_default(row, "sampling", {}))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"sampling.{e}") from None
             try:
                 r = Request(row["request_id"], row["prompt_token_ids"], max_new_tokens=row["max_new_tokens"],
                             sampling=sampling,
-                            arrival_time_s=row.get("arrival_time_s", 0.0),
-                            prompt_text=row.get("prompt_text"), priority=row.get("priority", 0))
+                            arrival_time_s=_default(row, "arrival_time_s", 0.0),
+                            prompt_text=row.get("prompt_text"), priority=_default(row, "priority", 0))
             except (TypeError, ValueError) as e:  # Request's own message, less its "request 'id': " prefix
                 raise ValueError(str(e).removeprefix(f"request {row['request_id']!r}: ")) from None
             if vocab_size is not None:

@@ -680,7 +680,11 @@ BAD_TRACES = {  # case -> (file content: str or bytes, words the message must co
     "whitespace only": ("  \n", ["empty"]),
     "truncated JSON": (_trace()[:40], ["not a JSON trace", "line 1"]),
     "binary": (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", ["not UTF-8"]),
-    "NaN literal": (_trace().replace('"arrival_time_s": 0.0', '"arrival_time_s": NaN'), ["NaN"]),
+    "NaN literal": (_trace().replace('"arrival_time_s": 0.0', '"arrival_time_s": NaN'),
+                    ["requests[0].arrival_time_s is NaN", "finite number", "leave an optional field out"]),
+    "Infinity in a later request": (_trace(_row(), _row(request_id="r1")).replace(
+        '"priority": 0}]', '"priority": -Infinity}]'), ["requests[1].priority is -Infinity"]),
+    "sampling an empty list": (_trace(_row(sampling=[])), ["request 0", "sampling must be an object"]),
     "top-level list": ("[1, 2]", ["JSON object", "list"]),
     "top-level string": ('"trace"', ["JSON object", "str"]),
     "missing format": (json.dumps({"requests": [_row()]}), ["'format'"]),
@@ -1052,3 +1056,36 @@ def test_atomic_write_through_a_symlink_keeps_the_link(tmp_path):
     link.symlink_to(target)
     assert files.write_json(link, {"a": math.nan}) == link
     assert link.is_symlink() and strict_loads(target.read_text()) == {"a": None}
+
+
+def test_the_converted_model_is_readable_by_everyone(fake_cache):
+    """A class shares one cache: every file of the entry is world-readable (0o644), like its directory, also an
+    entry converted before this rule (an owner-only file is opened up at the next load)."""
+    gguf.load_smollm2()
+    entry = gguf.smollm2_cache_path()
+    files = [f for f in entry.iterdir() if f.is_file()]
+    assert files and all(f.stat().st_mode & 0o777 == 0o644 for f in files)
+    (entry / "model.safetensors").chmod(0o600)
+    gguf.load_smollm2()
+    assert (entry / "model.safetensors").stat().st_mode & 0o777 == 0o644
+
+
+def test_optional_trace_fields_may_be_null(tmp_path):
+    """null is JSON's "not given": an optional field that is null gets its default."""
+    path = tmp_path / "t.json"
+    path.write_text(_trace(_row(arrival_time_s=None, priority=None, sampling=None, prompt_text=None)))
+    (r,) = load_trace(path)
+    assert (r.arrival_time_s, r.priority, r.sampling) == (0.0, 0, SamplingParams())
+
+
+def test_a_request_added_to_two_engines_is_refused_naming_it(tiny):
+    """One engine owns a request's state: a second engine gets a clear error (not an invariant failure deep in the
+    block manager once both have run it); a copy is welcome."""
+    _, runner, prompts, _ = tiny
+    first, second = make_engine("paged", runner, n_slots=256), make_engine("paged", runner, n_slots=256)
+    req = Request("shared", prompts[0], 3, GREEDY)
+    first.add_request(req)
+    with pytest.raises(ValueError, match="'shared' was already added to another engine.*request.copy"):
+        second.add_request(req)
+    second.add_request(req.copy())
+    first.generate([]), second.generate([])

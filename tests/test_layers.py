@@ -31,7 +31,7 @@ LAYERS = {
     # the simulator's executor and cost model; the package facade re-exports up to here
     "sim": "sim.executor sim.cost_model sim.profile_format sim __init__",
     # experiments: run(), compare, HF baselines, reference outputs, reports, calibration and validation
-    "experiment": "experiment compare baselines sharegpt reference equivalence report sim.calibrate "
+    "experiment": "experiment compare baselines sharegpt reference equivalence report sim.calibrate sim.workloads "
                   "sim.validate sim.simulator experiments",
     "serving": "serving",  # live traffic: the async engine front end, the OpenAI-compatible server, bench-serve
     "cli": "__main__ gpu_check gpu_steps",  # the command line; gpu-check runs compare and the kernels

@@ -161,6 +161,30 @@ def test_calibrate_writes_a_profile_that_fits_its_samples(tiny_profile):
         assert p.meta["fit_error"][layout]["median"] < 0.5
 
 
+def test_quick_calibration_covers_every_axis_with_fewer_steps(tmp_path, one_thread):
+    """``calibrate --quick`` measures every kind of workload the full grid does, at fewer sizes and steps, and
+    still fits both layouts and the draft; the profile says it was quick."""
+    from minibatch.request import Request
+    from minibatch.sim.workloads import FULL, QUICK, draft_scenarios, scenarios
+
+    def kinds(scs):
+        return {sc.name.split("-")[0] for sc in scs}
+
+    def steps(scs):  # tokens to compute, a proxy for the time it takes
+        return sum(r.num_prompt_tokens + r.max_new_tokens for sc in scs for r in sc.requests
+                   if isinstance(r, Request))
+
+    full, quick = scenarios(1000, grid=FULL), scenarios(1000, grid=QUICK)
+    assert kinds(quick) == kinds(full) and steps(quick) < 0.6 * steps(full)
+    assert len(draft_scenarios(1000, grid=QUICK)) < len(draft_scenarios(1000))
+    path = tmp_path / "quick.json"
+    assert main(["calibrate", "--dtype", "float32", "--model", "tiny-random-llama", "--scale", "0.25", "--quick",
+                 "--draft-model", "tiny-random-llama", "--out", str(path), "--no-progress"]) == 0
+    p = Profile.load(path)
+    assert set(p.layouts) == {"packed", "padded"} and p.draft is not None and p.meta["quick"] is True
+    assert "--quick" in p.meta["command"]
+
+
 def test_simulate_says_when_the_profile_is_another_machines(tiny_profile, tmp_path, capsys):
     """A profile calibrated here records this machine (no note); the same profile with another CPU count
     and an older engine gets a note naming both and pointing to calibrate, and the JSON lists them."""
