@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     names = list(measured["traces"]) if args.resimulate else args.traces.split(",")
     for name in names:
         cfg = CompareConfig(model=measured["model"], check_reference=False, figures_dir=None, progress=False,
-                            max_num_batched_tokens=measured["max_num_batched_tokens"], **TRACES[name])
+                            policies=("chunked",),  # the token budget is the chunked policy's setting
+                            settings={"max_num_batched_tokens": measured["max_num_batched_tokens"]}, **TRACES[name])
         requests = build_trace(cfg, tokenizer, vocab_size)
         rows = []
         measured_rows = measured["traces"][name]["policies"] if args.resimulate else []

@@ -57,19 +57,22 @@ class Grid:
     prefill_lens: tuple = (3, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
     groups: tuple = ((2, 128), (4, 64), (8, 32), (2, 384), (4, 192), (3, 256), (6, 96))
     chunked_requests: int = 24
+    chunked_budgets: tuple = (96, 512)
     static_batches: tuple = (1, 2, 4, 8, 16, 32)
     static_batches_each: int = 3
     static_max_steps: int = 64
+    static_long: bool = True  # a batch of 4 padded to one 768-token prompt
     draft: tuple = ((1, 24), (4, 24), (16, 24), (32, 24), (1, 300), (8, 200))
 
 
 FULL = Grid()
-# The same axes at about a quarter of the steps: every layout's terms still see small and large values
-# (benchmarks/validate_sim.py compares the two fits on the held-out traces).
+# Every axis at fewer sizes and steps (about a quarter of FULL's measuring time): each layout's terms still see small
+# and large values (benchmarks/validate_sim.py --resimulate --profile compares the two fits on held-out traces).
 QUICK = Grid(decode_batches=(1, 4, 16, 64), decode_steps=5, long_batches=(1, 8), short_rows=(4, 32),
-             verify=((1, 24), (16, 24), (4, 256)), prefill_lens=(8, 32, 96, 256, 512, 1024),
-             groups=((4, 64), (2, 384), (6, 96)), chunked_requests=10, static_batches=(1, 4, 16, 32),
-             static_batches_each=2, static_max_steps=32, draft=((1, 24), (16, 24), (1, 300), (8, 200)))
+             verify=((1, 24), (16, 24), (4, 256)), prefill_lens=(8, 64, 256, 1024),
+             groups=((4, 64), (2, 384), (6, 96)), chunked_requests=6, chunked_budgets=(192,),
+             static_batches=(1, 4, 16), static_batches_each=2, static_max_steps=24, static_long=False,
+             draft=((1, 24), (16, 24), (1, 300), (8, 200)))
 
 
 def scenarios(vocab_size: int, scale: float = 1.0, seed: int = 1234, grid: Grid = FULL) -> list[Scenario]:
@@ -105,19 +108,21 @@ def scenarios(vocab_size: int, scale: float = 1.0, seed: int = 1234, grid: Grid 
     mixed = make_trace(s(grid.chunked_requests), rate_per_s=4.0, max_prompt_len=s(256), max_output_len=s(256),
                        output_scale=0.25 * scale,
                        vocab_size=vocab_size, seed=seed)
-    for budget in (96, 512):  # chunked prefill: chunks mixed with decodes
+    for budget in grid.chunked_budgets:  # chunked prefill: chunks mixed with decodes
         reqs = [Request(f"c{budget}-{r.request_id}", r.prompt_token_ids, r.max_new_tokens, GREEDY,
                         arrival_time_s=r.arrival_time_s) for r in mixed]
         out.append(Scenario(f"chunked-{budget}", "chunked", reqs, dict(big, max_num_batched_tokens=s(budget))))
-    for b in sorted({s(b) for b in grid.static_batches}):  # static: padded (B, T) batches, long decodes
-        n = b if b == s(32) else grid.static_batches_each * b  # three batches each (one prefill step each), one of 32
+    static_sizes = sorted({s(b) for b in grid.static_batches})
+    for b in static_sizes:  # static: padded (B, T) batches, long decodes
+        n = b if b == static_sizes[-1] else grid.static_batches_each * b  # a few batches each, one of the largest
         lengths = [(int(rng.integers(s(16), s(256) + 1)), int(rng.integers(4, s(grid.static_max_steps) + 1)))
                    for _ in range(n)]
         out.append(Scenario(f"static-b{b}", "static", _requests(f"s{b}", lengths, rng, vocab_size),
                             dict(batch_size=b, max_wait_s=0.0)))
-    lengths = [(s(768), 24), (s(64), 24), (s(128), 8), (s(32), 16)]  # one long prompt pads the whole batch
-    out.append(Scenario("static-long-b4", "static", _requests("sl", lengths, rng, vocab_size),
-                        dict(batch_size=4, max_wait_s=0.0)))
+    if grid.static_long:
+        lengths = [(s(768), 24), (s(64), 24), (s(128), 8), (s(32), 16)]  # one long prompt pads the whole batch
+        out.append(Scenario("static-long-b4", "static", _requests("sl", lengths, rng, vocab_size),
+                            dict(batch_size=4, max_wait_s=0.0)))
     return out
 
 

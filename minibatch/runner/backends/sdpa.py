@@ -126,8 +126,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """The blocks of ``tables`` (n, max_blocks) int64 from ``cache`` (num_blocks, block_size, num_kv_heads,
     head_dim), as (n, num_kv_heads, max_blocks x block_size, head_dim) (a strided view of one new tensor).
-    One ``index_select`` over blocks seen as rows: measured 25x faster on a CPU than indexing the 4-d cache with
-    ``cache[tables]`` (0.11 vs 2.7 ms for 32 tables of 17 blocks of SmolLM2's K and V, bf16, 2 threads)."""
+    One ``index_select`` over blocks seen as rows: faster on a CPU than indexing the 4-d cache with ``cache[tables]``
+    (``benchmarks/gather_blocks.py``: 0.18 vs 0.76 ms for the K and V of 32 tables of 17 blocks of SmolLM2's shape,
+    bf16, 2 threads; ``data/cpu/gather_blocks.json``)."""
     num_blocks, block_size, h_kv, d = cache.shape
     n, max_blocks = tables.shape
     rows = cache.view(num_blocks, -1).index_select(0, tables.flatten())
