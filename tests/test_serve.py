@@ -303,6 +303,17 @@ def test_metrics_have_vllm_names_and_count_one_request(loaded):
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": ["a", "b"]}, "prompt"),
+    # no silent coercion from another JSON type
+    ({"prompt": "x", "max_tokens": "4"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 4.0}, "max_tokens"),
+    ({"prompt": "x", "stream": "no"}, "stream"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "x", "top_k": "5"}, "top_k"),
+    ({"prompt": "x", "temperature": True}, "temperature"),
+    ({"prompt": "x", "seed": "7"}, "seed"),
+    ({"prompt": None}, "prompt"),  # null is "not given": a required field is then missing
+    ({"prompt": list(range(5, 600))}, "prompt"),  # the prompt alone exceeds max_model_len 512: not max_tokens'
+    ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
 ])
 def test_bad_bodies_get_400_naming_the_field(server, body, param):
     r = httpx.post(server.base_url + "/completions", json={"model": MODEL, **body}, timeout=30)
@@ -417,3 +428,56 @@ def test_serving_commands_refuse_bad_options_in_one_line(argv, names, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and names in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_null_means_default_where_openai_allows_it(server):
+    """The OpenAI spec makes most parameters nullable: null is the default, never an error."""
+    nulls = {k: None for k in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "stream",
+                               "stop", "seed", "logprobs", "user", "stream_options", "best_of", "logit_bias")}
+    r = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3,
+                                                           "ignore_eos": True, **nulls}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk(server):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it): every chunk carries the usage so far."""
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    usages = [e["usage"]["completion_tokens"] for e in events]
+    assert len(usages) == len(events) and usages == sorted(usages) and usages[-1] == 4
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nope", 404), ("POST", "/v2/completions", 404),
+                                                ("GET", "/v1/completions", 405), ("DELETE", "/health", 405)])
+def test_unknown_routes_and_methods_get_openai_error_objects(server, method, path, status):
+    r = httpx.request(method, server.base_url.removesuffix("/v1") + path, timeout=30)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and path in error["message"]
+
+
+def test_oversized_and_hostile_bodies_get_4xx_not_500(loaded):
+    """A body over --max-body-bytes is refused (413) before it is read whole; a lone surrogate or JSON nested too
+    deeply is a 400, never a 500; the server keeps serving."""
+    app, engine = build_server(MODEL, "paged", dict(n_slots=512, block_size=4), loaded=loaded,
+                               max_body_bytes=4096)
+    with ServerThread(app, engine) as srv:
+        url = srv.base_url + "/completions"
+        big = {"model": MODEL, "prompt": "x" * 5000}
+        r = httpx.post(url, json=big, timeout=30)
+        assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: the limit holds while reading
+            yield json.dumps(big).encode()
+
+        r = httpx.post(url, content=chunks(), timeout=30)
+        assert r.status_code == 413
+        r = httpx.post(url, content=b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(), timeout=30)
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+        r = httpx.post(url, content=b"[" * 2000 + b"]" * 2000, timeout=30)
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+        out = client(srv).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, **EXACT)
+        assert out.usage.completion_tokens == 2

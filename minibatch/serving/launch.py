@@ -31,13 +31,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     p.add_argument("--max-num-waiting", type=int, default=256,
                    help="most requests waiting for admission; one more gets HTTP 503 (default: 256)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="largest request body; a larger one gets HTTP 413 (default: 8 MiB)")
     p.add_argument("--policy-module", action="append", default=[], metavar="FILE.py",
                    help="a Python file that registers policies or attention backends; repeatable")
 
 
 def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
                  dtype="float32", draft_model: str | None = None, served_model_name: str | None = None,
-                 max_num_waiting: int = 256, keep_history: bool = False, loaded=None, attention_backend="torch"):
+                 max_num_waiting: int = 256, keep_history: bool = False, loaded=None, attention_backend="torch",
+                 max_body_bytes: int = 8 << 20):
     """(FastAPI app, AsyncEngine) for ``model`` under ``policy``; the engine loop is started.
 
     config: the policy's settings, a dict or its config object (as ``make_engine``'s ``config``).
@@ -45,6 +48,7 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     dtype: a torch dtype or a ``--dtype`` name ("auto": bfloat16 where it is fast); ignored with ``loaded``.
     loaded: an already loaded (model, tokenizer) pair to serve (tests and notebooks share one).
     attention_backend: a registered attention backend's name (``runner.backends``) or an AttentionBackend.
+    max_body_bytes: the largest request body (bytes); a larger one is answered 413.
 
     Raises:
         ValueError: an unknown model or policy, a policy that cannot serve (the HF baselines),
@@ -74,7 +78,7 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     async_engine = AsyncEngine(engine, max_num_waiting, keep_history=keep_history, on_step=metrics.on_step)
     from minibatch.serving.server import build_app
 
-    app = build_app(async_engine, tokenizer, name, metrics)
+    app = build_app(async_engine, tokenizer, name, metrics, max_body_bytes)
     return app, async_engine.start()
 
 
@@ -91,6 +95,7 @@ def run_serve(args, settings: dict) -> int:
     check_int(args.port, "--port", 0, 65535)
     check_int(args.threads, "--threads", 1, 1024)
     check_int(args.max_num_waiting, "--max-num-waiting", 1)
+    check_int(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 31)
     if args.policy in POLICIES:  # (python -m minibatch loads --policy-module files first; build_server
         settings = check_policy_settings(settings, (args.policy,))  # names an unknown policy)
     torch.set_num_threads(args.threads)
@@ -98,7 +103,7 @@ def run_serve(args, settings: dict) -> int:
     app, engine = build_server(args.model, args.policy, settings, device=args.device, dtype=dtype,
                                draft_model=args.draft_model,
                                served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting,
-                               attention_backend=args.attention_backend)
+                               attention_backend=args.attention_backend, max_body_bytes=args.max_body_bytes)
     print(f"serving {args.served_model_name or args.model} ({dtype_name(dtype)}) under "
           f"{args.policy} on "
           f"http://{args.host}:{args.port}/v1", flush=True)

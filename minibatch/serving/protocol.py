@@ -1,9 +1,11 @@
 """The OpenAI API subset we serve: request bodies (pydantic), checks and error bodies.
 
 What a body may hold: the fields of ``CompletionRequest`` / ``ChatCompletionRequest`` (vLLM's
-extensions ``top_k`` and ``ignore_eos`` included). An OpenAI parameter we do not implement
-(``UNSUPPORTED``: logprobs, penalties, n > 1, tools, ...) is refused with HTTP 400 naming it unless
-it holds its no-op default, and so is any unknown field: never silently ignored.
+extensions ``top_k``, ``ignore_eos`` and ``stream_options.continuous_usage_stats`` included). An OpenAI
+parameter we do not implement (``UNSUPPORTED``: logprobs, penalties, n > 1, tools, ...) is refused with HTTP
+400 naming it unless it holds its no-op default, and so is any unknown field: never silently ignored. ``null``
+means "not given" (the field's default), as the OpenAI spec allows; values are never coerced from another JSON
+type (``"4"`` is not a number, ``"no"`` not a boolean).
 """
 
 from __future__ import annotations
@@ -36,14 +38,15 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's extension (load generators send it): usage in every chunk
 
 
 class _Common(BaseModel):
     """Fields both endpoints take: sampling (greedy when temperature is 0), stop strings, streaming."""
 
-    model_config = ConfigDict(extra="forbid", strict=False)
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -66,6 +69,10 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Common):
     """POST /v1/completions: ``prompt`` is a string or a list of token ids (one prompt)."""
@@ -75,7 +82,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict]
     name: str | None = None
@@ -106,10 +113,11 @@ def parse_body(cls: type[BaseModel], body) -> BaseModel:
 
     Raises:
         APIError: not a JSON object, an unsupported OpenAI parameter with a non-default value,
-            an unknown field, or a field of the wrong type or out of range (``param`` names it).
+            an unknown field, or a field of the wrong type (no coercion) or out of range (``param`` names it).
     """
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
+    body = {k: v for k, v in body.items() if v is not None}  # null: not given (a required field is then missing)
     for name, allowed in UNSUPPORTED.items():
         if name in body and not any(body[name] == a and type(body[name]) is not bool or body[name] is a
                                     for a in allowed):

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server on the engine (FastAPI): /v1/completions and
 /v1/chat/completions (JSON or Server-Sent Events in OpenAI's chunk format), /v1/models, /health
 and /metrics (Prometheus text). A client that disconnects aborts its request; a full waiting
-queue answers 503 with Retry-After; a bad body answers 400 naming the field.
+queue answers 503 with Retry-After; a bad body answers 400 naming the field, a body over
+``max_body_bytes`` 413; every error (unknown routes and methods too) is an OpenAI error object.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import uuid
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from minibatch.request import Request, SamplingParams
 from minibatch.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError
@@ -23,10 +25,13 @@ from minibatch.serving.protocol import (APIError, ChatCompletionRequest, Complet
 from minibatch.serving.text import TextAssembler
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+MAX_BODY_BYTES = 8 << 20  # default body-size limit: far above any prompt a 2k-8k-token context holds
 
 
-def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingMetrics) -> FastAPI:
-    """The FastAPI app serving ``engine`` (started by the caller) as ``model_name``."""
+def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingMetrics,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving ``engine`` (started by the caller) as ``model_name``; a request body over
+    ``max_body_bytes`` is refused with 413 before it is read whole."""
     app = FastAPI(title="minibatch", docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics = engine, metrics
     max_model_len = engine.engine.executor.max_model_len
@@ -34,6 +39,13 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(raw: HTTPRequest, e: HTTPException):  # unknown route (404), wrong method (405)
+        what = {404: "no such route", 405: "method not allowed"}.get(e.status_code, str(e.detail))
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(f"{what}: {raw.method} {raw.url.path}", status=e.status_code, kind=kind).body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def server_error(_, e: Exception):  # the server never dies on a request
@@ -56,14 +68,14 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
 
     @app.post("/v1/completions")
     async def completions(raw: HTTPRequest):
-        body = parse_body(CompletionRequest, await read_json(raw))
+        body = parse_body(CompletionRequest, await read_json(raw, max_body_bytes))
         prompt = one_prompt(body.prompt)
         ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
         return await respond(raw, body, ids, max_new_tokens=body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: HTTPRequest):
-        body = parse_body(ChatCompletionRequest, await read_json(raw))
+        body = parse_body(ChatCompletionRequest, await read_json(raw, max_body_bytes))
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(f"messages: model {model_name!r} has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -87,6 +99,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
             raise api_error_of(e) from None
         text = TextAssembler(tokenizer, stop, skip_special_tokens=body.skip_special_tokens)
         out = Output(request.request_id, model_name, chat, len(prompt_ids), text)
+        out.continuous_usage = body.stream and body.continuous_usage
         if body.stream:
             return StreamingResponse(sse(engine, stream, out, body.include_usage), media_type="text/event-stream")
         return await collect(raw, engine, stream, out)
@@ -94,17 +107,39 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     return app
 
 
-async def read_json(raw: HTTPRequest):
+async def read_json(raw: HTTPRequest, max_body_bytes: int = MAX_BODY_BYTES):
+    """The decoded JSON body. Raises APIError: 413 over ``max_body_bytes`` (by Content-Length before reading, or
+    while reading), 400 for invalid JSON, nesting too deep, or a string no UTF-8 text can hold (a lone
+    surrogate escape such as "\\ud800")."""
+    too_big = APIError(f"the body is larger than this server's limit of {max_body_bytes} bytes (--max-body-bytes)",
+                       status=413)
+    declared = raw.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body_bytes:
+        raise too_big
+    data = bytearray()
+    async for chunk in raw.stream():
+        data += chunk
+        if len(data) > max_body_bytes:
+            raise too_big
     try:
-        return json.loads(await raw.body())
+        body = json.loads(data)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")  # a lone surrogate cannot be encoded
+    except RecursionError:
+        raise APIError("the body is not valid JSON: nested too deeply") from None
+    except UnicodeEncodeError:
+        raise APIError("the body holds a string that is not valid Unicode (a lone surrogate escape)") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the body is not valid JSON: {e}") from None
+    return body
 
 
 def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, max_model_len: int, chat: bool) -> Request:
     """The engine Request of a body (max_new_tokens None: whatever fits in max_model_len)."""
+    if len(prompt_ids) >= max_model_len:  # the prompt alone is too long: not max_tokens' fault
+        raise APIError(f"prompt: {len(prompt_ids)} tokens, but the model's context (max_model_len) is {max_model_len} "
+                       "tokens and must also hold at least 1 output token", "prompt")
     if max_new_tokens is None:
-        max_new_tokens = max(1, max_model_len - len(prompt_ids))
+        max_new_tokens = max_model_len - len(prompt_ids)
     try:
         sampling = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
                                   seed=body.seed, ignore_eos=body.ignore_eos)
@@ -133,6 +168,7 @@ class Output:
         self.created = int(time.time())
         self.num_prompt_tokens, self.num_output_tokens = num_prompt_tokens, 0
         self.finish_reason: str | None = None
+        self.continuous_usage = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
 
     def usage(self) -> dict:
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": self.num_output_tokens,
@@ -159,7 +195,7 @@ class Output:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason}
         else:
             choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": self.finish_reason}
-        return {**head, "choices": [choice]}
+        return {**head, "choices": [choice]} | ({"usage": self.usage()} if self.continuous_usage else {})
 
     def whole(self, text: str) -> dict:
         if self.chat:
