@@ -481,3 +481,15 @@ def test_oversized_and_hostile_bodies_get_4xx_not_500(loaded):
         assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
         out = client(srv).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, **EXACT)
         assert out.usage.completion_tokens == 2
+
+
+def test_the_chat_role_chunk_comes_with_the_first_token(server):
+    """The first chat chunk (the role) is sent when the first token is, not before the request is scheduled: a
+    client's time to first chunk is the TTFT (vLLM does the same)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in e["choices"][0]["delta"] for e in events[1:])
+    assert 1 <= len(events) <= 3  # one chunk per token at most: no role-only chunk ahead of the tokens

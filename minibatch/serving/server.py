@@ -212,20 +212,21 @@ def event(data: dict | str) -> str:
 
 
 async def sse(engine: AsyncEngine, stream, out: Output, include_usage: bool):
-    """The SSE body: a first chunk (chat: the role), a chunk per step with text, the last with
-    finish_reason, a usage chunk if asked, then ``[DONE]``. A stop string ends the request early
-    (finish_reason "stop"); a client that leaves cancels this generator, which aborts the request."""
+    """The SSE body: a chunk per step with text (chat: the first one carries the role and is sent with the first
+    token, as vLLM does, so a client's time to first chunk is the TTFT), the last with finish_reason, a usage
+    chunk if asked, then ``[DONE]``. A stop string ends the request early (finish_reason "stop"); a client that
+    leaves cancels this generator, which aborts the request."""
+    first = out.chat
     try:
-        if out.chat:
-            yield event(out.chunk("", first=True))
         async for delta in stream:
             piece = out.feed(delta)
             if out.finish_reason is not None:
                 stop_early(engine, out, delta)
-                yield event(out.chunk(piece))
+                yield event(out.chunk(piece, first=first))
                 break
-            if piece:
-                yield event(out.chunk(piece))
+            if piece or first:
+                yield event(out.chunk(piece, first=first))
+                first = False
     except EngineDeadError as e:  # the response has started: the error goes into the stream
         yield event(APIError(str(e), status=503, kind="server_error").body())
     finally:
