@@ -493,3 +493,18 @@ def test_the_chat_role_chunk_comes_with_the_first_token(server):
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all("role" not in e["choices"][0]["delta"] for e in events[1:])
     assert 1 <= len(events) <= 3  # one chunk per token at most: no role-only chunk ahead of the tokens
+
+
+def test_a_burst_to_an_idle_server_fills_its_free_slots_before_any_503(loaded):
+    """Room for 2 running + 4 waiting: a burst of 6 at once is all accepted (2 of them are admitted at the next
+    step: they do not wait, so they do not count as waiting)."""
+    app, engine = build_server(MODEL, "paged", dict(n_slots=1024, block_size=4, max_num_seqs=2), loaded=loaded,
+                               max_num_waiting=4)
+    with ServerThread(app, engine) as srv:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 3, "ignore_eos": True}
+
+        async def burst(n):
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await asyncio.gather(*(c.post(srv.base_url + "/completions", json=body) for _ in range(n)))
+
+        assert [r.status_code for r in asyncio.run(burst(6))] == [200] * 6

@@ -48,7 +48,8 @@ class AsyncEngine:
         engine: an :class:`~minibatch.engine.Engine`, best on a ``LiveClock`` (requests are
             stamped with the clock's ``now_s`` when submitted, so they arrive at once).
         max_num_waiting: the most requests that may wait for admission (submitted, not yet
-            running; preempted ones count); one more raises :class:`QueueFullError`. >= 1.
+            running, less the free running slots they will take at the next step; preempted ones count); one more
+            raises :class:`QueueFullError`. >= 1.
         keep_history: keep every finished request in ``engine.requests`` and every StepRecord in
             ``engine.trace`` (tests and notebooks read them); otherwise a long-running server
             keeps the last ``MAX_HISTORY`` finished requests and ``MAX_HISTORY`` records (a finished
@@ -98,6 +99,13 @@ class AsyncEngine:
             inbox = sum(1 for kind, _ in self._inbox if kind == "add")
         return inbox + len(self.engine.pending) + len(self.engine.scheduler.waiting)
 
+    def num_free_running_slots(self) -> int:
+        """Running slots (``max_num_seqs``) not taken: that many submitted requests will be admitted at the next
+        step rather than wait, so they do not count against ``max_num_waiting`` (a burst to an idle server is
+        not refused while it has room). 0 for schedulers without max_num_seqs (static batches wait to fill)."""
+        scheduler = self.engine.scheduler
+        return max(0, getattr(scheduler, "max_num_seqs", 0) - len(scheduler.running) - len(scheduler.swapped))
+
     # ------------------------------------------------------------------ requests
     def submit(self, request: Request) -> AsyncIterator[TokenDelta]:
         """Check and queue ``request`` now (call it from a running event loop); returns the async
@@ -114,7 +122,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         request.arrival_time_s = max(0.0, self.engine.clock.now_s)
         self.engine.check_request(request)
-        if self.num_waiting() >= self.max_num_waiting:
+        if self.num_waiting() - self.num_free_running_slots() >= self.max_num_waiting:
             raise QueueFullError(f"the waiting queue is full (max_num_waiting={self.max_num_waiting}): retry later")
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
