@@ -508,3 +508,53 @@ def test_a_burst_to_an_idle_server_fills_its_free_slots_before_any_503(loaded):
                 return await asyncio.gather(*(c.post(srv.base_url + "/completions", json=body) for _ in range(n)))
 
         assert [r.status_code for r in asyncio.run(burst(6))] == [200] * 6
+
+
+def test_slow_templating_and_tokenizing_never_stall_the_event_loop(loaded, monkeypatch):
+    """Decoding, templating and tokenizing a body run off the event loop: while one body takes 1.5 s to template,
+    /health answers at once and an open stream keeps its pace (gaps under 1 s). A text too long for the context is
+    refused before it is templated or tokenized."""
+    import time
+
+    model, tokenizer = loaded
+    app, engine = build_server(MODEL, "paged", dict(n_slots=2048, block_size=4, max_num_seqs=4), loaded=loaded)
+    real_template = tokenizer.apply_chat_template
+
+    def slow_template(*a, **k):
+        time.sleep(1.5)
+        return real_template(*a, **k)
+
+    with ServerThread(app, engine) as srv:
+        gaps, started = [], threading.Event()
+
+        def stream():
+            body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 120, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=60) as r:
+                last = None
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+                        started.set()
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        assert started.wait(30)
+        monkeypatch.setattr(tokenizer, "apply_chat_template", slow_template)
+        chat = threading.Thread(target=lambda: httpx.post(srv.base_url + "/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        chat.start()
+        time.sleep(0.3)  # the chat body is being templated now
+        t0 = time.perf_counter()
+        assert httpx.get(srv.base_url.removesuffix("/v1") + "/health", timeout=30).status_code == 200
+        health_s = time.perf_counter() - t0
+        chat.join()
+        streamer.join()
+        monkeypatch.setattr(tokenizer, "apply_chat_template", real_template)
+        too_long = httpx.post(srv.base_url + "/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}]})
+    assert health_s < 1.0 and max(gaps) < 1.0, (health_s, max(gaps))
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "messages"
+    assert "cannot fit the model's context" in too_long.json()["error"]["message"]

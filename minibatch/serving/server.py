@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +36,39 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     app = FastAPI(title="minibatch", docs_url=None, redoc_url=None)
     app.state.engine, app.state.metrics = engine, metrics
     max_model_len = engine.engine.executor.max_model_len
+    # The event loop does I/O only: decoding, validating, templating and tokenizing a body run here, one at a
+    # time (a tokenizer is not safe to share between threads), so a huge body never stalls /health or streams.
+    prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minibatch-prepare")
+    # a token's text is at most this many characters: a prompt of more than max_model_len times it cannot fit
+    max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(tokenizer, "get_vocab") \
+        else None
+
+    def check_length(num_chars: int, field: str) -> None:
+        """Refuse, before templating or tokenizing, a text that needs more tokens than the context holds."""
+        if max_token_chars and num_chars > max_model_len * max_token_chars:
+            raise APIError(f"{field}: {num_chars} characters cannot fit the model's context of {max_model_len} "
+                           f"tokens (a token covers at most {max_token_chars} characters)", field)
+
+    def prepare_completion(data: bytes):
+        body = parse_body(CompletionRequest, decode_json(data))
+        prompt = one_prompt(body.prompt)
+        if isinstance(prompt, str):
+            check_length(len(prompt), "prompt")
+            prompt = list(tokenizer.encode(prompt))
+        return body, prompt
+
+    def prepare_chat(data: bytes):
+        body = parse_body(ChatCompletionRequest, decode_json(data))
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(f"messages: model {model_name!r} has no chat template; use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        check_length(sum(len(m["content"]) for m in messages), "messages")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return body, list(tokenizer.encode(text, add_special_tokens=False))
+
+    async def prepared(raw: HTTPRequest, prepare):
+        data = await read_body(raw, max_body_bytes)
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, prepare, data)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -68,19 +102,12 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
 
     @app.post("/v1/completions")
     async def completions(raw: HTTPRequest):
-        body = parse_body(CompletionRequest, await read_json(raw, max_body_bytes))
-        prompt = one_prompt(body.prompt)
-        ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else prompt
+        body, ids = await prepared(raw, prepare_completion)
         return await respond(raw, body, ids, max_new_tokens=body.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: HTTPRequest):
-        body = parse_body(ChatCompletionRequest, await read_json(raw, max_body_bytes))
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(f"messages: model {model_name!r} has no chat template; use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        body, ids = await prepared(raw, prepare_chat)
         return await respond(raw, body, ids, max_new_tokens=body.max_new_tokens, chat=True)
 
     async def respond(raw, body, prompt_ids: list[int], max_new_tokens: int | None, chat: bool):
@@ -107,10 +134,9 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     return app
 
 
-async def read_json(raw: HTTPRequest, max_body_bytes: int = MAX_BODY_BYTES):
-    """The decoded JSON body. Raises APIError: 413 over ``max_body_bytes`` (by Content-Length before reading, or
-    while reading), 400 for invalid JSON, nesting too deep, or a string no UTF-8 text can hold (a lone
-    surrogate escape such as "\\ud800")."""
+async def read_body(raw: HTTPRequest, max_body_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The body's bytes. Raises APIError 413 over ``max_body_bytes`` (by Content-Length before reading, or while
+    reading)."""
     too_big = APIError(f"the body is larger than this server's limit of {max_body_bytes} bytes (--max-body-bytes)",
                        status=413)
     declared = raw.headers.get("content-length", "")
@@ -121,6 +147,12 @@ async def read_json(raw: HTTPRequest, max_body_bytes: int = MAX_BODY_BYTES):
         data += chunk
         if len(data) > max_body_bytes:
             raise too_big
+    return bytes(data)
+
+
+def decode_json(data: bytes):
+    """The decoded JSON body. Raises APIError 400 for invalid JSON, nesting too deep, or a string no UTF-8 text
+    can hold (a lone surrogate escape such as "\\ud800")."""
     try:
         body = json.loads(data)
         json.dumps(body, ensure_ascii=False).encode("utf-8")  # a lone surrogate cannot be encoded
