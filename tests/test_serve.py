@@ -558,3 +558,46 @@ def test_slow_templating_and_tokenizing_never_stall_the_event_loop(loaded, monke
     assert health_s < 1.0 and max(gaps) < 1.0, (health_s, max(gaps))
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "messages"
     assert "cannot fit the model's context" in too_long.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_drains_and_every_open_stream_gets_its_final_event(tmp_path, sig):
+    """SIGTERM or SIGINT with 20 open streams: new requests get 503 at once, the open ones run on until
+    --drain-timeout-s, then each ends with a final chunk (finish_reason "length" or "abort") and [DONE]; the
+    process then exits."""
+    import time
+
+    argv = ["--model", MODEL, "--policy", "paged", "--threads", "1", "--n-slots", "16384", "--max-num-seqs", "32",
+            "--dtype", "float32", "--drain-timeout-s", "1"]
+    p = ServerProcess(argv, str(tmp_path / "server.log")).start()
+    results, started = {}, threading.Barrier(21)
+
+    def stream(i):
+        body = {"model": MODEL, "prompt": PROMPTS[i % 4], "max_tokens": 480, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", p.base_url + "/completions", json=body, timeout=120) as r:
+            for n, line in enumerate(line for line in r.iter_lines() if line.startswith("data: ")):
+                events.append(line[6:])
+                if n == 1:
+                    started.wait(60)
+        results[i] = events
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    started.wait(60)  # every stream has its first tokens
+    p.proc.send_signal(sig)
+    time.sleep(0.3)
+    refused = httpx.post(p.base_url + "/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                         timeout=30)
+    for t in threads:
+        t.join(120)
+    p.proc.wait(60)
+    p.stop()
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    # uvicorn re-raises the signal once it has shut down: the exit status is the signal's (or 130 for Ctrl-C)
+    assert len(results) == 20 and p.proc.returncode in (0, -sig, 130)
+    for events in results.values():
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("length", "abort")
+    assert any(json.loads(e[-2])["choices"][0]["finish_reason"] == "abort" for e in results.values())

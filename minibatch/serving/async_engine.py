@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -74,6 +75,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = False
+        self.draining = False  # set by drain(): new requests are refused
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="minibatch-engine", daemon=True)
 
@@ -81,6 +83,20 @@ class AsyncEngine:
     def start(self) -> "AsyncEngine":
         self._thread.start()
         return self
+
+    def drain(self, timeout_s: float) -> int:
+        """Graceful shutdown, first half: refuse new requests (``submit`` raises QueueFullError, HTTP 503) and wait
+        up to ``timeout_s`` for the requests already in to finish; returns how many are still open (``shutdown``
+        then ends each with finish_reason "abort")."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.is_alive and time.monotonic() < deadline:
+            with self._lock:
+                if not self._streams and not self._inbox:
+                    break
+            time.sleep(0.02)
+        with self._lock:
+            return len(self._streams)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the loop thread (after the step in flight) and end every open stream with "abort"."""
@@ -120,6 +136,8 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        if self.draining:
+            raise QueueFullError("the server is shutting down (draining): no new requests")
         request.arrival_time_s = max(0.0, self.engine.clock.now_s)
         self.engine.check_request(request)
         if self.num_waiting() - self.num_free_running_slots() >= self.max_num_waiting:

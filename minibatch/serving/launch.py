@@ -31,6 +31,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: 2)")
     p.add_argument("--max-num-waiting", type=int, default=256,
                    help="most requests waiting for admission; one more gets HTTP 503 (default: 256)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: refuse new requests (503) and let running ones finish for this long, "
+                        "then end the rest with finish_reason \"abort\" (default: 30)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20,
                    help="largest request body; a larger one gets HTTP 413 (default: 8 MiB)")
     p.add_argument("--policy-module", action="append", default=[], metavar="FILE.py",
@@ -88,7 +91,7 @@ def run_serve(args, settings: dict) -> int:
     import torch
     import uvicorn
 
-    from minibatch.checks import check_int
+    from minibatch.checks import check_int, check_real
     from minibatch.experiment import check_policy_settings
     from minibatch.policies import POLICIES
 
@@ -96,6 +99,7 @@ def run_serve(args, settings: dict) -> int:
     check_int(args.threads, "--threads", 1, 1024)
     check_int(args.max_num_waiting, "--max-num-waiting", 1)
     check_int(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 31)
+    check_real(args.drain_timeout_s, "--drain-timeout-s", 0.0, 86400.0)
     if args.policy in POLICIES:  # (python -m minibatch loads --policy-module files first; build_server
         settings = check_policy_settings(settings, (args.policy,))  # names an unknown policy)
     torch.set_num_threads(args.threads)
@@ -107,11 +111,40 @@ def run_serve(args, settings: dict) -> int:
     print(f"serving {args.served_model_name or args.model} ({dtype_name(dtype)}) under "
           f"{args.policy} on "
           f"http://{args.host}:{args.port}/v1", flush=True)
+    server = draining_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                            timeout_graceful_shutdown=10), engine, args.drain_timeout_s)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+        server.run()
     finally:
         engine.shutdown()
     return 0
+
+
+def draining_server(config, engine: AsyncEngine, drain_timeout_s: float):
+    """uvicorn's server (for ``config``) with a graceful drain: the first SIGTERM/SIGINT stops new requests (503),
+    lets the open ones finish for up to ``drain_timeout_s``, ends the rest with finish_reason "abort" (every open
+    stream gets its final chunk and ``[DONE]``), then lets uvicorn close the connections; a second signal exits at
+    once."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame):
+            if self.draining:  # a second signal: uvicorn's own (force) exit
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            print(f"draining: no new requests; open ones get up to {drain_timeout_s:g} s", flush=True)
+            threading.Thread(target=self._drain, args=(sig, frame), name="minibatch-drain", daemon=True).start()
+
+        def _drain(self, sig, frame):
+            left = engine.drain(drain_timeout_s)
+            engine.shutdown()  # the open streams end with finish_reason "abort"
+            print(f"drained; {left} request(s) ended with finish_reason 'abort'", flush=True)
+            time.sleep(0.2)  # their final events reach the sockets before uvicorn starts closing
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 class ServerThread:
