@@ -78,17 +78,23 @@ def test_a_plugins_own_setting_under_compare_and_simulate(plugin_dir, tmp_path, 
 
 def test_a_plugins_own_setting_under_serve(plugin_dir, monkeypatch, capsys):
     """serve loads the plug-in (--policy-module), offers its setting, and serves with it."""
-    import uvicorn
     from fastapi.testclient import TestClient
+
+    from minibatch.serving import launch
 
     served = {}
 
-    def fake_run(app, **kwargs):  # instead of listening on a port: one completion through the app
-        with TestClient(app) as client:
-            reply = client.post("/v1/completions", json={"model": "tiny-random-llama", "prompt": "hi", "max_tokens": 3})
-        served.update(status=reply.status_code, scheduler=app.state.engine.engine.scheduler)
+    class FakeServer:  # instead of listening on a port: one completion through the app
+        def __init__(self, config, engine, drain_timeout_s):
+            self.app = config.app
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+        def run(self):
+            with TestClient(self.app) as client:
+                reply = client.post("/v1/completions", json={"model": "tiny-random-llama", "prompt": "hi",
+                                                             "max_tokens": 3})
+            served.update(status=reply.status_code, scheduler=self.app.state.engine.engine.scheduler)
+
+    monkeypatch.setattr(launch, "draining_server", FakeServer)
     serve = ["serve", "--model", "tiny-random-llama", "--dtype", "float32", "--threads", "1",
              "--policy-module", str(plugin_dir / "ttft_guard.py")]
     assert main(serve + ["--policy", "ttft_guard", "--guard-ttft-s", "0.25"]) == 0

@@ -418,6 +418,9 @@ def test_every_policy_serves_a_burst(loaded, policy):
     (["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--max-num-waiting", "0"], "--max-num-waiting"),
+    (["serve", "--drain-timeout-s", "-1"], "--drain-timeout-s"),
+    (["serve", "--drain-timeout-s", "nan"], "--drain-timeout-s"),
+    (["serve", "--max-body-bytes", "10"], "--max-body-bytes"),
     (["bench-serve", "--base-url", "http://127.0.0.1:9", "--rate", "0"], "--rate"),
     (["bench-serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "0"], "--num-prompts"),
 ])
