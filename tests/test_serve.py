@@ -480,8 +480,8 @@ def test_oversized_and_hostile_bodies_get_4xx_not_500(loaded):
         assert r.status_code == 413
         r = httpx.post(url, content=b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(), timeout=30)
         assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
-        r = httpx.post(url, content=b"[" * 2000 + b"]" * 2000, timeout=30)
-        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+        r = httpx.post(url, content=b"[" * 2000 + b"]" * 2000, timeout=30)  # too deep for json, or not an object
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         out = client(srv).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, **EXACT)
         assert out.usage.completion_tokens == 2
 
