@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from minibatch.runner.backends import backend_names
+from minibatch.runner.backends import backend_names, get_backend
 
 BENCH_POLICIES = ("static", "orca", "paged", "chunked", "spec_ngram", "hf_generate", "hf_generate_batch")
 CONTINUOUS = ("orca", "paged", "chunked", "spec_ngram")  # iteration-level policies of ours
@@ -192,6 +192,8 @@ def _greedy(ctx: CheckContext, dtype: str, models: tuple[str, ...]) -> dict:
     details, bad = {}, []
     for model in models:
         for backend in backend_names():
+            if torch.device(ctx.device).type not in get_backend(backend).devices:
+                continue  # a CPU-only kernel (cpp) on a GPU
             # Interpreted, a Triton run costs ~15 s on CPU: there the kernels get one policy that uses
             # both (chunked: packed prefill chunks and decodes) and a shorter trace.
             interpreted = backend == "triton" and not ctx.on_gpu

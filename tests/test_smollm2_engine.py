@@ -32,7 +32,8 @@ def test_smollm2_greedy_matches_hf_generate(smollm2, policy):
     assert [r.output_token_ids for r in reqs] == refs
 
 
-@pytest.mark.parametrize("policy,backend", [("paged", "sdpa"), ("chunked", "sdpa"), ("paged", "compiled")])
+@pytest.mark.parametrize("policy,backend", [("paged", "sdpa"), ("chunked", "sdpa"), ("paged", "compiled"),
+                                            ("chunked", "cpp")])
 def test_smollm2_fast_backends_match_hf_generate(smollm2, policy, backend):
     """The fast attention backends on the real model, fp32: token-exact with HF generate."""
     runner, prompts, refs = smollm2
@@ -56,7 +57,8 @@ def test_smollm2_bf16_is_logprob_close_and_a_broken_engine_is_caught():
                     arrival_time_s=0.02 * i) for i, text in enumerate(demo_prompts()[:4])]
     refs = reference_outputs(model, reqs, logprobs=5)
     shared = dict(max_num_seqs=4, n_slots=512, block_size=16)
-    for policy, backend in (("paged", "torch"), ("chunked", "torch"), ("paged", "sdpa"), ("chunked", "sdpa")):
+    for policy, backend in (("paged", "torch"), ("chunked", "torch"), ("paged", "sdpa"), ("chunked", "sdpa"),
+                            ("chunked", "cpp")):
         good = run(policy, reqs, ModelRunner(model, tok, attention_backend=backend), SimClock(), config=shared)
         report = check_outputs(good.requests, refs, "logprob-close")
         assert report["passed"] is True, (policy, backend, report)

@@ -1,0 +1,211 @@
+// Paged decode attention on a CPU: every one-token query reads its K/V through its block table, in place.
+//
+// vLLM's PagedAttention decode (Kwon et al., SOSP'23, section 4.1) as a plain C++ loop nest, built at first use by
+// torch.utils.cpp_extension (minibatch/kernels/cpu_decode.py). One task per request (or per (request, KV head)
+// when there are few requests): the `group` query heads that share a KV head read each key and value once. Scores, softmax and the weighted sum are fp32 whatever
+// the cache dtype; the output is in the query's dtype. Parallel over tasks with ATen's thread pool (torch's
+// thread count).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// One row of head_dim values as fp32. bf16 is the top half of an fp32: a shift, which the compiler vectorizes.
+template <typename scalar_t>
+inline void load_row(const scalar_t* src, float* dst, int64_t n, uint32_t*) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+template <>
+inline void load_row<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n, uint32_t* bits) {
+  const uint16_t* raw = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t d = 0; d < n; ++d) bits[d] = static_cast<uint32_t>(raw[d]) << 16;
+  std::memcpy(dst, bits, n * sizeof(float));
+}
+
+// A dot product of fp32 rows. With AVX-512: 16 lanes of fused multiply-adds and one horizontal sum. Elsewhere,
+// 16 partial sums added up as a tree, which compilers vectorize for the machine's own width (a plain
+// `s += a[d] * b[d]` loop is either not vectorized or ends in 16 dependent scalar adds).
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  float s = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  s = _mm512_reduce_add_ps(acc);
+#else
+  float part[16] = {};
+  for (; d + 16 <= n; d += 16)
+    for (int j = 0; j < 16; ++j) part[j] += a[d + j] * b[d + j];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) part[j] += part[j + w];
+  s = part[0];
+#endif
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// exp(x) for x <= 0 (a softmax's scores minus their max), in a form compilers vectorize (libm's expf is a call
+// per element): x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor polynomial (relative error
+// below 3e-7 there), times 2^k built in the exponent bits. Below -87, exp underflows fp32: 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float k = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - k * 0.693359375f) + k * 2.12194440e-4f;  // ln2 split in two for precision
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// Ask for a block's rows [h0 x head_dim, h1 x head_dim) of every token before they are read (the blocks of a
+// table are scattered, so the hardware prefetcher cannot guess the next one).
+template <typename scalar_t>
+inline void prefetch_block(const scalar_t* block, int64_t block_size, int64_t token_stride, int64_t lo, int64_t hi) {
+#if defined(__GNUC__) || defined(__clang__)
+  const int64_t step = 64 / static_cast<int64_t>(sizeof(scalar_t));  // one cache line
+  for (int64_t t = 0; t < block_size; ++t)
+    for (int64_t e = lo; e < hi; e += step) __builtin_prefetch(block + t * token_stride + e);
+#endif
+}
+
+// One request's KV heads [h0, h1): q and out point at its (num_heads, head_dim) rows.
+template <typename scalar_t>
+void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                 int64_t seq_len, int64_t start, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
+                 int64_t block_size, int64_t token_stride, float scale, scalar_t* out, std::vector<float>& buf,
+                 std::vector<uint32_t>& bits) {
+  const int64_t n_pos = seq_len - start, heads = (h1 - h0) * group, width = (h1 - h0) * head_dim;
+  const int64_t lo = h0 * head_dim, block_stride = block_size * token_stride;
+  // buf: the heads' queries, one token's row of these KV heads, heads x n_pos scores, heads x head_dim sums
+  const int64_t size = heads * head_dim + width + heads * n_pos + heads * head_dim;
+  if (static_cast<int64_t>(buf.size()) < size) buf.resize(size);
+  if (static_cast<int64_t>(bits.size()) < width) bits.resize(width);
+  float* qf = buf.data();
+  float* row = qf + heads * head_dim;
+  float* scores = row + width;
+  float* acc = scores + heads * n_pos;
+  std::fill(acc, acc + heads * head_dim, 0.0f);
+  for (int64_t i = 0; i < heads * head_dim; ++i) qf[i] = static_cast<float>(q[h0 * group * head_dim + i]) * scale;
+  const int64_t first = start / block_size, last = (seq_len - 1) / block_size;
+  // scores: block by block through the table; each key converted once, dotted with every query head sharing it
+  for (int64_t b = first, p = 0; b <= last; ++b) {
+    const scalar_t* block = k_cache + table[b] * block_stride;
+    if (b < last) prefetch_block(k_cache + table[b + 1] * block_stride, block_size, token_stride, lo, lo + width);
+    const int64_t t_end = std::min(block_size, seq_len - b * block_size);
+    for (int64_t t = std::max<int64_t>(0, start - b * block_size); t < t_end; ++t, ++p) {
+      load_row(block + t * token_stride + lo, row, width, bits.data());
+      for (int64_t hq = 0; hq < heads; ++hq)
+        scores[hq * n_pos + p] = dot(qf + hq * head_dim, row + (hq / group) * head_dim, head_dim);
+    }
+  }
+  for (int64_t hq = 0; hq < heads; ++hq) {  // softmax along the context, fp32
+    float* s = scores + hq * n_pos;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < n_pos; ++p) m = std::max(m, s[p]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t p = 0; p < n_pos; ++p) {
+      s[p] = exp_nonpositive(s[p] - m);
+      total += s[p];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t p = 0; p < n_pos; ++p) s[p] *= inv;
+  }
+  for (int64_t b = first, p = 0; b <= last; ++b) {  // weighted sum: the same walk over the values
+    const scalar_t* block = v_cache + table[b] * block_stride;
+    if (b < last) prefetch_block(v_cache + table[b + 1] * block_stride, block_size, token_stride, lo, lo + width);
+    const int64_t t_end = std::min(block_size, seq_len - b * block_size);
+    for (int64_t t = std::max<int64_t>(0, start - b * block_size); t < t_end; ++t, ++p) {
+      load_row(block + t * token_stride + lo, row, width, bits.data());
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const float w = scores[hq * n_pos + p];
+        const float* v = row + (hq / group) * head_dim;
+        float* a = acc + hq * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
+      }
+    }
+  }
+  for (int64_t i = 0; i < heads * head_dim; ++i) out[h0 * group * head_dim + i] = static_cast<scalar_t>(acc[i]);
+}
+
+}  // namespace
+
+// q: (n, num_heads, head_dim); k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), contiguous;
+// tables: (n, max_blocks) int64; seq_lens: (n,) int64, each >= 1; window: 0 = none, else each query sees the last
+// `window` keys of its context. Returns (n, num_heads, head_dim) in q's dtype.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode: q must be (n, num_heads, head_dim) and k_cache, v_cache "
+              "(num_blocks, block_size, num_kv_heads, head_dim) of one shape");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_decode: q and the cache differ in dtype");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
+  q = q.contiguous();
+  tables = tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  const int64_t n = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), max_blocks = tables.size(1);
+  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "paged_decode: head geometry");
+  TORCH_CHECK(tables.size(0) == n && seq_lens.size(0) == n, "paged_decode: one table and length per query");
+  const int64_t group = num_heads / num_kv_heads;
+  auto out = torch::empty_like(q);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* table_data = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {  // every block a query reads must exist: never read outside the cache
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "paged_decode: seq_len out of its table");
+    for (int64_t b = 0; b * block_size < lens[i]; ++b) {
+      const int64_t block = table_data[i * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < k_cache.size(0), "paged_decode: block id ", block, " outside the cache");
+    }
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t token_stride = num_kv_heads * head_dim;
+    // a task is one request's KV heads: all of them (each block read as one contiguous run) when there are enough
+    // requests to keep every thread busy, else one KV head per task
+    const int64_t per_task = n >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+    const int64_t splits = num_kv_heads / per_task;
+    at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      std::vector<uint32_t> bits;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t i = task / splits, h0 = (task % splits) * per_task;
+        const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
+        decode_task<scalar_t>(qp + i * num_heads * head_dim, kp, vp, tp + i * max_blocks, lens[i], start, h0,
+                              h0 + per_task, group, head_dim, block_size, token_stride, static_cast<float>(scale),
+                              op + i * num_heads * head_dim, buf, bits);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (one-token queries) reading K/V by block table");
+}

@@ -1,0 +1,72 @@
+"""The C++ paged decode kernel (minibatch/kernels/cpu_paged_decode.cpp) against the eager reference decode
+(``backends.compiled.paged_decode``: gather by table, masked fp32 softmax), over the class of shapes the engine
+passes: dtypes, GQA groups, head sizes that are not a multiple of the vector width, block sizes, sliding windows,
+contexts of one token up to a full table, few requests (one task per KV head) and many (one per request)."""
+
+import pytest
+import torch
+
+from minibatch.kernels import cpu_decode
+from minibatch.runner.backends.compiled import paged_decode as reference_decode
+
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C++ compiler to build the CPU decode kernel")
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,num_heads,num_kv_heads,head_dim,block_size", [
+    (1, 4, 4, 16, 16), (3, 9, 3, 64, 16), (20, 8, 2, 24, 4), (7, 6, 1, 40, 1), (33, 4, 2, 128, 8)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_matches_the_reference(dtype, n, num_heads, num_kv_heads, head_dim, block_size, window):
+    g = torch.Generator().manual_seed(n * 31 + head_dim)
+    max_blocks, num_blocks = 12, 500
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+                        for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=g)[: n * max_blocks].view(n, max_blocks)
+    lens = torch.randint(1, max_blocks * block_size + 1, (n,), generator=g)
+    lens[0] = max_blocks * block_size  # a full table
+    if n > 1:
+        lens[1] = 1  # one token of context
+    q = torch.randn(n, num_heads, head_dim, generator=g).to(dtype)
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, window)
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, window)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert (out.float() - ref.float()).abs().max() <= TOLERANCE[dtype]
+
+
+def test_extreme_scores_stay_finite():
+    """Scores far apart (one key dominates; the rest underflow exp) give that key's value, not NaN."""
+    k_cache = torch.zeros(4, 4, 1, 16)
+    v_cache = torch.arange(4 * 4 * 16, dtype=torch.float32).view(4, 4, 1, 16)
+    k_cache[2, 1, 0] = 100.0
+    q = torch.ones(1, 1, 16)
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, torch.tensor([[2, 0]]), torch.tensor([8]), 1.0)
+    assert torch.equal(out[0, 0], v_cache[2, 1, 0])
+
+
+def test_bad_input_is_refused():
+    q = torch.randn(2, 4, 16)
+    cache = torch.randn(10, 4, 2, 16)
+    tables = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="seq_len out of its table"):
+        cpu_decode.paged_decode(q, cache, cache, tables, torch.tensor([13, 1]), 1.0)
+    with pytest.raises(RuntimeError, match="block id 10 outside the cache"):
+        cpu_decode.paged_decode(q, cache, cache, torch.tensor([[0, 10, 0], [0, 0, 0]]), torch.tensor([5, 1]), 1.0)
+    with pytest.raises(RuntimeError, match="differ in dtype"):
+        cpu_decode.paged_decode(q.double(), cache, cache, tables, torch.tensor([1, 1]), 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_decode.paged_decode(q, torch.randn(10, 4, 2, 32)[..., :16], cache, tables, torch.tensor([1, 1]), 1.0)
+    with pytest.raises(RuntimeError, match="of one shape"):
+        cpu_decode.paged_decode(q, cache, cache[:5], tables, torch.tensor([1, 1]), 1.0)
+
+
+def test_backend_is_refused_with_the_reason_when_the_kernel_cannot_be_built(monkeypatch):
+    from minibatch.runner.backends import get_backend
+
+    monkeypatch.setattr(cpu_decode, "_module", None)
+    monkeypatch.setattr(cpu_decode, "_error", "OSError: no C++ compiler")
+    with pytest.raises(ValueError, match="attention_backend 'cpp' is not available here: .*no C\\+\\+ compiler"):
+        get_backend("cpp").check("cpu", torch.float32)
+    with pytest.raises(ValueError, match="runs on cpu, not cuda"):
+        get_backend("cpp").check("cuda", torch.float32)
