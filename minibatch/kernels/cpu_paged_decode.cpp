@@ -88,21 +88,46 @@ inline void prefetch_block(const scalar_t* block, int64_t block_size, int64_t to
 #endif
 }
 
-// One request's KV heads [h0, h1): q and out point at its (num_heads, head_dim) rows.
-template <typename scalar_t>
+// acc[0 .. D) += sum over t < nt of w[t] x v[t x stride .. + D). With D known at compile time (HD > 0) the sums stay
+// in registers across the tokens; otherwise in memory.
+template <int HD>
+inline void weighted_sum(float* acc, const float* w, const float* v, int64_t nt, int64_t stride, int64_t head_dim) {
+  if constexpr (HD > 0) {
+    float r[HD];
+    for (int d = 0; d < HD; ++d) r[d] = acc[d];
+    for (int64_t t = 0; t < nt; ++t) {
+      const float wt = w[t];
+      const float* vt = v + t * stride;
+      for (int d = 0; d < HD; ++d) r[d] += wt * vt[d];
+    }
+    for (int d = 0; d < HD; ++d) acc[d] = r[d];
+  } else {
+    for (int64_t t = 0; t < nt; ++t) {
+      const float wt = w[t];
+      const float* vt = v + t * stride;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += wt * vt[d];
+    }
+  }
+}
+
+// One request's KV heads [h0, h1): q and out point at its (num_heads, head_dim) rows. HD: head_dim when it is
+// known at compile time (64, 128), else 0.
+template <typename scalar_t, int HD>
 void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                  int64_t seq_len, int64_t start, int64_t h0, int64_t h1, int64_t group, int64_t head_dim,
                  int64_t block_size, int64_t token_stride, float scale, scalar_t* out, std::vector<float>& buf,
                  std::vector<uint32_t>& bits) {
+  if constexpr (HD > 0) head_dim = HD;
   const int64_t n_pos = seq_len - start, heads = (h1 - h0) * group, width = (h1 - h0) * head_dim;
   const int64_t lo = h0 * head_dim, block_stride = block_size * token_stride;
-  // buf: the heads' queries, one token's row of these KV heads, heads x n_pos scores, heads x head_dim sums
-  const int64_t size = heads * head_dim + width + heads * n_pos + heads * head_dim;
+  // buf: the heads' queries, a block's rows of these KV heads, heads x n_pos scores, heads x head_dim sums
+  const int64_t size = heads * head_dim + block_size * width + heads * n_pos + heads * head_dim;
   if (static_cast<int64_t>(buf.size()) < size) buf.resize(size);
   if (static_cast<int64_t>(bits.size()) < width) bits.resize(width);
   float* qf = buf.data();
   float* row = qf + heads * head_dim;
-  float* scores = row + width;
+  float* scores = row + block_size * width;
   float* acc = scores + heads * n_pos;
   std::fill(acc, acc + heads * head_dim, 0.0f);
   for (int64_t i = 0; i < heads * head_dim; ++i) qf[i] = static_cast<float>(q[h0 * group * head_dim + i]) * scale;
@@ -131,20 +156,15 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const float inv = 1.0f / total;
     for (int64_t p = 0; p < n_pos; ++p) s[p] *= inv;
   }
-  for (int64_t b = first, p = 0; b <= last; ++b) {  // weighted sum: the same walk over the values
+  for (int64_t b = first, p = 0; b <= last; ++b) {  // weighted sum: a block's values converted, then summed per head
     const scalar_t* block = v_cache + table[b] * block_stride;
     if (b < last) prefetch_block(v_cache + table[b + 1] * block_stride, block_size, token_stride, lo, lo + width);
-    const int64_t t_end = std::min(block_size, seq_len - b * block_size);
-    for (int64_t t = std::max<int64_t>(0, start - b * block_size); t < t_end; ++t, ++p) {
-      load_row(block + t * token_stride + lo, row, width, bits.data());
-      for (int64_t hq = 0; hq < heads; ++hq) {
-        const float w = scores[hq * n_pos + p];
-        const float* v = row + (hq / group) * head_dim;
-        float* a = acc + hq * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
-      }
-    }
+    const int64_t t0 = std::max<int64_t>(0, start - b * block_size), t_end = std::min(block_size, seq_len - b * block_size);
+    for (int64_t t = t0; t < t_end; ++t) load_row(block + t * token_stride + lo, row + (t - t0) * width, width, bits.data());
+    for (int64_t hq = 0; hq < heads; ++hq)
+      weighted_sum<HD>(acc + hq * head_dim, scores + hq * n_pos + p, row + (hq / group) * head_dim, t_end - t0, width,
+                       head_dim);
+    p += t_end - t0;
   }
   for (int64_t i = 0; i < heads * head_dim; ++i) out[h0 * group * head_dim + i] = static_cast<scalar_t>(acc[i]);
 }
@@ -197,9 +217,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / splits, h0 = (task % splits) * per_task;
         const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
-        decode_task<scalar_t>(qp + i * num_heads * head_dim, kp, vp, tp + i * max_blocks, lens[i], start, h0,
-                              h0 + per_task, group, head_dim, block_size, token_stride, static_cast<float>(scale),
-                              op + i * num_heads * head_dim, buf, bits);
+        auto task_fn = head_dim == 64 ? decode_task<scalar_t, 64>
+                       : head_dim == 128 ? decode_task<scalar_t, 128> : decode_task<scalar_t, 0>;
+        task_fn(qp + i * num_heads * head_dim, kp, vp, tp + i * max_blocks, lens[i], start, h0, h0 + per_task, group,
+                head_dim, block_size, token_stride, static_cast<float>(scale), op + i * num_heads * head_dim, buf, bits);
       }
     });
   });

@@ -1,0 +1,124 @@
+"""The ``cpp`` attention backend's C++ paged decode kernel against ``sdpa``'s decode attention (K/V blocks gathered
+into a padded tensor, then torch's fused attention), at two levels, each way interleaved with the others:
+
+* ``kernel``: one layer's decode attention on SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64, block_size
+  16, bf16) for ``--requests`` requests whose contexts are all ``--context`` tokens ("equal") or drawn uniformly
+  from 32 .. 2 x context ("mixed": sdpa pads every request to the longest);
+* ``engine``: whole decode steps of SmolLM2-135M on ModelRunners that differ only in the backend (one model, each
+  runner its own KV cache and the same requests), steps alternating between them; medians of ``--steps``.
+
+    python benchmarks/cpu_decode.py --json data/cpu/cpu_decode.json
+
+The first run on a machine builds the kernel (tens of seconds, before any timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from minibatch.report import environment, machine_load, write_json
+
+BACKENDS = ("sdpa", "cpp")
+
+
+def lengths(kind: str, n: int, context: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "equal":
+        return torch.full((n,), context)
+    return torch.randint(32, 2 * context + 1, (n,), generator=g)
+
+
+def kernel_times(n: int, context: int, kind: str, repeats: int) -> dict:
+    """Median ms of one layer's decode attention per backend, and the largest difference between them."""
+    from minibatch.kernels import cpu_decode
+    from minibatch.runner.backends.sdpa import SdpaAttentionData, decode_attention
+
+    heads, kv_heads, d, block = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(0)
+    lens = lengths(kind, n, context, g)
+    blocks = -(-int(lens.max()) // block)
+    pool = n * blocks * 2
+    k_cache, v_cache = (torch.randn(pool, block, kv_heads, d, generator=g).bfloat16() for _ in range(2))
+    tables = torch.randperm(pool, generator=g)[: n * blocks].view(n, blocks)
+    q = torch.randn(n, heads, d, generator=g).bfloat16()
+    mask = (torch.arange(blocks * block)[None, :] < lens[:, None])[:, None, None, :]
+    data = SdpaAttentionData(write_all=True, decode_tables=tables, decode_mask=mask)
+    ways = {"sdpa": lambda: decode_attention(q, k_cache, v_cache, data, d ** -0.5),
+            "cpp": lambda: cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, d ** -0.5)}
+    diff = (ways["sdpa"]().float() - ways["cpp"]().float()).abs().max().item()
+    times = {name: [] for name in ways}
+    for _ in range(repeats):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: round(statistics.median(t), 3) for name, t in times.items()} | {"max_abs_diff": diff}
+
+
+def engine_times(model, tokenizer, n: int, context: int, kind: str, steps: int) -> dict:
+    """Median ms of a whole decode step per backend (steps alternating between the runners)."""
+    from minibatch.clock import WallClock
+    from minibatch.policies import make_engine
+    from minibatch.request import Request, SamplingParams
+    from minibatch.runner import ModelRunner
+
+    engines = {}
+    for name in BACKENDS:
+        runner = ModelRunner(model, tokenizer, attention_backend=name)
+        engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=n, block_size=16,
+                             n_slots=n * (2 * context + steps + 40) + 64)
+        g = torch.Generator().manual_seed(1)
+        for i, length in enumerate(lengths(kind, n, context, g).tolist()):
+            prompt = torch.randint(10, runner.vocab_size, (length,), generator=g).tolist()
+            engine.add_request(Request(f"r{i}", prompt, steps + 8, SamplingParams(ignore_eos=True)))
+        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+            engine.step()  # every prompt prefilled
+        engine.step()
+        engines[name] = engine
+    times = {name: [] for name in BACKENDS}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.step()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--context", type=int, default=256, help="tokens of context per request (equal; mixed: mean)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=100, help="kernel calls per way")
+    p.add_argument("--steps", type=int, default=30, help="engine decode steps per backend")
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    from minibatch.kernels import cpu_decode
+    from minibatch.models import load_model
+
+    cpu_decode.load()  # the build, before any timing
+    model, tokenizer = load_model("smollm2-135m", dtype="bfloat16")
+    load_before = machine_load()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for kind in ("equal", "mixed"):
+        kernel = kernel_times(args.requests, args.context, kind, args.repeats)
+        engine = engine_times(model, tokenizer, args.requests, args.context, kind, args.steps)
+        row = {"lengths": kind, "kernel_ms": kernel, "engine_step_ms": engine,
+               "kernel_speedup": round(kernel["sdpa"] / kernel["cpp"], 2),
+               "engine_step_speedup": round(engine["sdpa"] / engine["cpp"], 2)}
+        print(row)
+        rows.append(row)
+    result = {"command": "python benchmarks/cpu_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "environment": environment(load_before), "model": "smollm2-135m", "dtype": "bfloat16",
+              "requests": args.requests, "context": args.context, "threads": args.threads, "rows": rows}
+    write_json(result, args.json_path)
+    return result
+
+
+if __name__ == "__main__":
+    main()
