@@ -85,6 +85,12 @@ class Engine:
                 check_in_vocab(request.prompt_token_ids, vocab_size)
             except ValueError as e:
                 raise ValueError(f"request {request.request_id!r}: {e}") from None
+        if vocab_size is not None and any(t >= vocab_size for t in request.sampling.stop_token_ids):
+            raise ValueError(f"request {request.request_id!r}: stop_token_ids must be in [0, {vocab_size}) (the "
+                             f"model's vocab_size), got {list(request.sampling.stop_token_ids)}")
+        if request.sampling.min_tokens and not getattr(self.executor, "supports_min_tokens", True):
+            raise ValueError(f"request {request.request_id!r}: min_tokens is not supported by "
+                             f"{type(self.executor).__name__} (speculative decoding): use min_tokens 0")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} already ran; pass request.copy()")
         max_len = self.executor.max_model_len

@@ -48,6 +48,11 @@ class SamplingParams:
     ``logprobs`` most likely tokens and of the sampled one, under the model's raw distribution
     (log_softmax in float32 of the logits before temperature, top-k and top-p), in
     ``Request.logprobs``; None (default): none. In [0, 20].
+    ``stop_token_ids`` (vLLM's extension): more token ids that finish a request (finish_reason "stop",
+    the token kept in the output, as EOS is), whatever ``ignore_eos``; ids in [0, 2**31).
+    ``min_tokens`` (vLLM's extension): the first ``min_tokens`` output tokens cannot be EOS or a stop
+    token id (their logits are set to -inf before sampling, as vLLM's min-tokens logits processor does),
+    so a request runs at least that long; <= the request's max_new_tokens; speculative policies refuse it.
 
     temperature is 0 or in [1e-5, 100] (below 1e-5, logits / temperature overflow float32; ask
     for 0, greedy, instead).
@@ -63,6 +68,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self):
         from minibatch.checks import FieldTypeError, check_int, check_real
@@ -77,6 +84,10 @@ class SamplingParams:
                       logprobs=None if self.logprobs is None else check_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS))
         if not isinstance(self.ignore_eos, bool):
             raise FieldTypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise FieldTypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        values["stop_token_ids"] = tuple(check_int(t, "stop_token_ids[]", 0, 2**31 - 1) for t in self.stop_token_ids)
+        values["min_tokens"] = check_int(self.min_tokens, "min_tokens", 0)
         for name, value in values.items():  # plain Python numbers from here on (numpy, 0-d tensors in)
             object.__setattr__(self, name, value)
 
@@ -104,6 +115,10 @@ class Request:
             any int, default 0.
         num_speculative_tokens: speculative decoding: this request's k, overriding the
             engine's choice (0: never speculate); None (default): the engine decides.
+        num_external_computed_tokens: KV of the first this-many prompt tokens arrives from elsewhere
+            (disaggregated serving: a prefill replica computed it; vLLM's KV connector calls them external
+            computed tokens): the paged schedulers give it blocks without computing it. In
+            [0, len(prompt_token_ids)); a recompute preemption loses it (the prompt is computed again).
 
     Raises:
         TypeError: a field of the wrong type: request_id not a str, token ids that are not ints
@@ -122,13 +137,14 @@ class Request:
     parent_request_id: str | None = None
     priority: int = 0
     num_speculative_tokens: int | None = None
+    num_external_computed_tokens: int = 0
 
     # --- state (vLLM names) ---
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, with sampling.logprobs
-    finish_reason: str | None = None  # "stop" (EOS) | "length" (max_new_tokens)
+    finish_reason: str | None = None  # "stop" (EOS, a stop token id) | "length" (max_new_tokens)
     eos_token_ids: tuple[int, ...] = ()  # filled by the engine from the model unless ignore_eos
     num_preemptions: int = 0
     # speculative decoding (vLLM v1): drafts for the next step, and (drafted, accepted) per verification
@@ -160,6 +176,12 @@ class Request:
             self.priority = check_int(self.priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
             if self.num_speculative_tokens is not None:
                 self.num_speculative_tokens = check_int(self.num_speculative_tokens, "num_speculative_tokens", 0, 64)
+            self.num_external_computed_tokens = check_int(self.num_external_computed_tokens,
+                                                          "num_external_computed_tokens", 0,
+                                                          len(self.prompt_token_ids) - 1)
+            if self.sampling.min_tokens > self.max_new_tokens:
+                raise ValueError(f"min_tokens ({self.sampling.min_tokens}) must be <= max_new_tokens "
+                                 f"({self.max_new_tokens})")
         except (TypeError, ValueError) as e:
             raise type(e)(where + str(e)) from None
 
@@ -199,10 +221,25 @@ class Request:
     def first_token_time_s(self) -> float | None:
         return self.token_times_s[0] if self.token_times_s else None
 
+    def stops_at(self, token_id: int, index: int) -> bool:
+        """Whether ``token_id`` as output token number ``index`` (0-based) finishes the request: EOS (unless
+        ignore_eos) or one of ``sampling.stop_token_ids``, once ``sampling.min_tokens`` tokens precede it."""
+        if index < self.sampling.min_tokens:
+            return False
+        eos = not self.sampling.ignore_eos and token_id in self.eos_token_ids
+        return eos or token_id in self.sampling.stop_token_ids
+
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Token ids the next output token may not be (``sampling.min_tokens`` not reached yet): EOS (unless
+        ignore_eos) and the stop token ids; () otherwise."""
+        if self.num_output_tokens >= self.sampling.min_tokens:
+            return ()
+        return self.sampling.stop_token_ids + (() if self.sampling.ignore_eos else self.eos_token_ids)
+
     def append_token(self, token_id: int) -> None:
-        """Append a sampled token and finish the request if it hit EOS or max_new_tokens."""
+        """Append a sampled token and finish the request if it hit EOS, a stop token id or max_new_tokens."""
         self.output_token_ids.append(int(token_id))
-        if not self.sampling.ignore_eos and token_id in self.eos_token_ids:
+        if self.stops_at(token_id, self.num_output_tokens - 1):
             self.finish_reason = "stop"
         elif self.num_output_tokens >= self.max_new_tokens:
             self.finish_reason = "length"
@@ -221,6 +258,7 @@ class Request:
             parent_request_id=self.parent_request_id,
             priority=self.priority,
             num_speculative_tokens=self.num_speculative_tokens,
+            num_external_computed_tokens=self.num_external_computed_tokens,
         )
 
 

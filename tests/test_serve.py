@@ -314,6 +314,12 @@ def test_metrics_have_vllm_names_and_count_one_request(loaded):
     ({"prompt": None}, "prompt"),  # null is "not given": a required field is then missing
     ({"prompt": list(range(5, 600))}, "prompt"),  # the prompt alone exceeds max_model_len 512: not max_tokens'
     ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ({"prompt": "x", "min_tokens": "3"}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": "x", "stop_token_ids": [99999999]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": "7"}, "stop_token_ids"),
 ])
 def test_bad_bodies_get_400_naming_the_field(server, body, param):
     r = httpx.post(server.base_url + "/completions", json={"model": MODEL, **body}, timeout=30)
@@ -441,6 +447,19 @@ def test_null_means_default_where_openai_allows_it(server):
                                                            "ignore_eos": True, **nulls}, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_stop_token_ids_and_min_tokens_are_honoured(server, loaded):
+    """vLLM's ``stop_token_ids`` end the output at that token (finish_reason "stop"); ``min_tokens`` bans it until
+    that many tokens are out (tests/test_stop_tokens.py checks the tokens against HF generate)."""
+    model, tokenizer = loaded
+    free = reference_outputs(model, [Request("f", PROMPTS[2], 10, SamplingParams(ignore_eos=True))])["f"]
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [free[1]], "skip_special_tokens": False}
+    r = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] <= 2
+    r = httpx.post(server.base_url + "/completions", json=body | {"min_tokens": 10}, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 10
 
 
 def test_continuous_usage_stats_puts_usage_in_every_chunk(server):

@@ -22,7 +22,7 @@ from minibatch.request import Request
 from minibatch.runner import attention
 from minibatch.runner.backends import get_backend
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
-from minibatch.runner.sampler import Sampler, step_logprobs
+from minibatch.runner.sampler import Sampler, ban_tokens, step_logprobs
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
 from minibatch.runner.prepack import prepack_linears
 from minibatch.runner.support import check_packed_support, config_int, config_max_model_len
@@ -153,7 +153,9 @@ class ModelRunner(KVOwnership):
         else:
             logits, request_ids = self.forward_packed(build_packed_batch(out, self._kv(), self.attention_backend))
         sampling = {s.request_id: s.request.sampling for s in out.scheduled}
-        sampled = self.sampler.sample_batch(request_ids, logits, [sampling[rid] for rid in request_ids])
+        banned = {s.request_id: s.request.banned_token_ids() for s in out.scheduled}
+        sampled = self.sampler.sample_batch(request_ids, ban_tokens(logits, [banned[rid] for rid in request_ids]),
+                                            [sampling[rid] for rid in request_ids])
         tokens = {rid: (t,) for rid, t in sampled.items()}
         rows = {rid: (i, tokens[rid]) for i, rid in enumerate(request_ids)}
         return StepResult(sampled=tokens, logprobs=step_logprobs(logits, rows, sampling))

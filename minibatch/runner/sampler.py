@@ -31,6 +31,19 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]]) -> torch.Tensor:
+    """``logits`` (num_rows, vocab_size) with row i's ``banned[i]`` token ids set to -inf (a copy; the same tensor
+    when nothing is banned): what ``SamplingParams.min_tokens`` does before a request's first min_tokens tokens
+    (vLLM's min-tokens logits processor). Logprobs are still taken from the raw logits."""
+    if not any(banned):
+        return logits
+    cols = [t for ids in banned for t in ids if t < logits.shape[-1]]
+    rows = [i for i, ids in enumerate(banned) for t in ids if t < logits.shape[-1]]
+    out = logits.clone()
+    out[rows, cols] = float("-inf")
+    return out
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_logprobs: list[int]) -> list[dict[int, float]]:
     """What ``SamplingParams.logprobs`` records for one emitted token per row.
 

@@ -1,9 +1,6 @@
-"""Paged scheduling: iteration-level batching over a paged KV cache (vLLM, Kwon et al. SOSP'23,
-§4.2-§4.5; the vLLM v0 scheduler).
-
-The scheduler's step, preemption by recompute or swap, and the token budget are explained in
-:mod:`minibatch.scheduler` (its docstring); subclasses change only the order of the stages.
-"""
+"""Paged scheduling: iteration-level batching over a paged KV cache (vLLM, Kwon et al. SOSP'23, §4.2-§4.5; the
+vLLM v0 scheduler). Its step, preemption by recompute or swap, and the token budget are explained in
+:mod:`minibatch.scheduler` (its docstring); subclasses change only the order of the stages."""
 
 from __future__ import annotations
 
@@ -237,11 +234,14 @@ class PagedScheduler(Scheduler):
                 return None
             return copies, 1
         hits = bm.get_computed_blocks(req)
-        req.num_computed_tokens = len(hits) * bm.block_size
+        # KV computed elsewhere (a prefill replica's, transferred): blocks for it, no compute
+        external = max(0, req.num_external_computed_tokens - len(hits) * bm.block_size)
+        req.num_computed_tokens = len(hits) * bm.block_size + external
         n = self.num_new_tokens(req, budget)
-        copies = self.allocate(req, n, hits, use_watermark=True) if n else None
+        req.num_computed_tokens -= external
+        copies = self.allocate(req, external + n, hits, use_watermark=True) if n else None
+        req.num_computed_tokens = 0 if copies is None else req.num_computed_tokens + external
         if copies is None:
-            req.num_computed_tokens = 0
             return None
         bm.record_prefix_hits(req, hits)
         return copies, n
@@ -270,7 +270,7 @@ class PagedScheduler(Scheduler):
             self.swapped.append(req)
         else:
             bm.free(req.request_id)
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = req.num_external_computed_tokens = 0  # transferred KV is lost too
             req.status = RequestStatus.PREEMPTED
             self.waiting.append(req)  # re-sorted at admission: ahead of every lower-ranked request
 

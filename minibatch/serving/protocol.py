@@ -1,7 +1,8 @@
 """The OpenAI API subset we serve: request bodies (pydantic), checks and error bodies.
 
 What a body may hold: the fields of ``CompletionRequest`` / ``ChatCompletionRequest`` (vLLM's
-extensions ``top_k``, ``ignore_eos`` and ``stream_options.continuous_usage_stats`` included). An OpenAI
+extensions ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and ``stream_options.continuous_usage_stats``
+included, each honoured as vLLM does). An OpenAI
 parameter we do not implement (``UNSUPPORTED``: logprobs, penalties, n > 1, tools, ...) is refused with HTTP
 400 naming it unless it holds its no-op default, and so is any unknown field: never silently ignored. ``null``
 means "not given" (the field's default), as the OpenAI spec allows; values are never coerced from another JSON
@@ -20,7 +21,7 @@ UNSUPPORTED = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": (None, {}),
     "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
-    "min_tokens": (0,), "use_beam_search": (False,),
+    "use_beam_search": (False,),
 }
 MAX_STOP_STRINGS = 16
 
@@ -56,6 +57,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: run to max_tokens (fixed output lengths for benchmarks)
+    min_tokens: int = Field(0, ge=0)  # vLLM's extension: EOS and stop_token_ids banned before this many tokens
+    stop_token_ids: list[int] | None = None  # vLLM's extension: more token ids that end the output
     skip_special_tokens: bool = True  # vLLM's extension: leave special tokens out of the text
     user: str | None = None  # an end-user id; recorded nowhere
 

@@ -124,7 +124,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
             raise APIError(str(e), status=503, kind="server_error") from None
         except (TypeError, ValueError) as e:
             raise api_error_of(e) from None
-        text = TextAssembler(tokenizer, stop, skip_special_tokens=body.skip_special_tokens)
+        text = TextAssembler(tokenizer, stop, body.skip_special_tokens, body.min_tokens)
         out = Output(request.request_id, model_name, chat, len(prompt_ids), text)
         out.continuous_usage = body.stream and body.continuous_usage
         if body.stream:
@@ -174,7 +174,8 @@ def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, max_mo
         max_new_tokens = max_model_len - len(prompt_ids)
     try:
         sampling = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
-                                  seed=body.seed, ignore_eos=body.ignore_eos)
+                                  seed=body.seed, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                                  stop_token_ids=tuple(body.stop_token_ids or ()))
         return Request(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt_ids, max_new_tokens, sampling)
     except (TypeError, ValueError) as e:
         raise api_error_of(e) from None
@@ -188,7 +189,8 @@ def api_error_of(e: Exception) -> APIError:
     message = str(e).split(": ", 1)[-1] if str(e).startswith("request ") else str(e)
     for ours, theirs in API_NAMES.items():
         message = message.replace(ours, theirs)
-    param = next((p for p in ("temperature", "top_k", "top_p", "seed", "max_tokens", "prompt") if p in message), None)
+    param = next((p for p in ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids", "max_tokens",
+                              "prompt") if p in message), None)
     return APIError(message, param)
 
 

@@ -17,10 +17,13 @@ class TextAssembler:
         stop: stop strings; the text ends before the first one found (OpenAI's ``stop``; the
             stop string itself is not returned).
         skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
+        min_tokens: vLLM's ``min_tokens``: stop strings are looked for only once this many tokens are out.
     """
 
-    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop string
@@ -35,7 +38,7 @@ class TextAssembler:
             return "", True
         self.token_ids += list(token_ids)
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
-        if self.stop:
+        if self.stop and len(self.token_ids) >= self.min_tokens:
             start = max(0, self.sent - self.hold)
             hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
             if hits:

@@ -53,7 +53,11 @@ class SpeculativeRunner:
         rejection_sampler: the function that accepts drafts in sampled mode (``rejection_sample``;
             tests swap in ``naive_sample`` to see a wrong one fail).
         stats: :class:`~minibatch.spec.speculator.SpecDecodingStats` over every step so far.
+        supports_min_tokens: False: verification would have to ban EOS at every drafted position, which it
+            does not; ``Engine.add_request`` refuses ``min_tokens`` > 0 here.
     """
+
+    supports_min_tokens = False
 
     def __init__(self, target, proposer, speculator=None):
         self.target = target

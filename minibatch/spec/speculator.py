@@ -52,10 +52,10 @@ def best_k(alpha: float, draft_cost_ratio: float, max_k: int, verify_cost_ratio:
 
 def num_next_drafts(request: Request, emitted, speculator, pending: tuple[int, int] | None = None) -> int:
     """k for a request's next step, after it got ``emitted`` tokens this step: 0 if they finish it
-    (EOS unless ignore_eos, or max_new_tokens); else the request's own ``num_speculative_tokens``
+    (EOS unless ignore_eos, a stop token id, or max_new_tokens); else the request's own ``num_speculative_tokens``
     or ``speculator.num_spec_tokens`` (``pending``: this step's (drafted, accepted)), capped so the
     next step (1 + k tokens) emits at most the tokens the request may still produce."""
-    if not request.sampling.ignore_eos and any(t in request.eos_token_ids for t in emitted):
+    if any(request.stops_at(t, request.num_output_tokens + i) for i, t in enumerate(emitted)):
         return 0
     left = request.max_new_tokens - request.num_output_tokens - len(emitted)
     k = request.num_speculative_tokens
