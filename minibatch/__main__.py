@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import sys
 
+from minibatch.cluster.simulate import ClusterConfig
 from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareConfig, run_compare
 from minibatch.config import choices_of, opt, setting_fields
 from minibatch.experiment import all_policies, policy_spec
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_options(s, list(POLICIES.values()), COMPARE_HELP_DEFAULTS)
     s.add_argument("--acceptance-rate", default=None,
                    help="spec policies: acceptance rate, or comma-separated per-position rates")
+    add_config_options(s.add_argument_group("cluster (replicas behind a router; disaggregated prefill/decode)"),
+                       "sim", ClusterConfig)
     k = sub.add_parser("calibrate",
                        help="measure step times of a model on this machine and fit the simulator's cost model")
     add_config_options(k, "model", ModelConfig)  # --model, --device, --dtype, --attention-backend, --draft-model
@@ -236,15 +239,19 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
             run_compare(cfg)
         else:
             from minibatch.sim.cost_model import Profile
-            from minibatch.sim.simulator import run_simulation
-
-            from minibatch.sim.simulator import parse_acceptance_rate
+            from minibatch.cluster.simulate import run_cluster_simulation
+            from minibatch.sim.simulator import parse_acceptance_rate, run_simulation
 
             acceptance = parse_acceptance_rate(args.acceptance_rate)
             if cfg.profile is None:
                 raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
             Profile.load(cfg.profile)  # a bad profile is reported before the run
-            run_simulation(cfg, cfg.profile, acceptance)
+            cluster = ClusterConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ClusterConfig)
+                                       if f.metadata.get("cli")})
+            if cluster.is_cluster:
+                run_cluster_simulation(cfg, cluster, cfg.profile, acceptance)
+            else:
+                run_simulation(cfg, cfg.profile, acceptance)
         return 0
     # calibrate
     from minibatch.sim.calibrate import calibrate, print_profile, refit

@@ -149,15 +149,19 @@ def load_policy_module(path: str) -> list[str]:
     import importlib.util
     from pathlib import Path
 
+    from minibatch.cluster.routers import router_names
     from minibatch.runner.backends import backend_names
+
+    def registered():
+        return set(POLICIES) | set(backend_names()) | set(router_names())
 
     file = Path(path)
     if file.suffix != ".py" or not file.is_file():
         raise ValueError(f"--policy-module: no such Python file {str(path)!r}")
     key = (file.resolve(), file.stat().st_mtime_ns)
-    if key in _LOADED and all(name in POLICIES or name in backend_names() for name in _LOADED[key]):
+    if key in _LOADED and all(name in registered() for name in _LOADED[key]):
         return _LOADED[key]  # loaded already (a notebook cell run again, compare then simulate in one process)
-    before, backends_before = dict(POLICIES), set(backend_names())
+    before, names_before = dict(POLICIES), registered()
     spec = importlib.util.spec_from_file_location(f"minibatch_policy_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -165,10 +169,11 @@ def load_policy_module(path: str) -> list[str]:
     except Exception as e:  # a plug-in's own bug: one line naming the file
         raise ValueError(f"--policy-module {path}: {type(e).__name__}: {e}") from None
     added = [name for name in POLICIES if before.get(name) is not POLICIES[name]]
-    added += [name for name in backend_names() if name not in backends_before]
+    added += sorted(registered() - names_before - set(added))
     if not added:
-        raise ValueError(f"--policy-module {path}: registers no policy (call minibatch.register_policy) and no "
-                         "attention backend (minibatch.runner.backends.register_backend)")
+        raise ValueError(f"--policy-module {path}: registers no policy (call minibatch.register_policy), attention "
+                         "backend (minibatch.runner.backends.register_backend) or router "
+                         "(minibatch.cluster.routers.register_router)")
     _LOADED[key] = added
     return added
 

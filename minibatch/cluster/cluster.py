@@ -1,0 +1,195 @@
+"""Many replicas behind a router, on one simulated timeline.
+
+Each replica is a whole :class:`~minibatch.engine.Engine`: its own scheduler, KV cache and clock (a
+:class:`~minibatch.clock.SimClock` on the calibrated profile), exactly as ``simulate`` runs one. The driver is a
+discrete-event loop over them: it always advances the replica whose clock is furthest behind by one step, and
+hands a request to the router once every busy replica's clock has reached the request's arrival, so the router
+sees each replica as it is at that moment (step granularity: a step in progress counts as done). A request's
+finish releases the next turn of its conversation (multi-turn workloads, ``minibatch.cluster.multiturn``) and,
+under an admission limit, a request the router was holding. With one replica and no limit this is exactly
+``simulate``'s run (``tests/test_cluster.py``).
+
+Disaggregated prefill/decode (DistServe, Zhong et al., OSDI'24; Splitwise, Patel et al., ISCA'24): replicas have a
+role; a request is first routed among the "prefill" replicas with max_new_tokens 1 (prefill and the first token),
+its KV is then transferred (``KVLink``: prompt tokens x KV bytes per token / bandwidth + latency) and it continues
+on a "decode" replica, which receives the KV as already computed (vLLM's KV connector: external computed tokens)
+and generates the rest. The user-facing request gets the first token's time from the prefill replica and the
+others from the decode replica.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from minibatch.cluster.routers import Replica, Router
+from minibatch.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class KVLink:
+    """The cost of moving a request's KV cache between replicas: latency_s + bytes / bytes_per_s. Defaults: a
+    datacenter NIC's 25 GB/s and 10 us; a PCIe 4.0 x16 link is about 25 GB/s too, NVLink hundreds."""
+
+    bytes_per_s: float = 25e9
+    latency_s: float = 10e-6
+
+    def transfer_s(self, num_tokens: int, kv_bytes_per_token: int) -> float:
+        return self.latency_s + num_tokens * kv_bytes_per_token / self.bytes_per_s
+
+
+@dataclass
+class ClusterRun:
+    """What a cluster run leaves: the replicas (engines and their traces), every request the users see (a
+    disaggregated request once, merged from its prefill and decode parts), the conversations, the router."""
+
+    replicas: list[Replica]
+    requests: list[Request]
+    router: Router
+    conversations: list = field(default_factory=list)
+    num_transfers: int = 0
+    transfer_time_s: float = 0.0
+
+
+class Cluster:
+    """Replicas (``engines``, each with its own SimClock) behind ``router``.
+
+    Args:
+        roles: per engine "both" (default: colocated), or "prefill" / "decode" (disaggregated: at least one of
+            each, and no "both").
+        max_outstanding: the router's admission limit: a replica with this many unfinished requests takes no
+            more; a request no replica may take waits at the router (its TTFT counts the wait). None: no limit.
+        kv_link: the KV transfer cost between a prefill and a decode replica.
+        kv_bytes_per_token: the model's KV bytes per token in the cache dtype (for the transfer).
+        max_model_len: a multi-turn conversation ends before a turn that would not fit.
+
+    Raises:
+        ValueError: no engines, or roles that do not pair up.
+    """
+
+    def __init__(self, engines: list, router: Router, *, roles: list[str] | None = None,
+                 max_outstanding: int | None = None, kv_link: KVLink = KVLink(), kv_bytes_per_token: int = 0,
+                 max_model_len: int | None = None):
+        roles = list(roles or ["both"] * len(engines))
+        if not engines or len(roles) != len(engines) or not set(roles) <= {"both", "prefill", "decode"}:
+            raise ValueError("a cluster needs one or more engines, each with a role in both, prefill, decode")
+        if "both" in roles and len(set(roles)) > 1 or (set(roles) & {"prefill", "decode"}
+                                                        and set(roles) != {"prefill", "decode"}):
+            raise ValueError("roles: all 'both' (colocated), or 'prefill' and 'decode' replicas (disaggregated)")
+        self.replicas = [Replica(i, e, role) for i, (e, role) in enumerate(zip(engines, roles))]
+        self.router, self.max_outstanding, self.kv_link = router, max_outstanding, kv_link
+        self.kv_bytes_per_token, self.max_model_len = kv_bytes_per_token, max_model_len
+        self.disaggregated = "prefill" in roles
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, requests: list[Request] = (), conversations: list = ()) -> ClusterRun:
+        """Run fresh copies of ``requests`` (and the turns of ``conversations``) to completion."""
+        self._events: list = []  # heap of (time, order, kind, request)
+        self._order = 0
+        self._held: deque = deque()  # requests waiting at the router (admission limit)
+        self._conversation_of: dict[str, object] = {}
+        self._parts: dict[str, Request] = {}  # decode part's id -> the user's request (disaggregated)
+        self._result = ClusterRun(self.replicas, [], self.router, list(conversations))
+        for r in requests:
+            self._arrive(r.copy())
+        for c in conversations:
+            first = c.next_request(c.start_time_s, self.max_model_len)
+            if first is not None:
+                self._conversation_of[first.request_id] = c
+                self._arrive(first)
+        while True:
+            busy = [r for r in self.replicas if r.engine.has_unfinished()]
+            t_min = min((r.engine.clock.now_s for r in busy), default=math.inf)
+            if self._events and self._events[0][0] <= t_min:
+                t, _, role, request, new = heapq.heappop(self._events)
+                if new:  # a user's request (not a held one, nor a decode part)
+                    self._result.requests.append(request)
+                self._dispatch(request, t, role)
+                continue
+            if not busy:
+                break
+            replica = min(busy, key=lambda r: (r.engine.clock.now_s, r.index))
+            record = replica.engine.step()
+            for rid in record.finished if record is not None else ():
+                self._finished(replica, replica.engine.requests[rid], record.end_s)
+        if self._held:
+            raise RuntimeError(f"{len(self._held)} requests still held at the router with every replica idle")
+        return self._result
+
+    def _push(self, t: float, role: str, request: Request, new: bool = False) -> None:
+        """An event: at time ``t``, route ``request`` among the replicas of ``role``."""
+        heapq.heappush(self._events, (t, self._order, role, request, new))
+        self._order += 1
+
+    def _arrive(self, request: Request) -> None:
+        self._push(request.arrival_time_s, "prefill" if self.disaggregated else "both", request, new=True)
+
+    def _dispatch(self, request: Request, t: float, role: str) -> None:
+        """Route ``request`` at time ``t`` among the replicas of ``role`` under the admission limit, or hold it."""
+        eligible = [r for r in self.replicas if r.role == role
+                    and (self.max_outstanding is None or r.outstanding < self.max_outstanding)]
+        if not eligible:
+            self._held.append((request, role))
+            return
+        replica = self.router.route(request, eligible, t)
+        if role == "prefill":  # the prefill part: prompt and first token only
+            part = request.copy()
+            part.max_new_tokens, part.request_id = 1, request.request_id
+            self._parts[request.request_id] = request
+            request = part
+        engine = replica.engine
+        if not engine.has_unfinished() and engine.clock.now_s < t:
+            engine.clock.advance_to(t)  # idle until now: a held or transferred request cannot start earlier
+        engine.add_request(request)
+        replica.outstanding += 1
+        replica.routed += 1
+
+    def _finished(self, replica: Replica, request: Request, end_s: float) -> None:
+        replica.outstanding -= 1
+        if self._held:  # room for a held request: try when every replica has reached end_s
+            held, role = self._held.popleft()
+            self._push(end_s, role, held)
+        if replica.role == "prefill":
+            self._to_decode(request, end_s)
+            return
+        user = self._parts.pop(request.request_id, None)
+        if user is not None:  # the decode part of a disaggregated request: merge into the user's request
+            merge_decode_part(user, request)
+            request = user
+        conversation = self._conversation_of.pop(request.request_id, None)
+        if conversation is not None:
+            nxt = conversation.next_request(end_s, self.max_model_len)
+            if nxt is not None:
+                self._conversation_of[nxt.request_id] = conversation
+                self._arrive(nxt)
+
+    def _to_decode(self, part: Request, end_s: float) -> None:
+        """A prefill part finished: its KV travels to a decode replica, where the rest of the output is made."""
+        user = self._parts[part.request_id]
+        user.first_scheduled_time_s = part.first_scheduled_time_s
+        user.output_token_ids, user.token_times_s = list(part.output_token_ids), list(part.token_times_s)
+        if user.max_new_tokens == 1:  # nothing left to decode
+            self._parts.pop(part.request_id)
+            finish_user(user, part)
+            return
+        transfer_s = self.kv_link.transfer_s(part.num_prompt_tokens, self.kv_bytes_per_token)
+        self._result.num_transfers += 1
+        self._result.transfer_time_s += transfer_s
+        rest = Request(part.request_id, part.all_token_ids, user.max_new_tokens - 1, user.sampling,
+                       arrival_time_s=end_s + transfer_s, priority=user.priority,
+                       num_external_computed_tokens=part.num_prompt_tokens)
+        self._push(rest.arrival_time_s, "decode", rest)
+
+
+def merge_decode_part(user: Request, part: Request) -> None:
+    """The user's request gets the decode part's tokens, times and finish (its first token came from prefill)."""
+    user.output_token_ids += part.output_token_ids
+    user.token_times_s += part.token_times_s
+    finish_user(user, part)
+    user.num_preemptions += part.num_preemptions
+
+
+def finish_user(user: Request, last: Request) -> None:
+    user.status, user.finish_reason, user.finish_time_s = RequestStatus.FINISHED, last.finish_reason, last.finish_time_s

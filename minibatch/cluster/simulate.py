@@ -1,0 +1,200 @@
+"""``python -m minibatch simulate --replicas N --router NAME [--workload multiturn] [--disaggregate P:D]``.
+
+Each selected policy runs as a cluster (``minibatch.cluster.cluster``): N replicas of the policy's engine on the
+calibrated clock, behind the router; the table shows the cluster overall and each replica. Without any cluster
+option, ``simulate`` runs one engine as before (``minibatch.sim.simulator``); ``--replicas 1`` with no other
+cluster option gives exactly the same numbers (``tests/test_cluster.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from minibatch.cluster.cluster import Cluster, ClusterRun, KVLink
+from minibatch.cluster.routers import get_router, router_names
+from minibatch.config import option
+
+WORKLOADS = ("trace", "multiturn")
+# a model's KV elements per token (2 x layers x KV heads x head_dim), for the KV transfer of disaggregation
+KV_ELEMENTS_PER_TOKEN = {"smollm2-135m": 2 * 30 * 3 * 64}
+PAGED_POLICIES_ONLY = "--disaggregate needs a paged policy (its decode replicas take transferred KV blocks)"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster options of ``simulate`` (checked on creation, each error naming its option)."""
+
+    replicas: int = option(1, "replicas (engines), each with its own scheduler, KV cache and clock", "int", low=1,
+                           high=4096, cli="sim")
+    router: str = option("round_robin", "how each request picks a replica", "choice", choices=router_names,
+                         cli="sim")
+    max_outstanding: int | None = option(None, "router admission limit: unfinished requests per replica (more wait "
+                                         "at the router)", "int", low=1, high=1 << 20, optional=True, cli="sim")
+    workload: str = option("trace", "trace: independent requests (the --num-requests trace); multiturn: ShareGPT "
+                           "conversations, each turn's prompt holding the earlier turns", "choice",
+                           choices=WORKLOADS, cli="sim")
+    conversations: int = option(32, "multiturn: conversations (they start at --rate per second)", "int", low=1,
+                                high=1_000_000, cli="sim")
+    think_time_s: float = option(5.0, "multiturn: mean pause between an answer and the next turn, s", "real",
+                                 low=0.0, high=1e6, cli="sim")
+    max_turns: int = option(8, "multiturn: turns kept per conversation", "int", low=1, high=1000, cli="sim")
+    system_prompt_len: int = option(0, "multiturn: tokens of a system prompt every conversation shares", "int",
+                                    low=0, high=1 << 20, cli="sim")
+    max_model_len: int = option(8192, "multiturn: a conversation ends before a turn longer than this", "int",
+                                low=2, high=1 << 24, cli="sim")
+    disaggregate: str | None = option(None, "P:D prefill and decode replicas instead of --replicas colocated ones",
+                                      "str", optional=True, cli="sim")
+    kv_link_gbps: float = option(25.0, "disaggregation: KV transfer bandwidth, GB/s", "real", low=0.0, high=1e6,
+                                 low_open=True, cli="sim")
+    kv_link_latency_us: float = option(10.0, "disaggregation: KV transfer latency, us", "real", low=0.0, high=1e9,
+                                       cli="sim")
+    kv_bytes_per_token: int | None = option(None, "disaggregation: KV bytes per token (default: the model's, for "
+                                            "known models)", "int", low=1, high=1 << 30, optional=True, cli="sim")
+    roles: tuple = field(default=(), metadata={"cli": None})
+
+    def __post_init__(self):
+        from minibatch.config import check_field
+
+        for f in self.__dataclass_fields__.values():
+            if f.metadata.get("kind"):
+                object.__setattr__(self, f.name, check_field(f.metadata, getattr(self, f.name), "--" +
+                                                             f.name.replace("_", "-")))
+        roles = ("both",) * self.replicas
+        if self.disaggregate is not None:
+            p, _, d = self.disaggregate.partition(":")
+            if not (p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+                raise ValueError(f"--disaggregate must be P:D with P, D >= 1 (prefill and decode replicas), "
+                                 f"got {self.disaggregate!r}")
+            roles = ("prefill",) * int(p) + ("decode",) * int(d)
+        object.__setattr__(self, "roles", roles)
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether any cluster option differs from one plain engine."""
+        return self != ClusterConfig()
+
+
+def conversation_tokens(c) -> int:
+    """The most tokens a conversation's last turn can hold (system prompt, every message and answer)."""
+    return len(c.system_prompt) + sum(map(len, c.user_turns)) + sum(c.output_lens)
+
+
+def build_cluster(cfg, ccfg: ClusterConfig, profile, policy: str, sizing: list, acceptance_rate=None) -> Cluster:
+    """The policy's engines (one per role in ``ccfg.roles``) on SimClocks of ``profile``, behind a new router.
+    ``sizing``: requests whose lengths size the default KV cache (compare's rule)."""
+    from minibatch.clock import SimClock
+    from minibatch.policies import get_policy, make_engine
+    from minibatch.sim.simulator import sim_executor
+
+    from minibatch.scheduler.paged import PagedScheduler
+
+    spec = get_policy(policy)
+    if ccfg.disaggregate and (not issubclass(spec.scheduler, PagedScheduler) or spec.proposer):
+        raise ValueError(f"{PAGED_POLICIES_ONLY}, without speculative decoding; {policy!r} is not")
+    config = cfg.policy_config(policy, sizing)
+    engines = [make_engine(policy, sim_executor(policy, acceptance_rate, cfg.seed), SimClock(profile, profile),
+                           config=config) for _ in ccfg.roles]
+    per_token = ccfg.kv_bytes_per_token
+    if per_token is None:
+        elements = KV_ELEMENTS_PER_TOKEN.get(profile.model)
+        if ccfg.disaggregate and elements is None:
+            raise ValueError(f"--kv-bytes-per-token is needed for model {profile.model!r} (KV transfer size)")
+        per_token = (elements or 0) * (2 if profile.dtype in ("bfloat16", "float16") else 4)
+    link = KVLink(ccfg.kv_link_gbps * 1e9, ccfg.kv_link_latency_us * 1e-6)
+    return Cluster(engines, get_router(ccfg.router), roles=list(ccfg.roles), max_outstanding=ccfg.max_outstanding,
+                   kv_link=link, kv_bytes_per_token=per_token, max_model_len=ccfg.max_model_len)
+
+
+def cluster_rows(run: ClusterRun, policy: str, slo=None, run_time_s: float = 0.0) -> dict:
+    """The run's JSON: "overall" (the users' requests; trace fields over every replica's steps), "replicas" (one
+    row per replica: its role, requests routed, summary, prefix cache), and the router's own counts."""
+    from minibatch.experiment import Run
+    from minibatch.metrics import summarize
+
+    replicas = []
+    for rep in run.replicas:
+        row = {"replica": rep.index, "role": rep.role, "routed": rep.routed}
+        mine = [r for r in rep.engine.requests.values()]
+        if mine:
+            row |= Run(policy, mine, rep.engine, run_time_s, slo).row()
+        replicas.append(row)
+    trace = [rec for rep in run.replicas for rec in rep.engine.trace]
+    overall = {"policy": policy, **summarize(run.requests, trace, slo).to_dict()}
+    bms = [rep.engine.scheduler.block_manager for rep in run.replicas]
+    if all(bm is not None and bm.enable_prefix_caching for bm in bms):
+        queried = sum(bm.num_prefix_query_tokens for bm in bms)
+        overall["prefix_cache_hit_rate"] = sum(bm.num_prefix_hit_tokens for bm in bms) / queried if queried else 0.0
+    routed = [rep.routed for rep in run.replicas if rep.role != "decode"]
+    overall |= {"clock": "sim", "run_time_s": round(run_time_s, 3), "num_replicas": len(run.replicas),
+                "load_imbalance": round(max(routed) / (sum(routed) / len(routed)), 3) if sum(routed) else None}
+    extra = {"num_kv_transfers": run.num_transfers, "kv_transfer_time_s": run.transfer_time_s} if \
+        run.num_transfers else {}
+    if run.conversations:
+        extra |= {"num_conversations": len(run.conversations),
+                  "num_truncated_conversations": sum(c.truncated for c in run.conversations)}
+    spilled = getattr(run.router, "num_spilled", None)
+    return {"overall": overall | extra, "replicas": replicas, "router": run.router.name} | (
+        {"router_spilled": spilled} if spilled is not None else {})
+
+
+def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptance_rate=None) -> dict:
+    """Each of cfg.policies as a cluster on the workload; prints the overall and per-replica tables; returns (and
+    with cfg.json_path writes) the results."""
+    from minibatch.cluster.multiturn import make_conversations
+    from minibatch.compare import build_trace
+    from minibatch.metrics import SLO
+    from minibatch.report import environment, print_table, write_json
+    from minibatch.request import Request
+    from minibatch.sim.cost_model import Profile
+
+    profile = Profile.load(profile_path)
+    requests, conversations = [], []
+    if ccfg.workload == "multiturn":
+        conversations = make_conversations(ccfg.conversations, rate_per_s=cfg.rate, think_time_s=ccfg.think_time_s,
+                                           max_turns=ccfg.max_turns, max_user_len=cfg.max_prompt_len,
+                                           max_output_len=cfg.max_output_len, output_scale=cfg.output_scale,
+                                           system_prompt_len=ccfg.system_prompt_len, seed=cfg.seed,
+                                           vocab_size=profile.vocab_size or 49152)
+        longest = max(conversations, key=conversation_tokens)
+        sizing = [Request("size", [3] * (conversation_tokens(longest) - longest.output_lens[-1]),
+                          longest.output_lens[-1])]
+        print(f"workload: {len(conversations)} conversations, {sum(c.num_turns for c in conversations)} turns")
+    else:
+        requests = sizing = build_trace(cfg, None, profile.vocab_size)
+        print(f"trace: {len(requests)} requests, arrivals over {requests[-1].arrival_time_s:.1f} s")
+    print(f"cluster: {' + '.join(f'{ccfg.roles.count(r)} {r}' for r in dict.fromkeys(ccfg.roles))} replicas, "
+          f"router {ccfg.router}" + (f", at most {ccfg.max_outstanding} outstanding per replica"
+                                      if ccfg.max_outstanding else ""))
+    slo = SLO(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s)
+    results = {}
+    for policy in cfg.policies:
+        cluster = build_cluster(cfg, ccfg, profile, policy, sizing, acceptance_rate)
+        t0 = time.perf_counter()
+        run = cluster.run(requests, [c for c in make_conversations_copy(conversations)])
+        results[policy] = cluster_rows(run, policy, slo, time.perf_counter() - t0)
+    table = {"policies": {}}
+    for policy, res in results.items():
+        table["policies"][policy] = res["overall"]
+        for row in res["replicas"]:
+            if row.get("policy"):
+                table["policies"][f"  {row['role'][0]}{row['replica']} ({row['routed']} req)"] = row
+    print_table(table)
+    for policy, res in results.items():
+        hit = res["overall"].get("prefix_cache_hit_rate")
+        print(f"{policy}: load imbalance (max / mean requests routed) {res['overall']['load_imbalance']}"
+              + ("" if hit is None else f", prefix cache hit rate {hit:.1%}")
+              + (f", {res['overall']['num_kv_transfers']} KV transfers" if "num_kv_transfers" in res["overall"]
+                 else ""))
+    result = {"command": cfg.command, "environment": environment(), "profile": str(profile_path),
+              "model": profile.model, "cluster": {k: v for k, v in asdict(ccfg).items()},
+              "config": asdict(cfg) | {"policies": list(cfg.policies)}, "policies": results}
+    write_json(result, cfg.json_path)
+    return result
+
+
+def make_conversations_copy(conversations: list) -> list:
+    """Fresh copies of conversations (no turns made yet), so each policy runs the same ones."""
+    from dataclasses import replace
+
+    return [replace(c, turns=[], truncated=False) for c in conversations]

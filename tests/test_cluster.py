@@ -1,0 +1,172 @@
+"""A simulated cluster (minibatch/cluster): one replica is exactly ``simulate``; routers balance and keep prefixes
+together; the admission limit holds requests at the router; disaggregated replicas prefill on one side and decode
+on the other with the KV transferred; multi-turn conversations carry each answer into the next prompt; bad
+options get one line naming them; a router from a --policy-module file runs by name."""
+
+import json
+
+import pytest
+
+from minibatch.__main__ import main
+from minibatch.cluster.cluster import Cluster, KVLink
+from minibatch.cluster.multiturn import make_conversations
+from minibatch.cluster.routers import ROUTERS, get_router
+from minibatch.cluster.simulate import ClusterConfig, build_cluster, cluster_rows, run_cluster_simulation
+from minibatch.compare import CompareConfig, build_trace
+from minibatch.sim.cost_model import Profile
+from minibatch.sim.simulator import run_simulation
+
+PROFILE = "data/profiles/smollm2-135m-cpu.json"
+COMMON = dict(clock="sim", check_reference=False, figures_dir=None, progress=False, profile=PROFILE)
+
+
+def sim_config(**kw) -> CompareConfig:
+    return CompareConfig(**(COMMON | dict(num_requests=30, rate=6.0) | kw))
+
+
+@pytest.mark.parametrize("policies", [("static", "orca", "paged"), ("paged_prefix", "chunked", "prefill_first")])
+def test_one_replica_is_exactly_simulate(policies, capsys):
+    cfg = sim_config(policies=policies)
+    single = run_simulation(cfg, PROFILE)
+    cluster = run_cluster_simulation(cfg, ClusterConfig(), PROFILE)
+    for policy in policies:
+        expected = {k: v for k, v in single["policies"][policy].items() if k not in ("run_time_s", "settings")}
+        replica = cluster["policies"][policy]["replicas"][0]
+        assert {k: replica[k] for k in expected} == expected
+        overall = cluster["policies"][policy]["overall"]
+        assert {k: overall[k] for k in expected if k in overall} == {k: expected[k] for k in overall if k in expected}
+
+
+def multiturn_run(router: str, replicas: int = 4, **kw):
+    profile = Profile.load(PROFILE)
+    cfg = sim_config(policies=("paged_prefix",))
+    conversations = make_conversations(24, rate_per_s=2.0, think_time_s=2.0, max_output_len=64, seed=3)
+    ccfg = ClusterConfig(replicas=replicas, router=router, workload="multiturn", **kw)
+    cluster = build_cluster(cfg, ccfg, profile, "paged_prefix", sizing(conversations))
+    run = cluster.run((), conversations)
+    return run, cluster_rows(run, "paged_prefix")
+
+
+def sizing(conversations):
+    from minibatch.request import Request
+
+    total = max(len(c.system_prompt) + sum(map(len, c.user_turns)) + sum(c.output_lens) for c in conversations)
+    return [Request("size", [3] * (total - 64), 64)]
+
+
+def test_multiturn_turns_carry_the_answers_and_wait_for_them():
+    run, _ = multiturn_run("round_robin")
+    assert run.conversations and all(r.is_finished for r in run.requests)
+    for c in run.conversations:
+        for prev, turn in zip(c.turns, c.turns[1:]):
+            assert turn.prompt_token_ids[: prev.num_tokens] == prev.all_token_ids  # the answer is in the prompt
+            assert turn.arrival_time_s >= prev.finish_time_s  # the user waits for the answer (closed loop)
+    assert len(run.requests) == sum(len(c.turns) for c in run.conversations) > len(run.conversations)
+
+
+def test_prefix_affinity_hits_the_cache_more_than_round_robin():
+    _, rr = multiturn_run("round_robin")
+    _, pa = multiturn_run("prefix_affinity")
+    assert pa["overall"]["prefix_cache_hit_rate"] > rr["overall"]["prefix_cache_hit_rate"] + 0.05
+    assert pa["overall"]["load_imbalance"] <= 2.0  # the load bound keeps hot prefixes from piling up
+
+
+def test_every_router_finishes_every_request_and_least_outstanding_balances():
+    profile = Profile.load(PROFILE)
+    cfg = sim_config(policies=("paged",), num_requests=40, rate=8.0)
+    requests = build_trace(cfg, None, profile.vocab_size)
+    for name in ROUTERS:
+        run = build_cluster(cfg, ClusterConfig(replicas=3, router=name), profile, "paged", requests).run(requests)
+        assert len(run.requests) == 40 and all(r.is_finished for r in run.requests)
+        assert sum(rep.routed for rep in run.replicas) == 40
+        if name in ("round_robin", "least_outstanding"):
+            assert max(rep.routed for rep in run.replicas) - min(rep.routed for rep in run.replicas) <= 4
+
+
+def test_admission_limit_holds_requests_at_the_router():
+    profile = Profile.load(PROFILE)
+    cfg = sim_config(policies=("paged",), num_requests=20, arrival="zero")
+    requests = build_trace(cfg, None, profile.vocab_size)
+    ccfg = ClusterConfig(replicas=2, router="least_outstanding", max_outstanding=3)
+    run = build_cluster(cfg, ccfg, profile, "paged", requests).run(requests)
+    assert all(r.is_finished for r in run.requests) and len(run.requests) == 20
+    for rep in run.replicas:
+        assert max(rec.num_running + rec.num_waiting for rec in rep.engine.trace) <= 3
+    ttft = sorted(r.first_token_time_s - r.arrival_time_s for r in run.requests)
+    assert ttft[-1] > 3 * ttft[0]  # the held ones waited
+
+
+def test_disaggregated_prefill_then_transfer_then_decode():
+    profile = Profile.load(PROFILE)
+    cfg = sim_config(policies=("paged",), num_requests=24, rate=4.0)
+    requests = build_trace(cfg, None, profile.vocab_size)
+    ccfg = ClusterConfig(disaggregate="1:2", router="least_outstanding", kv_link_gbps=0.001)  # 1 MB/s: visible
+    cluster = build_cluster(cfg, ccfg, profile, "paged", requests)
+    run = cluster.run(requests)
+    assert [rep.role for rep in run.replicas] == ["prefill", "decode", "decode"]
+    by_id = {r.request_id: r for r in requests}
+    for r in run.requests:
+        assert r.is_finished and r.num_output_tokens == by_id[r.request_id].max_new_tokens
+        assert len(r.token_times_s) == r.num_output_tokens and r.token_times_s == sorted(r.token_times_s)
+        if r.max_new_tokens > 1:  # the KV's trip: its prompt's bytes at 1 MB/s, between token 1 and token 2
+            transfer = cluster.kv_link.transfer_s(r.num_prompt_tokens, cluster.kv_bytes_per_token)
+            assert r.token_times_s[1] - r.token_times_s[0] >= transfer
+    decode_tokens = sum(e.num_new_tokens for rep in run.replicas[1:] for rec in rep.engine.trace for e in rec.entries)
+    assert decode_tokens == sum(r.max_new_tokens - 1 for r in requests)  # the prompts were not computed again
+    prefill_outputs = sum(len(e.token_ids) for rec in run.replicas[0].engine.trace for e in rec.entries)
+    assert prefill_outputs == len(requests)  # one token each
+    assert run.num_transfers == sum(r.max_new_tokens > 1 for r in requests)
+
+
+def test_kv_link_cost():
+    assert KVLink(25e9, 10e-6).transfer_s(1000, 23040) == pytest.approx(10e-6 + 1000 * 23040 / 25e9)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--disaggregate", "0:2"], "--disaggregate must be P:D"),
+    (["--disaggregate", "two"], "--disaggregate must be P:D"),
+    (["--router", "nearest"], "--router must be one of"),
+    (["--replicas", "0"], "--replicas"),
+    (["--disaggregate", "1:1", "--policies", "static"], "--disaggregate needs a paged policy"),
+    (["--workload", "chat"], "--workload"),
+])
+def test_bad_cluster_options_get_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--profile", PROFILE, "--num-requests", "4", "--no-progress", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+ROUTER_PLUGIN = '''
+from minibatch.cluster.routers import Router, register_router
+
+
+@register_router
+class LastReplica(Router):
+    name = "last_replica"
+    description = "always the highest index"
+
+    def route(self, request, replicas, now_s):
+        return max(replicas, key=lambda r: r.index)
+'''
+
+
+def test_a_router_from_a_policy_module_runs_by_name(tmp_path, capsys):
+    plugin = tmp_path / "my_router.py"
+    plugin.write_text(ROUTER_PLUGIN)
+    out = tmp_path / "r.json"
+    try:
+        main(["simulate", "--profile", PROFILE, "--policy-module", str(plugin), "--policies", "paged",
+              "--num-requests", "6", "--replicas", "3", "--router", "last_replica", "--json", str(out),
+              "--no-progress"])
+    finally:
+        ROUTERS.pop("last_replica", None)
+    result = json.loads(out.read_text())
+    assert [r["routed"] for r in result["policies"]["paged"]["replicas"]] == [0, 0, 6]
+    assert "load imbalance" in capsys.readouterr().out
+
+
+def test_routers_are_fresh_per_run():
+    assert get_router("round_robin") is not get_router("round_robin")
+    with pytest.raises(ValueError, match="one or more engines"):
+        Cluster([], get_router("round_robin"))
