@@ -6,6 +6,7 @@
     python -m minibatch serve       an OpenAI-compatible server on the engine (streaming, /metrics)
     python -m minibatch bench-serve a load generator against any OpenAI-compatible server
     python -m minibatch gpu-check   everything that must work on a GPU (CPU twins without one), one JSON
+    python -m minibatch sweep       a grid of simulate/compare runs, one table (in-process or on Ray)
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import argparse
 import dataclasses
 import sys
 
-from minibatch.cluster.simulate import ClusterConfig
+from minibatch.cluster.simulate import ClusterConfig, simulate_command
+from minibatch.cluster.sweep import add_sweep_arguments, sweep_command
 from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareConfig, run_compare
 from minibatch.config import choices_of, opt, setting_fields
 from minibatch.experiment import all_policies, policy_spec
@@ -169,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="where a step's time goes: components of decode and prefill steps, roofline")
     add_config_options(pr, "model", ModelConfig)
     add_profile_arguments(pr)
+    add_sweep_arguments(sub.add_parser("sweep", help="a grid of simulate/compare runs, one table (or on Ray)"))
     g = sub.add_parser("gpu-check", help="everything that must work on a GPU, in one command: kernels compiled, "
                        "cuda tests, equality with HF generate, the main job, a benchmark (CPU twins without a GPU)")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda where there is one)")
@@ -220,6 +223,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
     if args.command == "bench-serve":
         run_bench_serve(args, command)
         return 0
+    if args.command == "sweep":
+        return sweep_command(args)
     if args.command == "profile":
         model_config(args)
         profile_command(args, command)
@@ -235,23 +240,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         return 0
     if args.command in ("compare", "simulate"):
         cfg = config_from_args(args, "model" if args.command == "compare" else "sim", command)
-        if args.command == "compare":
-            run_compare(cfg)
-        else:
-            from minibatch.sim.cost_model import Profile
-            from minibatch.cluster.simulate import run_cluster_simulation
-            from minibatch.sim.simulator import parse_acceptance_rate, run_simulation
-
-            acceptance = parse_acceptance_rate(args.acceptance_rate)
-            if cfg.profile is None:
-                raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
-            Profile.load(cfg.profile)  # a bad profile is reported before the run
-            cluster = ClusterConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ClusterConfig)
-                                       if f.metadata.get("cli")})
-            if cluster.is_cluster:
-                run_cluster_simulation(cfg, cluster, cfg.profile, acceptance)
-            else:
-                run_simulation(cfg, cfg.profile, acceptance)
+        run_compare(cfg) if args.command == "compare" else simulate_command(args, cfg)
         return 0
     # calibrate
     from minibatch.sim.calibrate import calibrate, print_profile, refit

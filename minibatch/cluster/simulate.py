@@ -193,6 +193,24 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
     return result
 
 
+def simulate_command(args, cfg) -> None:
+    """``python -m minibatch simulate``: one engine per policy, or a cluster when a cluster option is given."""
+    from minibatch.sim.cost_model import Profile
+    from minibatch.sim.simulator import parse_acceptance_rate, run_simulation
+
+    acceptance = parse_acceptance_rate(args.acceptance_rate)
+    if cfg.profile is None:
+        raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
+    Profile.load(cfg.profile)  # a bad profile is reported before the run
+    from dataclasses import fields
+
+    cluster = ClusterConfig(**{f.name: getattr(args, f.name) for f in fields(ClusterConfig) if f.metadata.get("cli")})
+    if cluster.is_cluster:
+        run_cluster_simulation(cfg, cluster, cfg.profile, acceptance)
+    else:
+        run_simulation(cfg, cfg.profile, acceptance)
+
+
 def make_conversations_copy(conversations: list) -> list:
     """Fresh copies of conversations (no turns made yet), so each policy runs the same ones."""
     from dataclasses import replace

@@ -1,0 +1,238 @@
+"""``python -m minibatch sweep --grid GRID.yaml``: many ``simulate`` (or ``compare``) runs, one table.
+
+A grid file (YAML or JSON) names the command, the options every run shares, and either a grid (every combination
+of the listed values) or an explicit list of configurations, or both::
+
+    command: simulate
+    base: {profile: data/profiles/smollm2-135m-cpu.json, policies: paged_prefix, workload: multiturn}
+    grid: {router: [round_robin, prefix_affinity], rate: [1, 2, 4], seed: [0, 1]}
+    configs: [{router: least_kv, rate: 8}]        # optional, added to the grid's
+
+Keys are the command's options without ``--`` (``max_num_seqs: 8`` is ``--max-num-seqs 8``; ``true`` is a bare
+flag). Each configuration is one task: in this process by default, on a local Ray instance with ``--ray``
+(``ray.init()``), on a Ray cluster with ``--ray-address ADDR`` (every node needs minibatch installed). A task
+declares what it uses: 1 CPU for a simulation; a wall-clock ``compare`` declares its ``threads`` (default 1) and
+runs with that many torch threads, so Ray never packs two on a core. Rows stream into the table as tasks finish
+(tqdm). A task that fails (an error, or a worker that dies) is reported with its configuration and does not lose
+the other rows. Every finished configuration is stored under ``--cache`` keyed by its configuration and the code
+version (package version, git commit, dirty flag), so a rerun computes only what is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import itertools
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+COMMANDS = ("simulate", "compare")
+
+
+def load_grid(path: str) -> tuple[str, list[dict]]:
+    """(command, configurations) of a grid file.
+
+    Raises:
+        ValueError: not a readable YAML/JSON mapping, an unknown command, a grid value that is not a list, no
+            configuration at all (each names the file and the key)."""
+    import yaml
+
+    try:
+        spec = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--grid {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if not isinstance(spec, dict) or not set(spec) <= {"command", "base", "grid", "configs"}:
+        raise ValueError(f"--grid {path}: a mapping of command, base, grid and configs is expected")
+    command = spec.get("command", "simulate")
+    if command not in COMMANDS:
+        raise ValueError(f"--grid {path}: command must be one of {', '.join(COMMANDS)}, got {command!r}")
+    base, grid, extra = spec.get("base") or {}, spec.get("grid") or {}, spec.get("configs") or []
+    if not isinstance(base, dict) or not isinstance(grid, dict) or not isinstance(extra, list):
+        raise ValueError(f"--grid {path}: base and grid must be mappings, configs a list of mappings")
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"--grid {path}: grid.{key} must be a non-empty list, got {values!r}")
+    configs = [base | dict(zip(grid, point)) for point in itertools.product(*grid.values())] if grid else []
+    configs += [base | c for c in extra if isinstance(c, dict)]
+    if len(configs) != (len(list(itertools.product(*grid.values()))) if grid else 0) + len(extra):
+        raise ValueError(f"--grid {path}: every entry of configs must be a mapping")
+    if not configs:
+        raise ValueError(f"--grid {path}: no configuration (give grid or configs)")
+    return command, configs
+
+
+def argv_of(command: str, config: dict) -> list[str]:
+    """The command line of one configuration (``threads`` is the task's own, not an option)."""
+    argv = [command]
+    for key, value in config.items():
+        if key == "threads":
+            continue
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False and value is not None:
+            argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return argv
+
+
+def code_version() -> str:
+    """Package version + git commit + "-dirty" when the work tree has changes (a rerun key: other code, new runs)."""
+    from minibatch import __version__
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", ""
+    return f"{__version__}+{commit[:12] or 'nogit'}{'-dirty' if dirty else ''}"
+
+
+def config_key(command: str, config: dict, version: str) -> str:
+    text = json.dumps({"command": command, "config": config, "code": version}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def run_one(command: str, config: dict) -> dict:
+    """One configuration, in this process: its command with ``--json`` into a temporary file, its stdout
+    swallowed; returns that JSON. Raises what the command raises (SystemExit for a bad option)."""
+    from minibatch.__main__ import main
+
+    if config.get("threads"):
+        import torch
+
+        torch.set_num_threads(int(config["threads"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                main(argv_of(command, config) + ["--json", out, "--no-progress"])
+            except SystemExit as e:
+                raise ValueError((err.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1]) from None
+        return json.loads(Path(out).read_text(encoding="utf-8"))
+
+
+def rows_of(config: dict, result: dict) -> list[dict]:
+    """Table rows of one configuration's result: one per policy, the configuration's values first, then the
+    overall metrics (a cluster's "overall", or simulate's and compare's row)."""
+    rows = []
+    for policy, entry in result.get("policies", {}).items():
+        metrics = entry.get("overall", entry)
+        rows.append({k: v for k, v in config.items() if k != "policies"} | {"policy": policy} |
+                    {k: v for k, v in metrics.items() if isinstance(v, (int, float, str)) or v is None})
+    return rows
+
+
+def run_sweep(grid_path: str, *, use_ray: bool = False, ray_address: str | None = None, cache_dir: str | None = None,
+              json_path: str | None = None, progress: bool = True) -> dict:
+    """Run every configuration of ``grid_path`` (see the module docstring); returns {"rows", "failed", "cached",
+    "computed", "code_version", ...} and writes it to ``json_path`` (each finished configuration is also in
+    ``cache_dir`` at once, so an interrupted sweep keeps what it finished)."""
+    from tqdm.auto import tqdm
+
+    from minibatch.report import write_json
+
+    command, configs = load_grid(grid_path)
+    version = code_version()
+    cache = Path(cache_dir or Path(json_path or grid_path).with_suffix(".cache"))
+    cache.mkdir(parents=True, exist_ok=True)
+    results: dict[int, dict] = {}
+    failed: list[dict] = []
+    todo = []
+    for i, config in enumerate(configs):
+        file = cache / f"{config_key(command, config, version)}.json"
+        if file.exists():
+            results[i] = json.loads(file.read_text(encoding="utf-8"))
+        else:
+            todo.append((i, config, file))
+    cached = len(results)
+    bar = tqdm(total=len(configs), initial=cached, desc="sweep", unit="config", disable=not progress)
+
+    def done(i, config, file, result=None, error=None):
+        if error is None:
+            results[i] = {"config": config, "result": result}
+            file.write_text(json.dumps(results[i], default=str), encoding="utf-8")
+        else:
+            failed.append({"index": i, "config": config, "error": error})
+            bar.write(f"failed: configuration {i} {json.dumps(config, default=str)}: {error}")
+        bar.update(1)
+
+    if use_ray or ray_address:
+        run_on_ray(command, todo, done, ray_address)
+    else:
+        for i, config, file in todo:
+            try:
+                done(i, config, file, run_one(command, config))
+            except Exception as e:  # noqa: BLE001 - one configuration's failure must not lose the others
+                done(i, config, file, error=f"{type(e).__name__}: {e}")
+    bar.close()
+    rows = [row for i in sorted(results) for row in rows_of(results[i]["config"], results[i]["result"])]
+    varying = [k for k in dict.fromkeys(k for c in configs for k in c)
+               if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]
+    invocation = " ".join(["python -m minibatch sweep --grid", str(grid_path)] + (["--ray"] if use_ray else [])
+                          + (["--ray-address", ray_address] if ray_address else [])
+                          + (["--json", str(json_path)] if json_path else []))
+    out = {"invocation": invocation, "grid": str(grid_path), "command": command, "code_version": version,
+           "num_configs": len(configs),
+           "varying": varying,
+           "cached": cached, "computed": len(todo) - len(failed), "failed": sorted(failed, key=lambda f: f["index"]),
+           "rows": rows}
+    write_json(out, json_path)
+    return out
+
+
+def run_on_ray(command: str, todo: list, done, address: str | None) -> None:
+    """Each configuration as a Ray task (no retries: a crash is reported, not run again), collected as they
+    finish."""
+    import ray
+
+    if not ray.is_initialized():
+        root = str(Path(__file__).resolve().parents[2])  # workers import this very minibatch
+        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": root}}, log_to_driver=False,
+                 include_dashboard=False)
+    task = ray.remote(max_retries=0)(run_one)
+    pending = {}
+    for i, config, file in todo:
+        cpus = int(config.get("threads") or 1) if command == "compare" else 1
+        pending[task.options(num_cpus=cpus).remote(command, config)] = (i, config, file)
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        i, config, file = pending.pop(ready[0])
+        try:
+            done(i, config, file, ray.get(ready[0]))
+        except Exception as e:  # noqa: BLE001 - a task's error or a dead worker: reported, the rest go on
+            done(i, config, file, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")
+
+
+def add_sweep_arguments(p) -> None:
+    p.add_argument("--grid", required=True, help="a YAML or JSON grid file (see python -m minibatch.cluster.sweep)")
+    p.add_argument("--ray", action="store_true", help="run the configurations as tasks on a local Ray instance")
+    p.add_argument("--ray-address", default=None, help="run them on this Ray cluster (ray.init(address=...))")
+    p.add_argument("--cache", default=None, help="where finished configurations are kept (default: next to --json)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the table as JSON here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def sweep_command(args) -> int:
+    """``python -m minibatch sweep``: run, print the table (one row per configuration and policy)."""
+    from minibatch.files import check_output_file
+
+    if args.json_path:
+        check_output_file(args.json_path, "--json")
+    out = run_sweep(args.grid, use_ray=args.ray, ray_address=args.ray_address, cache_dir=args.cache,
+                    json_path=args.json_path, progress=not args.no_progress)
+    metrics = ("policy", "output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "prefix_cache_hit_rate")
+    columns = out["varying"] + [k for k in metrics if any(k in row for row in out["rows"])]
+    print(" ".join(f"{k:>22}" for k in columns))
+    for row in out["rows"]:
+        cells = [round(v, 4) if isinstance(v := row.get(k), float) else v for k in columns]
+        print(" ".join(f"{'-' if c is None else c!s:>22}" for c in cells))
+    print(f"{out['num_configs']} configurations: {out['cached']} cached, {out['computed']} computed, "
+          f"{len(out['failed'])} failed (code {out['code_version']})")
+    return 1 if out["failed"] else 0

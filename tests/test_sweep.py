@@ -1,0 +1,115 @@
+"""python -m minibatch sweep: a grid of simulate runs in this process and as tasks on a local Ray instance of 2
+CPUs gives the same table; a task whose worker dies (os._exit) is reported with its configuration while the other
+rows survive; a rerun computes only what is missing; bad grid files get one line naming the problem."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from minibatch.__main__ import main
+from minibatch.cluster.sweep import argv_of, code_version, load_grid, run_sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = str(ROOT / "data/profiles/smollm2-135m-cpu.json")
+BASE = {"profile": PROFILE, "policies": "paged", "num_requests": 8, "replicas": 2, "no_progress": True}
+CRASH = "import os\nos._exit(3)\n"
+ROUTER = '''
+from minibatch.cluster.routers import register_router
+from minibatch.cluster.routers.round_robin import RoundRobin
+
+
+@register_router
+class Again(RoundRobin):
+    name = "again"
+'''
+
+
+def write_grid(path: Path, grid: dict, configs: list | None = None) -> Path:
+    path.write_text(json.dumps({"command": "simulate", "base": BASE, "grid": grid} |
+                               ({"configs": configs} if configs else {})))
+    return path
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "run_time_s"} for r in rows]
+
+
+def test_in_process_sweep_and_a_rerun_that_computes_nothing(tmp_path, capsys):
+    grid = write_grid(tmp_path / "g.json", {"router": ["round_robin", "least_kv"], "rate": [2, 8]})
+    out = tmp_path / "t.json"
+    assert main(["sweep", "--grid", str(grid), "--json", str(out), "--no-progress"]) == 0
+    first = json.loads(out.read_text())
+    assert first["num_configs"] == 4 and first["computed"] == 4 and not first["failed"]
+    assert [(r["router"], r["rate"]) for r in first["rows"]] == [("round_robin", 2), ("round_robin", 8),
+                                                                ("least_kv", 2), ("least_kv", 8)]
+    assert first["varying"] == ["router", "rate"] and "4 computed" in capsys.readouterr().out
+    second = run_sweep(str(grid), json_path=str(out), progress=False)
+    assert second["cached"] == 4 and second["computed"] == 0 and second["rows"] == first["rows"]
+    assert code_version() in first["code_version"] and first["code_version"].startswith("0.")
+
+
+def test_a_failing_configuration_is_reported_and_the_rest_survive(tmp_path):
+    grid = write_grid(tmp_path / "g.json", {"rate": [2, 4]}, configs=[{"router": "nowhere"}])
+    result = run_sweep(str(grid), progress=False)
+    assert len(result["rows"]) == 2 and result["failed"][0]["config"]["router"] == "nowhere"
+    assert "--router must be one of" in result["failed"][0]["error"]
+
+
+@pytest.fixture
+def local_ray():
+    ray = pytest.importorskip("ray")
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    except Exception as e:  # noqa: BLE001 - only a Ray that cannot start skips the test
+        pytest.skip(f"ray.init() failed: {e}")
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_sweep_equals_in_process_and_survives_a_dying_worker(tmp_path, local_ray):
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(CRASH)  # the 12th configuration's worker dies while loading it
+    grid = {"router": ["round_robin", "least_outstanding", "least_kv", "prefix_affinity"], "rate": [2, 6],
+            "max_outstanding": [None, 2]}
+    configs = [{"router": "round_robin", "rate": 2, "max_outstanding": None}]  # placeholder, replaced below
+    spec = write_grid(tmp_path / "ray.json", grid)
+    command, all_configs = load_grid(str(spec))
+    assert len(all_configs) == 16
+    configs = all_configs[:11] + [dict(all_configs[11], router="again", policy_module=str(plugin))]
+    spec.write_text(json.dumps({"command": "simulate", "configs": configs}))
+    on_ray = run_sweep(str(spec), use_ray=True, cache_dir=str(tmp_path / "cache"), progress=False)
+    assert [f["index"] for f in on_ray["failed"]] == [11] and on_ray["failed"][0]["config"]["router"] == "again"
+    assert len(on_ray["rows"]) == 11 and on_ray["computed"] == 11
+    local_spec = tmp_path / "local.json"
+    local_spec.write_text(json.dumps({"command": "simulate", "configs": configs[:11]}))
+    local = run_sweep(str(local_spec), cache_dir=str(tmp_path / "local_cache"), progress=False)
+    assert without_times(local["rows"]) == without_times(on_ray["rows"])
+    plugin.write_text(ROUTER)  # fixed: a rerun computes only the configuration that failed
+    again = run_sweep(str(spec), use_ray=True, cache_dir=str(tmp_path / "cache"), progress=False)
+    assert again["cached"] == 11 and again["computed"] == 1 and not again["failed"] and len(again["rows"]) == 12
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[1, 2]", "a mapping of command, base, grid and configs"),
+    ('{"command": "serve", "grid": {"rate": [1]}}', "command must be one of simulate, compare"),
+    ('{"grid": {"rate": 3}}', "grid.rate must be a non-empty list"),
+    ('{"base": {"rate": 1}}', "no configuration"),
+    ("{: :", "ParserError: while parsing"),
+])
+def test_bad_grid_files_get_one_line(tmp_path, text, message, capsys):
+    grid = tmp_path / "bad.yaml"
+    grid.write_text(text)
+    with pytest.raises(SystemExit):
+        main(["sweep", "--grid", str(grid), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_argv_of_a_configuration():
+    assert argv_of("simulate", {"rate": 2, "policies": ["paged", "orca"], "no_progress": True, "x": None,
+                                "threads": 2}) == ["simulate", "--rate", "2", "--policies", "paged,orca",
+                                                   "--no-progress"]
+    assert os.path.exists(PROFILE)
