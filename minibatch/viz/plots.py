@@ -49,8 +49,11 @@ class Cell(NamedTuple):
 
 
 def short_id(request_id: str) -> str:
-    """The cell label of a request: "req-007" -> "7"; an id with no trailing number -> its
-    first 4 characters."""
+    """The cell label of a request: "req-007" -> "7"; a conversation's turn "conv-007-t2" -> "7.2"; an id with no
+    trailing number -> its first 4 characters."""
+    turn = re.fullmatch(r"\D*?0*(\d+)-t(\d+)", request_id)
+    if turn:
+        return f"{turn.group(1)}.{turn.group(2)}"
     m = re.fullmatch(r"\D*?0*(\d+)", request_id)
     return m.group(1) if m else request_id[:4]
 
