@@ -17,7 +17,7 @@ import sys
 
 from minibatch.cluster.simulate import ClusterConfig, simulate_command
 from minibatch.cluster.sweep import add_sweep_arguments, sweep_command
-from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareConfig, run_compare
+from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareConfig, compare_config, run_compare
 from minibatch.config import choices_of, opt, setting_fields
 from minibatch.experiment import all_policies, policy_spec
 from minibatch.experiments.step_profile import add_profile_arguments, profile_command
@@ -103,20 +103,11 @@ def settings_from_args(args, specs: list) -> dict:
 
 def config_from_args(args, command: str, argv_text: str) -> CompareConfig:
     """The CompareConfig of parsed ``args``: every field the command offers and the policy settings
-    given; simulate runs on the simulated clock with no reference check."""
+    given (``compare.compare_config``)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(CompareConfig)
               if f.metadata.get("cli") and hasattr(args, f.name)}
-    names = tuple(x.strip() for x in values["policies"].split(",") if x.strip())
-    if names == ("all",) and command == "sim":
-        names = tuple(POLICIES)
-    values["policies"] = names
-    if command == "sim":
-        values.update(clock="sim", check_reference=False, figures_dir=None)
-    for name in ("figures_dir", "reference_cache"):
-        if values.get(name) == "":
-            values[name] = None
-    specs = [policy_spec(p) for p in all_policies()]
-    return CompareConfig(**values, settings=settings_from_args(args, specs), command=argv_text)
+    return compare_config(values, command, settings_from_args(args, [policy_spec(p) for p in all_policies()]),
+                          argv_text)
 
 
 def model_config(args) -> ModelConfig:

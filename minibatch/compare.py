@@ -132,6 +132,19 @@ class CompareConfig(ModelConfig):
                                                | self.settings)
 
 
+def compare_config(values: dict, command: str, settings: dict, text: str | None = None) -> CompareConfig:
+    """A CompareConfig from option values by field name (``policies`` a list or comma-separated, "all" allowed) for
+    ``command`` "model" (compare) or "sim" (simulate: the simulated clock, no reference check, no figures)."""
+    values = dict(values)
+    names = values.get("policies", DEFAULT_POLICIES if command == "model" else SIM_DEFAULT_POLICIES)
+    names = tuple(x.strip() for x in names.split(",") if x.strip()) if isinstance(names, str) else tuple(names)
+    values["policies"] = tuple(POLICIES) if names == ("all",) and command == "sim" else names
+    if command == "sim":
+        values.update(clock="sim", check_reference=False, figures_dir=None)
+    values |= {name: None for name in ("figures_dir", "reference_cache") if values.get(name) == ""}
+    return CompareConfig(**values, settings=settings, command=text)
+
+
 def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]:
     """cfg.trace read (token ids checked against ``vocab_size``), or a generated trace.
 
@@ -143,12 +156,11 @@ def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]
 
     if cfg.trace is not None:
         return load_trace(cfg.trace, vocab_size=vocab_size)
-    return make_trace(
-        cfg.num_requests, arrival=cfg.arrival, rate_per_s=cfg.rate, lengths="sharegpt",
-        max_prompt_len=cfg.max_prompt_len, max_output_len=cfg.max_output_len, output_scale=cfg.output_scale,
-        vocab_size=vocab_size, num_long_prompts=cfg.long_prompts, long_prompt_len=cfg.long_prompt_len,
-        seed=cfg.seed, sampling=SamplingParams(ignore_eos=True), tokenizer=tokenizer,
-    )
+    return make_trace(cfg.num_requests, arrival=cfg.arrival, rate_per_s=cfg.rate, lengths="sharegpt",
+                      max_prompt_len=cfg.max_prompt_len, max_output_len=cfg.max_output_len,
+                      output_scale=cfg.output_scale, vocab_size=vocab_size, num_long_prompts=cfg.long_prompts,
+                      long_prompt_len=cfg.long_prompt_len, seed=cfg.seed, sampling=SamplingParams(ignore_eos=True),
+                      tokenizer=tokenizer)
 
 
 def with_logprobs(r: Request, num_logprobs: int) -> Request:

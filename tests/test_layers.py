@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     # request types, argument checks and configs, atomic files; prompt text, trace files and workload build
     # Requests from these only; the published numbers with their sources (claims)
-    "base": "request checks files config prompts trace_io workload claims",
+    "base": "request checks files config prompts trace_io workload claims cluster.multiturn",
     "kv": "kv",  # block manager: free list, prefix hashing
     "scheduler": "scheduler",  # plans (SchedulerOutput) and results (StepResult); no tensors
     # clocks and step shapes; execute a plan on a model; speculation; Triton kernels; model loading (models, the
@@ -27,12 +27,13 @@ LAYERS = {
     "runner": "clock runner spec hf_load gguf models kernels precision roofline",
     "engine": "records engine metrics",  # StepRecords; Engine.step(); metrics reads only the records
     "viz": "viz",  # plots, KV maps, Chrome traces, step widget: read records and requests
-    "policies": "policies",  # the policy table, make_engine
+    # the policy table, make_engine; the routers' table and the cluster's event loop over engines
+    "policies": "policies cluster.routers cluster.cluster",
     # the simulator's executor and cost model; the package facade re-exports up to here
     "sim": "sim.executor sim.cost_model sim.profile_format sim __init__",
     # experiments: run(), compare, HF baselines, reference outputs, reports, calibration and validation
     "experiment": "experiment compare baselines sharegpt reference equivalence report sim.calibrate sim.workloads "
-                  "sim.validate sim.simulator experiments",
+                  "sim.validate sim.simulator experiments cluster",  # cluster: its simulate and sweep
     "serving": "serving",  # live traffic: the async engine front end, the OpenAI-compatible server, bench-serve
     "cli": "__main__ gpu_check gpu_steps",  # the command line; gpu-check runs compare and the kernels
     "lessons": "lessons",  # notebook helpers: may use anything

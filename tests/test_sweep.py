@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from minibatch.__main__ import main
-from minibatch.cluster.sweep import argv_of, code_version, load_grid, run_sweep
+from minibatch.cluster.sweep import code_version, load_grid, run_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = str(ROOT / "data/profiles/smollm2-135m-cpu.json")
-BASE = {"profile": PROFILE, "policies": "paged", "num_requests": 8, "replicas": 2, "no_progress": True}
+BASE = {"profile": PROFILE, "policies": "paged", "num_requests": 8, "replicas": 2}
 CRASH = "import os\nos._exit(3)\n"
 ROUTER = '''
 from minibatch.cluster.routers import register_router
@@ -108,8 +108,9 @@ def test_bad_grid_files_get_one_line(tmp_path, text, message, capsys):
     assert len(err) == 1 and message in err[0], err
 
 
-def test_argv_of_a_configuration():
-    assert argv_of("simulate", {"rate": 2, "policies": ["paged", "orca"], "no_progress": True, "x": None,
-                                "threads": 2}) == ["simulate", "--rate", "2", "--policies", "paged,orca",
-                                                   "--no-progress"]
-    assert os.path.exists(PROFILE)
+def test_an_option_the_command_lacks_is_reported_with_its_configuration(tmp_path):
+    grid = write_grid(tmp_path / "g.json", {"rate": [2]}, configs=[{"colour": "red"}, {"max_num_seqs": 4}])
+    result = run_sweep(str(grid), progress=False)
+    assert [f["index"] for f in result["failed"]] == [1]
+    assert "'colour' is not an option of simulate" in result["failed"][0]["error"]
+    assert [r.get("max_num_seqs") for r in result["rows"]] == [None, 4] and os.path.exists(PROFILE)

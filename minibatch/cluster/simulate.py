@@ -121,10 +121,10 @@ def cluster_rows(run: ClusterRun, policy: str, slo=None, run_time_s: float = 0.0
         replicas.append(row)
     trace = [rec for rep in run.replicas for rec in rep.engine.trace]
     overall = {"policy": policy, **summarize(run.requests, trace, slo).to_dict()}
-    bms = [rep.engine.scheduler.block_manager for rep in run.replicas]
-    if all(bm is not None and bm.enable_prefix_caching for bm in bms):
-        queried = sum(bm.num_prefix_query_tokens for bm in bms)
-        overall["prefix_cache_hit_rate"] = sum(bm.num_prefix_hit_tokens for bm in bms) / queried if queried else 0.0
+    counts = [rep.engine.scheduler.prefix_cache_counts() for rep in run.replicas]
+    if all(c is not None for c in counts):  # prefix caching on every replica
+        queried = sum(q for _, q in counts)
+        overall["prefix_cache_hit_rate"] = sum(h for h, _ in counts) / queried if queried else 0.0
     routed = [rep.routed for rep in run.replicas if rep.role != "decode"]
     overall |= {"clock": "sim", "run_time_s": round(run_time_s, 3), "num_replicas": len(run.replicas),
                 "load_imbalance": round(max(routed) / (sum(routed) / len(routed)), 3) if sum(routed) else None}
@@ -193,22 +193,30 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
     return result
 
 
-def simulate_command(args, cfg) -> None:
-    """``python -m minibatch simulate``: one engine per policy, or a cluster when a cluster option is given."""
-    from minibatch.sim.cost_model import Profile
-    from minibatch.sim.simulator import parse_acceptance_rate, run_simulation
-
-    acceptance = parse_acceptance_rate(args.acceptance_rate)
-    if cfg.profile is None:
-        raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
-    Profile.load(cfg.profile)  # a bad profile is reported before the run
+def simulate_command(args, cfg) -> dict:
+    """``python -m minibatch simulate``: :func:`simulate` with the cluster options of ``args``."""
     from dataclasses import fields
 
     cluster = ClusterConfig(**{f.name: getattr(args, f.name) for f in fields(ClusterConfig) if f.metadata.get("cli")})
+    return simulate(cfg, cluster, args.acceptance_rate)
+
+
+def simulate(cfg, cluster: ClusterConfig, acceptance_rate: str | None = None) -> dict:
+    """One engine per policy (``sim.simulator.run_simulation``), or a cluster when a cluster option is given.
+    acceptance_rate: the spec policies' rate(s) as the command line writes them ("0.7" or "0.6,0.3").
+
+    Raises:
+        ValueError: no profile, a bad profile or acceptance rate, a bad cluster option (each named)."""
+    from minibatch.sim.cost_model import Profile
+    from minibatch.sim.simulator import parse_acceptance_rate, run_simulation
+
+    acceptance = parse_acceptance_rate(acceptance_rate)
+    if cfg.profile is None:
+        raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
+    Profile.load(cfg.profile)  # a bad profile is reported before the run
     if cluster.is_cluster:
-        run_cluster_simulation(cfg, cluster, cfg.profile, acceptance)
-    else:
-        run_simulation(cfg, cfg.profile, acceptance)
+        return run_cluster_simulation(cfg, cluster, cfg.profile, acceptance)
+    return run_simulation(cfg, cfg.profile, acceptance)
 
 
 def make_conversations_copy(conversations: list) -> list:

@@ -8,14 +8,15 @@ of the listed values) or an explicit list of configurations, or both::
     grid: {router: [round_robin, prefix_affinity], rate: [1, 2, 4], seed: [0, 1]}
     configs: [{router: least_kv, rate: 8}]        # optional, added to the grid's
 
-Keys are the command's options without ``--`` (``max_num_seqs: 8`` is ``--max-num-seqs 8``; ``true`` is a bare
-flag). Each configuration is one task: in this process by default, on a local Ray instance with ``--ray``
-(``ray.init()``), on a Ray cluster with ``--ray-address ADDR`` (every node needs minibatch installed). A task
-declares what it uses: 1 CPU for a simulation; a wall-clock ``compare`` declares its ``threads`` (default 1) and
-runs with that many torch threads, so Ray never packs two on a core. Rows stream into the table as tasks finish
-(tqdm). A task that fails (an error, or a worker that dies) is reported with its configuration and does not lose
-the other rows. Every finished configuration is stored under ``--cache`` keyed by its configuration and the code
-version (package version, git commit, dirty flag), so a rerun computes only what is missing.
+Keys are the command's option names with underscores (``max_num_seqs: 8`` is ``--max-num-seqs 8``;
+``check_reference: false`` is ``--no-reference``), plus ``threads`` and ``policy_module``. Each configuration is
+one task: in this process by default, on a local Ray instance with ``--ray`` (``ray.init()``), on a Ray cluster
+with ``--ray-address ADDR`` (every node needs minibatch installed). A task declares what it uses: 1 CPU for a
+simulation; a wall-clock ``compare`` declares its ``threads`` (default 1) and runs with that many torch threads, so
+Ray never packs two on a core. Rows stream into the table as tasks finish (tqdm). A task that fails (an error, or
+a worker that dies) is reported with its configuration and does not lose the other rows. Every finished
+configuration is stored under ``--cache`` keyed by its configuration and the code version (package version, git
+commit, dirty flag), so a rerun computes only what is missing.
 """
 
 from __future__ import annotations
@@ -65,20 +66,6 @@ def load_grid(path: str) -> tuple[str, list[dict]]:
     return command, configs
 
 
-def argv_of(command: str, config: dict) -> list[str]:
-    """The command line of one configuration (``threads`` is the task's own, not an option)."""
-    argv = [command]
-    for key, value in config.items():
-        if key == "threads":
-            continue
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is not False and value is not None:
-            argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
-    return argv
-
-
 def code_version() -> str:
     """Package version + git commit + "-dirty" when the work tree has changes (a rerun key: other code, new runs)."""
     from minibatch import __version__
@@ -100,21 +87,48 @@ def config_key(command: str, config: dict, version: str) -> str:
 
 
 def run_one(command: str, config: dict) -> dict:
-    """One configuration, in this process: its command with ``--json`` into a temporary file, its stdout
-    swallowed; returns that JSON. Raises what the command raises (SystemExit for a bad option)."""
-    from minibatch.__main__ import main
+    """One configuration, in this process: the command's own function with these option values (and --json
+    into a temporary file), its printing swallowed; returns that JSON. ``threads``: torch threads for the run;
+    ``policy_module``: a file (or list) registering policies, backends or routers, loaded first.
 
-    if config.get("threads"):
+    Raises:
+        ValueError: an option the command does not have, or what the command raises for a bad value."""
+    from dataclasses import fields
+
+    from minibatch.cluster.simulate import ClusterConfig, simulate
+    from minibatch.compare import CompareConfig, compare_config, run_compare
+    from minibatch.config import setting_fields
+    from minibatch.experiment import all_policies, policy_spec
+    from minibatch.policies import load_policy_module
+
+    config = dict(config)
+    threads, modules = config.pop("threads", None), config.pop("policy_module", None)
+    for path in [modules] if isinstance(modules, str) else modules or []:
+        load_policy_module(path)
+    kind = "model" if command == "compare" else "sim"
+    ours = {f.name for f in fields(CompareConfig) if f.metadata.get("cli") in ("all", kind)}
+    cluster = {f.name for f in fields(ClusterConfig) if f.metadata.get("cli")} if command == "simulate" else set()
+    settings = {n for p in all_policies() for n in setting_fields(policy_spec(p).config_cls)}
+    acceptance = config.pop("acceptance_rate", None) if command == "simulate" else None
+    unknown = [k for k in config if k not in ours | cluster | settings]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not an option of {command} (keys are option names with _, e.g. "
+                         "max_num_seqs)")
+    if threads:
         import torch
 
-        torch.set_num_threads(int(config["threads"]))
+        torch.set_num_threads(int(threads))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
-            try:
-                main(argv_of(command, config) + ["--json", out, "--no-progress"])
-            except SystemExit as e:
-                raise ValueError((err.getvalue().strip().splitlines() or [f"exit {e.code}"])[-1]) from None
+        values = {"figures_dir": None} | {k: v for k, v in config.items() if k in ours} | {"json_path": out,
+                                                                                           "progress": False}
+        cfg = compare_config(values, kind, {k: v for k, v in config.items() if k in settings},
+                             f"python -m minibatch sweep: {command} {json.dumps(config, default=str)}")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            if command == "compare":
+                run_compare(cfg)
+            else:
+                simulate(cfg, ClusterConfig(**{k: v for k, v in config.items() if k in cluster}), acceptance)
         return json.loads(Path(out).read_text(encoding="utf-8"))
 
 

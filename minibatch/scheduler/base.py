@@ -147,6 +147,19 @@ class Scheduler:
         bm = self.block_manager
         return 0 if bm is None else bm.num_blocks * bm.block_size
 
+    def kv_cache_usage(self) -> float:
+        """The share of KV blocks in use, in [0, 1] (vLLM's kv_cache_usage_perc); 0 without a block manager."""
+        bm = self.block_manager
+        return 0.0 if bm is None else 1.0 - bm.num_free_blocks / max(1, bm.num_blocks)
+
+    def prefix_cache_counts(self) -> tuple[int, int] | None:
+        """(prompt tokens found in the prefix cache, prompt tokens looked up) so far; None with prefix caching off
+        (several schedulers' counts add up to a cluster's hit rate)."""
+        bm = self.block_manager
+        if bm is None or not bm.enable_prefix_caching:
+            return None
+        return bm.num_prefix_hit_tokens, bm.num_prefix_query_tokens
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (their KV may have been overwritten by another engine)."""
         if self.block_manager is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import os
 import socket
 import subprocess
 import sys
@@ -210,11 +211,13 @@ class ServerProcess:
     its port); so does the exit of this interpreter, should nobody call it (a notebook cell that
     failed between start and stop).
 
-    command: another server's command line instead (e.g. ``transformers serve``), "{port}" in it
-    replaced by the port; it must answer GET /health."""
+    command: another server's command line instead (e.g. ``transformers serve``, ``vllm serve``), "{port}" in it
+    replaced by the port; it must answer GET /health. env: variables added to the child's environment;
+    start_timeout_s: how long ``with`` waits for /health (a compiling server needs minutes)."""
 
-    def __init__(self, args: list[str], log: str, port: int | None = None, command: list[str] | None = None):
-        self.port = port or free_port()
+    def __init__(self, args: list[str], log: str, port: int | None = None, command: list[str] | None = None,
+                 env: dict | None = None, start_timeout_s: float = 180.0):
+        self.port, self.env, self.start_timeout_s = port or free_port(), env, start_timeout_s
         self.args = ([x.replace("{port}", str(self.port)) for x in command] if command else
                      [sys.executable, "-m", "minibatch", "serve", *args, "--port", str(self.port)])
         self.log, self.proc = log, None
@@ -223,9 +226,11 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, timeout_s: float = 180.0) -> "ServerProcess":
+    def start(self, timeout_s: float | None = None) -> "ServerProcess":
+        timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT,
+                                         env=None if self.env is None else os.environ | self.env)
         RUNNING_CHILDREN.add(self)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

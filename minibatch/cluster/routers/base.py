@@ -35,8 +35,7 @@ class Replica:
     @property
     def kv_usage(self) -> float:
         """The share of its KV blocks in use, in [0, 1] (0 for a scheduler without a block manager)."""
-        bm = self.engine.scheduler.block_manager
-        return 0.0 if bm is None else 1.0 - bm.num_free_blocks / max(1, bm.num_blocks)
+        return self.engine.scheduler.kv_cache_usage()
 
 
 class Router:
