@@ -1,7 +1,10 @@
 """Client-side serving benchmark: bench-serve against our server under several policies and against
-``transformers serve`` (continuous batching) on the same model directory, at several request rates.
+``transformers serve`` (continuous batching) or ``vllm serve`` on the same model directory, at several request
+rates.
 
     python benchmarks/serving.py --json data/cpu/serving.json
+    python benchmarks/serving.py --policies chunked --attention-backend cpp --dtype bfloat16 --ignore-eos \
+        --no-transformers-serve --vllm-serve .venv-vllm/bin/python --rates 1,2,4 --json data/cpu/serve_vs_vllm.json
 
 Every server is a child process on 127.0.0.1 (started, measured at each rate, stopped) with
 ``--threads`` torch threads. The same ShareGPT requests (seeded) go to every server, greedy, with
@@ -19,12 +22,14 @@ import sys
 import tempfile
 
 from minibatch.files import write_json
+from minibatch.metrics import SLO
 from minibatch.report import environment, machine_load
 from minibatch.serving.bench import bench, load_tokenizer, sample_requests
 from minibatch.serving.launch import ServerProcess
 
 SUMMARY_KEYS = ("completed", "failed", "request_throughput_req_s", "output_throughput_tok_s", "ttft_p50_s",
-                "ttft_p99_s", "tpot_p50_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s")
+                "ttft_p99_s", "tpot_p50_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "goodput_req_s")
+VLLM_PEER = "vllm_serve"
 
 
 PEER = "transformers_serve_cb"
@@ -35,7 +40,8 @@ def servers(args) -> tuple[dict[str, dict], list[dict]]:
     [{"server": name, "skipped": why}] for a peer that cannot run here)."""
     from minibatch.policies import get_policy
 
-    ours = ["--model", args.model, "--threads", str(args.threads), "--dtype", args.dtype]
+    ours = ["--model", args.model, "--threads", str(args.threads), "--dtype", args.dtype, "--attention-backend",
+            args.attention_backend]
     # static batching's rows per batch = the others' max_num_seqs; each server gets the settings its policy has
     settings = {"max_num_seqs": args.max_num_seqs, "batch_size": args.max_num_seqs, "n_slots": args.n_slots}
     out = {p: {"args": ours + ["--policy", p] + [x for name, value in settings.items() if name in get_policy(p).options
@@ -48,7 +54,35 @@ def servers(args) -> tuple[dict[str, dict], list[dict]]:
             skipped.append({"server": PEER, "skipped": why})
         else:
             out[PEER] = peer
+    if args.vllm_serve:
+        peer, why = vllm_serve(args)
+        if peer is None:
+            skipped.append({"server": VLLM_PEER, "skipped": why})
+        else:
+            out[VLLM_PEER] = peer
     return out, skipped
+
+
+def vllm_serve(args) -> tuple[dict | None, str | None]:
+    """``vllm serve`` (from the environment of ``args.vllm_serve``, a Python with vLLM) on the converted SmolLM2
+    folder, given what our servers get: dtype, max_num_seqs, the KV cache bytes of --n-slots tokens, prefix
+    caching off, its default compiled mode; (its server entry, None) or (None, why it cannot run here)."""
+    from pathlib import Path
+
+    from minibatch.gguf import smollm2_cache_path
+
+    exe, folder = Path(args.vllm_serve).parent / "vllm", smollm2_cache_path()
+    if not exe.exists():
+        return None, f"no vllm executable next to {args.vllm_serve}"
+    if args.model != "smollm2-135m" or not folder.exists():
+        return None, f"vllm serve runs the converted smollm2-135m folder ({folder}), not --model {args.model}"
+    kv_bytes = args.n_slots * 2 * 30 * 3 * 64 * (2 if args.dtype == "bfloat16" else 4)  # SmolLM2: 30 layers, 3 x 64
+    return {"command": [str(exe), "serve", str(folder), "--served-model-name", args.model, "--dtype", args.dtype,
+                        "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(kv_bytes),
+                        "--max-model-len", "2048", "--no-enable-prefix-caching", "--host", "127.0.0.1",
+                        "--port", "{port}"],
+            "model": args.model, "env": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+            "start_timeout_s": 900.0}, None
 
 
 def transformers_serve(model: str, dtype: str, exe: str | None = None) -> tuple[dict | None, str | None]:
@@ -81,6 +115,13 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both servers' dtype")
     p.add_argument("--no-transformers-serve", dest="transformers_serve", action="store_false")
+    p.add_argument("--vllm-serve", default=None, metavar="PYTHON", help="also run vllm serve from this Python's "
+                   "environment (it must hold vLLM)")
+    p.add_argument("--attention-backend", default="torch", help="our servers' attention backend")
+    p.add_argument("--ignore-eos", action="store_true", help="every request runs to max_tokens (not with "
+                   "transformers serve, which does not know it)")
+    p.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput: TTFT objective, s")
+    p.add_argument("--slo-tpot-s", type=float, default=0.5, help="goodput: TPOT objective, s")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     load_before = machine_load()  # how busy the machine was: recorded with the result
@@ -96,15 +137,17 @@ def main() -> int:
     logs = tempfile.mkdtemp(prefix="serving-bench-")
     for name, server in to_run.items():
         log = os.path.join(logs, f"{name}.log")
-        with ServerProcess(server.get("args", []), log, command=server.get("command")) as srv:
+        with ServerProcess(server.get("args", []), log, command=server.get("command"), env=server.get("env"),
+                           start_timeout_s=server.get("start_timeout_s", 180.0)) as srv:
             model = server.get("model", args.model)
             bench(srv.base_url, model, requests[:2], progress=False)  # warm-up, not measured
             for rate in rates:
-                out = bench(srv.base_url, model, requests, rate=rate, seed=0, progress=False)
+                out = bench(srv.base_url, model, requests, rate=rate, seed=0, progress=False,
+                            ignore_eos=args.ignore_eos, slo=SLO(ttft_s=args.slo_ttft_s, tpot_s=args.slo_tpot_s))
                 s = out["summary"]
                 result["runs"].append({"server": name, "rate": rate, "summary": s})
                 print(f"{name:24s} rate {rate:4.1f}/s  " + "  ".join(
-                    f"{k}={s[k]:.3f}" if isinstance(s[k], float) else f"{k}={s[k]}" for k in SUMMARY_KEYS),
+                    f"{k}={s[k]:.3f}" if isinstance(s.get(k), float) else f"{k}={s.get(k)}" for k in SUMMARY_KEYS),
                     flush=True)
     if args.json:
         result["environment"] = environment(load_before)
