@@ -11,7 +11,8 @@ from minibatch.__main__ import main
 from minibatch.cluster.cluster import Cluster, KVLink
 from minibatch.cluster.multiturn import make_conversations
 from minibatch.cluster.routers import ROUTERS, get_router
-from minibatch.cluster.simulate import ClusterConfig, build_cluster, cluster_rows, run_cluster_simulation
+from minibatch.cluster.simulate import (ClusterConfig, build_cluster, cluster_rows, conversation_sizing,
+                                        run_cluster_simulation)
 from minibatch.compare import CompareConfig, build_trace
 from minibatch.sim.cost_model import Profile
 from minibatch.sim.simulator import run_simulation
@@ -42,16 +43,9 @@ def multiturn_run(router: str, replicas: int = 4, **kw):
     cfg = sim_config(policies=("paged_prefix",))
     conversations = make_conversations(24, rate_per_s=2.0, think_time_s=2.0, max_output_len=64, seed=3)
     ccfg = ClusterConfig(replicas=replicas, router=router, workload="multiturn", **kw)
-    cluster = build_cluster(cfg, ccfg, profile, "paged_prefix", sizing(conversations))
+    cluster = build_cluster(cfg, ccfg, profile, "paged_prefix", conversation_sizing(conversations))
     run = cluster.run((), conversations)
     return run, cluster_rows(run, "paged_prefix")
-
-
-def sizing(conversations):
-    from minibatch.request import Request
-
-    total = max(len(c.system_prompt) + sum(map(len, c.user_turns)) + sum(c.output_lens) for c in conversations)
-    return [Request("size", [3] * (total - 64), 64)]
 
 
 def test_multiturn_turns_carry_the_answers_and_wait_for_them():

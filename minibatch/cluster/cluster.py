@@ -136,7 +136,7 @@ class Cluster:
         replica = self.router.route(request, eligible, t)
         if role == "prefill":  # the prefill part: prompt and first token only
             part = request.copy()
-            part.max_new_tokens, part.request_id = 1, request.request_id
+            part.max_new_tokens = 1
             self._parts[request.request_id] = request
             request = part
         engine = replica.engine

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +51,10 @@ class Conversation:
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(ignore_eos=True))
     turns: list[Request] = field(default_factory=list)
     truncated: bool = False  # a turn would not fit in max_model_len: the conversation ended early
+
+    def fresh(self) -> "Conversation":
+        """This conversation with no turn made yet (each run of the same conversations starts from one)."""
+        return replace(self, turns=[], truncated=False)
 
     @property
     def num_turns(self) -> int:

@@ -54,12 +54,9 @@ class ClusterConfig:
     roles: tuple = field(default=(), metadata={"cli": None})
 
     def __post_init__(self):
-        from minibatch.config import check_field
+        from minibatch.config import check_fields, opt
 
-        for f in self.__dataclass_fields__.values():
-            if f.metadata.get("kind"):
-                object.__setattr__(self, f.name, check_field(f.metadata, getattr(self, f.name), "--" +
-                                                             f.name.replace("_", "-")))
+        check_fields(self, opt)
         roles = ("both",) * self.replicas
         if self.disaggregate is not None:
             p, _, d = self.disaggregate.partition(":")
@@ -78,6 +75,15 @@ class ClusterConfig:
 def conversation_tokens(c) -> int:
     """The most tokens a conversation's last turn can hold (system prompt, every message and answer)."""
     return len(c.system_prompt) + sum(map(len, c.user_turns)) + sum(c.output_lens)
+
+
+def conversation_sizing(conversations: list) -> list:
+    """A stand-in request as long as the longest conversation's last turn can be, to size the default KV cache by
+    compare's rule (conversations' turns are made only as the run goes)."""
+    from minibatch.request import Request
+
+    longest = max(conversations, key=conversation_tokens)
+    return [Request("size", [3] * (conversation_tokens(longest) - longest.output_lens[-1]), longest.output_lens[-1])]
 
 
 def build_cluster(cfg, ccfg: ClusterConfig, profile, policy: str, sizing: list, acceptance_rate=None) -> Cluster:
@@ -145,7 +151,6 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
     from minibatch.compare import build_trace
     from minibatch.metrics import SLO
     from minibatch.report import environment, print_table, write_json
-    from minibatch.request import Request
     from minibatch.sim.cost_model import Profile
 
     profile = Profile.load(profile_path)
@@ -156,9 +161,7 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
                                            max_output_len=cfg.max_output_len, output_scale=cfg.output_scale,
                                            system_prompt_len=ccfg.system_prompt_len, seed=cfg.seed,
                                            vocab_size=profile.vocab_size or 49152)
-        longest = max(conversations, key=conversation_tokens)
-        sizing = [Request("size", [3] * (conversation_tokens(longest) - longest.output_lens[-1]),
-                          longest.output_lens[-1])]
+        sizing = conversation_sizing(conversations)
         print(f"workload: {len(conversations)} conversations, {sum(c.num_turns for c in conversations)} turns")
     else:
         requests = sizing = build_trace(cfg, None, profile.vocab_size)
@@ -171,7 +174,7 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
     for policy in cfg.policies:
         cluster = build_cluster(cfg, ccfg, profile, policy, sizing, acceptance_rate)
         t0 = time.perf_counter()
-        run = cluster.run(requests, [c for c in make_conversations_copy(conversations)])
+        run = cluster.run(requests, [c.fresh() for c in conversations])
         results[policy] = cluster_rows(run, policy, slo, time.perf_counter() - t0)
     table = {"policies": {}}
     for policy, res in results.items():
@@ -217,10 +220,3 @@ def simulate(cfg, cluster: ClusterConfig, acceptance_rate: str | None = None) ->
     if cluster.is_cluster:
         return run_cluster_simulation(cfg, cluster, cfg.profile, acceptance)
     return run_simulation(cfg, cfg.profile, acceptance)
-
-
-def make_conversations_copy(conversations: list) -> list:
-    """Fresh copies of conversations (no turns made yet), so each policy runs the same ones."""
-    from dataclasses import replace
-
-    return [replace(c, turns=[], truncated=False) for c in conversations]

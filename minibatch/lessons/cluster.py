@@ -5,7 +5,6 @@ tables, and the exercise checks. The machinery is ``minibatch.cluster`` (``pytho
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 from minibatch.cluster.cluster import ClusterRun
@@ -21,21 +20,16 @@ def run_cluster(conversations=(), requests=(), *, router: str = "round_robin", r
     """One cluster run on the simulated clock: ``replicas`` engines of ``policy`` behind ``router`` (or
     ``disaggregate="P:D"``), on fresh copies of ``conversations`` (multi-turn) and ``requests``. Returns the run and
     its rows (``minibatch.cluster.simulate.cluster_rows``)."""
-    from minibatch.cluster.simulate import ClusterConfig, build_cluster, cluster_rows, conversation_tokens
+    from minibatch.cluster.simulate import ClusterConfig, build_cluster, cluster_rows, conversation_sizing
     from minibatch.compare import CompareConfig
     from minibatch.metrics import SLO
-    from minibatch.request import Request
     from minibatch.sim.cost_model import Profile
 
     cfg = CompareConfig(clock="sim", check_reference=False, figures_dir=None, progress=False, policies=(policy,))
     ccfg = ClusterConfig(replicas=replicas, router=router, **cluster_options)
-    sizing = list(requests)
-    if conversations:
-        longest = max(conversations, key=conversation_tokens)
-        sizing.append(Request("size", [3] * (conversation_tokens(longest) - longest.output_lens[-1]),
-                              longest.output_lens[-1]))
+    sizing = list(requests) + (conversation_sizing(conversations) if conversations else [])
     cluster = build_cluster(cfg, ccfg, Profile.load(profile), policy, sizing)
-    run = cluster.run(list(requests), [replace(c, turns=[], truncated=False) for c in conversations])
+    run = cluster.run(list(requests), [c.fresh() for c in conversations])
     return run, cluster_rows(run, policy, SLO(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s))
 
 
