@@ -82,3 +82,37 @@ def test_compare_skips_vllm_with_one_line_when_it_is_not_installed(tmp_path, cap
     assert list(json.loads(out.read_text())["policies"]) == ["paged"]
     with pytest.raises(PeerUnavailable, match="--vllm-python /no/such/python: no such file"):
         vllm_peer.vllm_python(VllmConfig(vllm_python="/no/such/python"))
+
+
+PHASED_WORKER = '''#!{python}
+import json, sys
+job = json.load(open(sys.argv[2]))
+phases = []
+for requests in job["phases"]:
+    out = {{}}
+    for i, r in enumerate(requests):  # prefills end at 0.3 + 0.1 i; then a decode step every 0.02 s
+        n = r["max_tokens"]
+        out[r["request_id"]] = {{"output_token_ids": [7] * n, "finish_reason": "length", "logprobs": [],
+                                 "token_times_s": [0.3 + 0.1 * i] + [0.3 + 0.1 * (len(requests) - 1) + 0.02 * k
+                                                                     for k in range(1, n)]}}
+    phases.append({{"run_time_s": 1.0, "requests": out}})
+json.dump({{"vllm_version": "fake", "load_s": 1.0, "warmup_s": 0.5, "phases": phases}}, open(sys.argv[3], "w"))
+'''
+
+
+def test_vllm_step_times_per_shape(tiny, tmp_path):
+    """profile --vllm-python: one worker run with a phase per shape (each decode shape's requests together, each
+    prefill repeated); a decode step is the gap between steps once every request has its first token, a prefill
+    step the time to the lone request's token."""
+    from minibatch.baselines.vllm_steps import add_vllm_steps
+
+    model, _ = tiny
+    path = tmp_path / "phased-python"
+    path.write_text(PHASED_WORKER.format(python=sys.executable))
+    path.chmod(0o755)
+    shapes = [("decode", 1), ("decode", 4), ("prefill", 16)]
+    rows = [{"bound_s": 0.01, "step_s": 0.03} for _ in shapes]
+    peer = add_vllm_steps(rows, model, shapes, context_len=20, repeats=3, python=str(path))
+    assert [r["vllm_step_s"] for r in rows] == pytest.approx([0.02, 0.02, 0.3])
+    assert rows[0]["vllm_over_bound"] == 2.0 and peer["version"] == "fake"
+    assert peer["settings"]["max_num_seqs"] == 4 and peer["settings"]["enable_prefix_caching"] is False

@@ -88,19 +88,25 @@ def model_directory(model, scratch: Path) -> str:
     return str(out)
 
 
+def model_kv_bytes_per_token(model) -> int:
+    """Bytes of K and V per token slot of ``model`` (all layers, its dtype), its geometry read as ModelRunner
+    reads it."""
+    from minibatch.kv.contiguous import kv_bytes_per_token
+    from minibatch.runner.support import config_int
+
+    cfg = model.config.get_text_config()
+    heads = config_int(model, cfg, "num_attention_heads")
+    head_dim = config_int(model, cfg, "head_dim", config_int(model, cfg, "hidden_size") // heads)
+    return kv_bytes_per_token(config_int(model, cfg, "num_hidden_layers"),
+                              config_int(model, cfg, "num_key_value_heads", heads), head_dim, model.dtype.itemsize)
+
+
 def vllm_job(model, requests: list[Request], config: VllmConfig, model_dir: str) -> dict:
     """The worker's job (see ``vllm_worker.py``) for ``requests`` on ``model`` (its dtype and KV geometry).
 
     Raises:
         ValueError: a sampled request (the peer runs greedy traces, the ones whose outputs can be checked)."""
-    from minibatch.kv.contiguous import kv_bytes_per_token
-    from minibatch.runner.support import config_int
-
-    cfg = model.config.get_text_config()  # the geometry read as ModelRunner reads it
-    heads = config_int(model, cfg, "num_attention_heads")
-    head_dim = config_int(model, cfg, "head_dim", config_int(model, cfg, "hidden_size") // heads)
-    kv_bytes = kv_bytes_per_token(config_int(model, cfg, "num_hidden_layers"),
-                                  config_int(model, cfg, "num_key_value_heads", heads), head_dim, model.dtype.itemsize)
+    kv_bytes = model_kv_bytes_per_token(model)
     eos = list(eos_token_ids(model))
     jobs = []
     for r in requests:
@@ -120,6 +126,21 @@ def vllm_job(model, requests: list[Request], config: VllmConfig, model_dir: str)
     return {"engine": engine, "env": {"VLLM_CONFIGURE_LOGGING": "0"}, "warmup": WARMUP, "requests": jobs}
 
 
+def run_worker(python: str, job: dict, scratch: Path) -> dict:
+    """Run ``job`` (see ``vllm_worker.py``) with ``python`` (an interpreter with vLLM), files in ``scratch``;
+    returns its result.
+
+    Raises:
+        RuntimeError: vLLM failed (the last lines of its output)."""
+    (scratch / "job.json").write_text(json.dumps(job))
+    proc = subprocess.run([python, str(WORKER), str(scratch / "job.json"), str(scratch / "result.json")],
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not (scratch / "result.json").is_file():
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"vllm exited with status {proc.returncode}:\n{tail}")
+    return json.loads((scratch / "result.json").read_text())
+
+
 def run_vllm(model, requests: list[Request], config: VllmConfig, progress: bool = False):
     """Run ``requests`` (fresh, not yet run) on vLLM, filling their tokens and time stamps like our engine's.
     Returns ``(requests, extra)``: extra holds vLLM's version, load, warm-up and run times and its settings.
@@ -131,15 +152,8 @@ def run_vllm(model, requests: list[Request], config: VllmConfig, progress: bool 
     check_requests(model, requests)
     python = vllm_python(config)
     with tempfile.TemporaryDirectory(prefix="minibatch-vllm-") as tmp:
-        scratch = Path(tmp)
-        job = vllm_job(model, requests, config, model_directory(model, scratch))
-        (scratch / "job.json").write_text(json.dumps(job))
-        proc = subprocess.run([python, str(WORKER), str(scratch / "job.json"), str(scratch / "result.json")],
-                              capture_output=True, text=True)
-        if proc.returncode != 0 or not (scratch / "result.json").is_file():
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-            raise RuntimeError(f"vllm exited with status {proc.returncode}:\n{tail}")
-        result = json.loads((scratch / "result.json").read_text())
+        job = vllm_job(model, requests, config, model_directory(model, Path(tmp)))
+        result = run_worker(python, job, Path(tmp))
     eos = eos_token_ids(model)
     for r in requests:
         got = result["requests"].get(r.request_id)

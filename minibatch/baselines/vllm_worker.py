@@ -7,8 +7,11 @@ JOB.json: ``engine`` (keyword arguments of ``vllm.LLM``: model directory, dtype,
 (environment variables set before vLLM is imported), ``warmup`` (requests run first and not timed) and
 ``requests``: each ``request_id``, ``prompt_token_ids``, ``max_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``logprobs`` (None or k), ``arrival_time_s`` (seconds from the start of the timed run; all 0 for a saturated trace).
+Instead of ``requests``, ``phases`` (a list of such request lists) runs each list to completion in turn, timed from
+its own start (``python -m minibatch profile --vllm-python``: one engine load for every step shape).
 
-RESULT.json: ``vllm_version``, ``load_s``, ``warmup_s``, ``run_time_s`` and per request ``output_token_ids``,
+RESULT.json: ``vllm_version``, ``load_s``, ``warmup_s``, ``run_time_s`` and ``requests`` (with ``phases``: a list
+of {``run_time_s``, ``requests``}, one per phase), per request ``output_token_ids``,
 ``token_times_s`` (when our loop saw each token, s from the start), ``finish_reason`` and ``logprobs`` (per
 output token: token id -> logprob). Times are taken in this process after each ``LLMEngine.step()``: vLLM's
 engine core runs in another process and hands tokens over once per step, so these are the times a frontend sees
@@ -44,34 +47,39 @@ def run_job(job: dict) -> dict:
                  [params(r) for r in job["warmup"]], use_tqdm=False)
     warmup_s = time.perf_counter() - t0
 
-    pending = sorted(job["requests"], key=lambda r: r["arrival_time_s"])
-    results, ours = {}, {}
-    start = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while pending and pending[0]["arrival_time_s"] <= now:
-            r = pending.pop(0)
-            vid = engine.add_request(r["request_id"], TokensPrompt(prompt_token_ids=r["prompt_token_ids"]),
-                                     params(r))
-            ours[vid] = ours[r["request_id"]] = r["request_id"]
-            results[r["request_id"]] = {"output_token_ids": [], "token_times_s": [], "finish_reason": None,
-                                        "logprobs": []}
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, pending[0]["arrival_time_s"] - now))
-            continue
-        outputs = engine.step()
-        seen = time.perf_counter() - start
-        for out in outputs:
-            res, completion = results[ours[out.request_id]], out.outputs[0]
-            new = list(completion.token_ids)[len(res["output_token_ids"]):]
-            res["output_token_ids"] += new
-            res["token_times_s"] += [seen] * len(new)
-            if completion.logprobs:
-                res["logprobs"] = [{str(t): lp.logprob for t, lp in pos.items()} for pos in completion.logprobs]
-            if out.finished:
-                res["finish_reason"] = completion.finish_reason
-    return {"vllm_version": vllm.__version__, "load_s": load_s, "warmup_s": warmup_s,
-            "run_time_s": time.perf_counter() - start, "requests": results}
+    def run(requests: list[dict]) -> dict:
+        pending = sorted(requests, key=lambda r: r["arrival_time_s"])
+        results, ours = {}, {}
+        start = time.perf_counter()
+        while pending or engine.has_unfinished_requests():
+            now = time.perf_counter() - start
+            while pending and pending[0]["arrival_time_s"] <= now:
+                r = pending.pop(0)
+                vid = engine.add_request(r["request_id"], TokensPrompt(prompt_token_ids=r["prompt_token_ids"]),
+                                         params(r))
+                ours[vid] = ours[r["request_id"]] = r["request_id"]
+                results[r["request_id"]] = {"output_token_ids": [], "token_times_s": [], "finish_reason": None,
+                                            "logprobs": []}
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, pending[0]["arrival_time_s"] - now))
+                continue
+            outputs = engine.step()
+            seen = time.perf_counter() - start
+            for out in outputs:
+                res, completion = results[ours[out.request_id]], out.outputs[0]
+                new = list(completion.token_ids)[len(res["output_token_ids"]):]
+                res["output_token_ids"] += new
+                res["token_times_s"] += [seen] * len(new)
+                if completion.logprobs:
+                    res["logprobs"] = [{str(t): lp.logprob for t, lp in pos.items()} for pos in completion.logprobs]
+                if out.finished:
+                    res["finish_reason"] = completion.finish_reason
+        return {"run_time_s": time.perf_counter() - start, "requests": results}
+
+    out = {"vllm_version": vllm.__version__, "load_s": load_s, "warmup_s": warmup_s}
+    if "phases" in job:
+        return out | {"phases": [run(requests) for requests in job["phases"]]}
+    return out | run(job["requests"])
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with multiprocessing spawn: this guard is required

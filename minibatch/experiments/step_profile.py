@@ -217,9 +217,10 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
 
 def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bfloat16", attention_backend="sdpa",
                 decode_batches=(1, 8, 32, 64), prefill_lens=(256, 1024), context_len: int = 256, repeats: int = 5,
-                threads: int | None = None) -> dict:
+                threads: int | None = None, vllm_python: str | None = None) -> dict:
     """Profile every shape on ``model_name`` and place it on this machine's roofline; returns the JSON-ready
-    result (``shapes``: one row per shape, ``roofline``: the measured roofs)."""
+    result (``shapes``: one row per shape, ``roofline``: the measured roofs). With ``vllm_python`` (an interpreter
+    with vLLM), every row also gets vLLM's step time for its shape (``baselines.vllm_steps``), ``vllm_step_s``."""
     from minibatch.experiment import load_runner
     from minibatch.precision import dtype_name
     from minibatch.roofline import measure_cpu, measure_cuda
@@ -247,11 +248,16 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
               + ", ".join(f"{k} {v / row['profiled_step_s']:.0%}" for k, v in top)
               + (f"; GPU busy {row['device_busy_share']:.0%} of the step, {row['kernels_per_step']} kernels"
                  if "device_busy_s" in row else ""))
+    peer = {}
+    if vllm_python:
+        from minibatch.baselines.vllm_steps import add_vllm_steps
+
+        peer = add_vllm_steps(rows, runner.model, shapes, context_len, repeats, vllm_python)
     return {"environment": environment(load_before), "model": model_name, "dtype": dtype_name(runner.dtype),
             "attention_backend": attention_backend, "threads": torch.get_num_threads(), "context_len": context_len,
             "repeats": repeats, "roofline": {"name": roof.name, "peak_flop_per_s": roof.peak_flop_per_s,
                                              "bytes_per_s": roof.bytes_per_s, "source": roof.source},
-            "shapes": rows}
+            "shapes": rows} | ({"vllm": peer} if peer else {})
 
 
 def add_profile_arguments(p) -> None:
@@ -260,6 +266,7 @@ def add_profile_arguments(p) -> None:
     p.add_argument("--context-len", type=int, default=256, help="cached tokens of every decoding request")
     p.add_argument("--repeats", type=int, default=5, help="steps timed (and as many profiled) per shape")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--vllm-python", default=None, help="also time every shape on vLLM, run by this interpreter")
     p.add_argument("--json", dest="json_path", default=None, help="write the result here")
     p.add_argument("--figure", default=None, help="save the breakdown figure here (PNG)")
 
@@ -280,7 +287,8 @@ def profile_command(args, command: str) -> dict:
         if path:
             check_output_file(path, name)
     result = {"command": command} | run_profile(args.model, args.device, args.dtype, args.attention_backend, batches,
-                                                prefills, args.context_len, args.repeats, args.threads)
+                                                prefills, args.context_len, args.repeats, args.threads,
+                                                args.vllm_python)
     if args.figure:
         from minibatch.viz.step_profile import plot_profile
 

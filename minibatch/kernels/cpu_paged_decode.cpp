@@ -169,6 +169,138 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   for (int64_t i = 0; i < heads * head_dim; ++i) out[h0 * group * head_dim + i] = static_cast<scalar_t>(acc[i]);
 }
 
+#if defined(__AVX512F__)
+// The AVX-512 path for head_dim 64 and 128 (HD): tokens in chunks of 16, each chunk's rows of one KV head
+// converted to fp32 once and shared by the `group` query heads that read them.
+
+// 16 values of a row as fp32 lanes (bf16: zero-extend and shift into the top half; fp16: the hardware conversion)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const double* p) {
+  float narrow[16];
+  for (int j = 0; j < 16; ++j) narrow[j] = static_cast<float>(p[j]);
+  return _mm512_loadu_ps(narrow);
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 dot products' partial sums in, their 16 totals out: lane j of the result is the sum of v[j]'s lanes. A
+// transposing tree (pairs within 128-bit lanes, then across them): 45 shuffles and adds for 16 sums instead of a
+// full horizontal reduction per sum.
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+constexpr int64_t PREFETCH_AHEAD = 32;  // positions
+
+// The cache rows of context positions [c, c + m) (m <= 16), KV heads [h0, h0 + width / HD): each position's
+// `width` values are contiguous in its token row; converted to fp32 into rows[16][width] (positions past m are
+// zero). The next chunk's rows are prefetched.
+template <typename scalar_t, int HD>
+inline void load_chunk(const scalar_t* cache, const int64_t* table, int64_t c, int64_t m, int64_t end, bool first,
+                       int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t lo, int64_t width,
+                       float* rows) {
+  auto row_of = [&](int64_t pos) {
+    return cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + lo;
+  };
+  for (int64_t j = 0; j < m; ++j) {
+    const scalar_t* src = row_of(c + j);
+    for (int64_t e = 0; e < width; e += 16) _mm512_storeu_ps(rows + j * width + e, load16(src + e));
+  }
+  for (int64_t j = m; j < 16; ++j)
+    for (int64_t e = 0; e < width; e += 16) _mm512_storeu_ps(rows + j * width + e, _mm512_setzero_ps());
+#if defined(__GNUC__) || defined(__clang__)
+  // the positions PREFETCH_AHEAD on (at the first chunk, all of those up to there), below `end`
+  for (int64_t pos = first ? c + 16 : c + PREFETCH_AHEAD; pos < std::min(end, c + PREFETCH_AHEAD + 16); ++pos) {
+    const char* next = reinterpret_cast<const char*>(row_of(pos));
+    for (int64_t e = 0; e < width * static_cast<int64_t>(sizeof(scalar_t)); e += 64) __builtin_prefetch(next + e);
+  }
+#endif
+}
+
+// decode_task's contract (below), for head_dim == HD in {64, 128}. Two passes over the context, 16 positions at a
+// time, each reading the positions' rows of all the task's KV heads as one contiguous run: scores, softmax, then
+// the weighted sum of the values.
+template <typename scalar_t, int HD>
+void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                        int64_t seq_len, int64_t start, int64_t h0, int64_t h1, int64_t group, int64_t block_size,
+                        int64_t token_stride, float scale, scalar_t* out, std::vector<float>& buf) {
+  constexpr int NV = HD / 16;
+  const int64_t n_pos = seq_len - start, n_pad = (n_pos + 15) / 16 * 16, block_stride = block_size * token_stride;
+  const int64_t heads = (h1 - h0) * group, width = (h1 - h0) * HD, lo = h0 * HD;
+  // buf: heads x n_pad scores, heads x HD sums, 16 positions' rows, heads x HD queries
+  const int64_t size = heads * n_pad + heads * HD + 16 * width + heads * HD;
+  if (static_cast<int64_t>(buf.size()) < size) buf.resize(size);
+  float* scores = buf.data();
+  float* acc = scores + heads * n_pad;
+  float* rows = acc + heads * HD;
+  float* qf = rows + 16 * width;
+  for (int64_t i = 0; i < heads * HD; ++i) qf[i] = static_cast<float>(q[h0 * group * HD + i]);
+  auto chunk = [&](const scalar_t* cache, int64_t c) {  // loads the chunk at c; returns how many positions it holds
+    const int64_t m = std::min<int64_t>(16, n_pos - c);
+    load_chunk<scalar_t, HD>(cache, table, start + c, m, seq_len, c == 0, block_size, block_stride, token_stride, lo, width,
+                             rows);
+    return m;
+  };
+  for (int64_t c = 0; c < n_pos; c += 16) {  // scores: q . k of 16 positions at a time, scaled
+    chunk(k_cache, c);
+    for (int64_t hq = 0; hq < heads; ++hq) {
+      const float* kh = rows + (hq / group) * HD;
+      __m512 qv[NV], part[16];
+      for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qf + hq * HD + v * 16);
+      for (int j = 0; j < 16; ++j) {
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kh + j * width));
+        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kh + j * width + v * 16), a);
+        part[j] = a;
+      }
+      _mm512_storeu_ps(scores + hq * n_pad + c, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
+    }
+  }
+  for (int64_t hq = 0; hq < heads; ++hq) {  // softmax along the context, fp32
+    float* s = scores + hq * n_pad;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < n_pos; ++p) mx = std::max(mx, s[p]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t p = 0; p < n_pos; ++p) {
+      s[p] = exp_nonpositive(s[p] - mx);
+      total += s[p];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t p = 0; p < n_pos; ++p) s[p] *= inv;
+  }
+  std::fill(acc, acc + heads * HD, 0.0f);
+  for (int64_t c = 0; c < n_pos; c += 16) {  // weighted sum of the values; a head's sums in registers per chunk
+    const int64_t m = chunk(v_cache, c);
+    for (int64_t hq = 0; hq < heads; ++hq) {
+      const float* vh = rows + (hq / group) * HD;
+      const float* w = scores + hq * n_pad + c;
+      __m512 r[NV];
+      for (int v = 0; v < NV; ++v) r[v] = _mm512_loadu_ps(acc + hq * HD + v * 16);
+      for (int64_t j = 0; j < m; ++j) {
+        const __m512 wj = _mm512_set1_ps(w[j]);
+        for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vh + j * width + v * 16), r[v]);
+      }
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + hq * HD + v * 16, r[v]);
+    }
+  }
+  for (int64_t i = 0; i < heads * HD; ++i) out[h0 * group * HD + i] = static_cast<scalar_t>(acc[i]);
+}
+#endif
+
 }  // namespace
 
 // q: (n, num_heads, head_dim); k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), contiguous;
@@ -217,6 +349,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / splits, h0 = (task % splits) * per_task;
         const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
+#if defined(__AVX512F__)
+        if (head_dim == 64 || head_dim == 128) {
+          auto fast = head_dim == 64 ? decode_task_avx512<scalar_t, 64> : decode_task_avx512<scalar_t, 128>;
+          fast(qp + i * num_heads * head_dim, kp, vp, tp + i * max_blocks, lens[i], start, h0, h0 + per_task, group,
+               block_size, token_stride, static_cast<float>(scale), op + i * num_heads * head_dim, buf);
+          continue;
+        }
+#endif
         auto task_fn = head_dim == 64 ? decode_task<scalar_t, 64>
                        : head_dim == 128 ? decode_task<scalar_t, 128> : decode_task<scalar_t, 0>;
         task_fn(qp + i * num_heads * head_dim, kp, vp, tp + i * max_blocks, lens[i], start, h0, h0 + per_task, group,
