@@ -29,3 +29,30 @@ def test_only_cpu_bf16_models_are_prepacked_and_the_runner_can_opt_out():
     bf16, _ = load_model("tiny-random-llama", dtype="bfloat16")
     ModelRunner(bf16, tok, prepack_weights=False)
     assert not any(isinstance(m, PrepackedLinear) for m in bf16.modules())
+
+
+def test_sibling_projections_run_as_one_product_and_a_lone_call_runs_alone():
+    """q/k/v_proj and gate/up_proj share one prepacked product; a member called on another input (or before its
+    group's first member) computes its own output; prepacking again after a weight edit refreshes the group."""
+    from minibatch.runner.prepack import GroupedLinear
+
+    model, _ = load_model("tiny-random-llama", dtype="bfloat16")
+    if not can_prepack(model):
+        pytest.skip("no oneDNN bf16 on this CPU")
+    prepack_linears(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert all(isinstance(m, GroupedLinear) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj,
+                                                      mlp.up_proj))
+    assert attn.q_proj.group is attn.v_proj.group and type(attn.o_proj) is PrepackedLinear
+    x, other = torch.randn(2, 5, attn.q_proj.in_features).bfloat16(), torch.randn(5, attn.q_proj.in_features).bfloat16()
+    with torch.inference_mode():
+        alone = [torch.nn.functional.linear(x, m.weight) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        assert torch.equal(attn.k_proj(x), alone[1])  # before the first member: computed alone
+        q = attn.q_proj(x)
+        assert torch.equal(attn.k_proj(other), torch.nn.functional.linear(other, attn.k_proj.weight))
+        assert [torch.equal(a, b) for a, b in zip((q, attn.k_proj(x), attn.v_proj(x)), alone)] == [True] * 3
+        assert attn.q_proj.group.kept is None  # every column taken
+        attn.k_proj.weight.mul_(2)
+        prepack_linears(model)
+        attn.q_proj(x)
+        assert torch.equal(attn.k_proj(x), torch.nn.functional.linear(x, attn.k_proj.weight))
