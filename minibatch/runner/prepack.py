@@ -12,9 +12,10 @@ its merged ``qkv_proj`` and ``gate_up_proj`` weights: q/k/v_proj of an attention
 (:data:`FUSED_GROUPS`) get one weight, their rows concatenated and prepacked once at load. The model's own forward
 still calls each projection: the first call computes all of them and keeps the others' columns for their calls
 on the same input tensor; a call on any other input computes its own. Fewer, larger products cost less (one pass
-over the input, one oneDNN call instead of three): 26% less linear time in a 1-request decode step of SmolLM2-135M
-and 17% in a 32-request one on a 2-core CPU, with outputs still bit-identical (oneDNN sums every output column
-over the same inputs in the same order, whatever the number of columns).
+over the input, one oneDNN call instead of three): on SmolLM2-135M, 2-core CPU, the model's linears take 1.11x /
+1.15x / 1.08x less time on 1 / 8 / 32 rows and whole decode steps are 1.10x / 1.08x / 1.05x as fast
+(``benchmarks/fused_projections.py``, ``data/cpu/fused_projections.json``), with outputs still bit-identical
+(oneDNN sums every output column over the same inputs in the same order, whatever the number of columns).
 """
 
 from __future__ import annotations
@@ -103,11 +104,12 @@ def can_prepack(model) -> bool:
 
 
 @torch.no_grad()
-def prepack_linears(model, batch_size_hint: int = 32) -> int:
-    """Turn every ``nn.Linear`` of ``model`` into a :class:`PrepackedLinear` (in place; idempotent) and fuse the
-    sibling projections (:func:`fuse_siblings`); returns how many Linears were changed. Nothing changes where
-    :func:`can_prepack` is False. A weight changed afterwards (e.g. ``model.to(...)``) makes a layer fall back to
-    ``F.linear`` only if its dtype or device changed: prepack again after editing weights in place."""
+def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
+    """Turn every ``nn.Linear`` of ``model`` into a :class:`PrepackedLinear` (in place; idempotent) and, with
+    ``fuse``, group the sibling projections (:func:`fuse_siblings`); returns how many Linears were changed.
+    Nothing changes where :func:`can_prepack` is False. A weight changed afterwards (e.g. ``model.to(...)``) makes a
+    layer fall back to ``F.linear`` only if its dtype or device changed: prepack again after editing weights in
+    place."""
     if not can_prepack(model):
         return 0
     changed = 0
@@ -117,5 +119,6 @@ def prepack_linears(model, batch_size_hint: int = 32) -> int:
             changed += 1
         if isinstance(module, PrepackedLinear):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_size_hint)
-    fuse_siblings(model, batch_size_hint)
+    if fuse:
+        fuse_siblings(model, batch_size_hint)
     return changed

@@ -1,0 +1,107 @@
+"""Sibling projections as one product (``minibatch/runner/prepack.py``: q/k/v_proj and gate/up_proj of a module
+share one prepacked weight) against the same linears prepacked one by one, on SmolLM2-135M in bf16:
+
+* ``linears``: every linear layer of the model called once on ``rows`` random rows, in the model's order (a fused
+  group's later members take their columns of the first one's product);
+* ``engine``: whole decode steps of B requests with 256 cached tokens each, on two ModelRunners that differ only
+  in the fusion (two copies of the model), steps alternating between them; medians.
+
+    python benchmarks/fused_projections.py --json data/cpu/fused_projections.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from minibatch.report import environment, machine_load, write_json
+
+
+def linear_times(models: dict, rows: int, repeats: int) -> dict:
+    """Median ms of all of each model's linear layers on ``rows`` rows (the ways alternating)."""
+    calls = {}
+    for name, model in models.items():
+        layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        inputs = {m.in_features: torch.randn(rows, m.in_features).bfloat16() for m in layers}
+        calls[name] = [(m, inputs[m.in_features]) for m in layers]
+    times = {name: [] for name in models}
+    with torch.inference_mode():
+        for _ in range(repeats + 2):
+            for name, pairs in calls.items():
+                t0 = time.perf_counter()
+                for m, x in pairs:
+                    m(x)
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: round(statistics.median(t[2:]), 2) for name, t in times.items()}
+
+
+def step_times(runners: dict, n: int, steps: int, context: int = 256) -> dict:
+    """Median ms of a decode step of ``n`` requests per runner (steps alternating)."""
+    from minibatch.clock import WallClock
+    from minibatch.policies import make_engine
+    from minibatch.request import Request, SamplingParams
+
+    engines = {}
+    for name, runner in runners.items():
+        engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=n, block_size=16,
+                             n_slots=n * (context + steps + 40) + 64)
+        g = torch.Generator().manual_seed(1)
+        for i in range(n):
+            prompt = torch.randint(10, runner.vocab_size, (context,), generator=g).tolist()
+            engine.add_request(Request(f"r{i}", prompt, steps + 8, SamplingParams(ignore_eos=True)))
+        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+            engine.step()  # every prompt prefilled
+        engine.step()
+        engines[name] = engine
+    times = {name: [] for name in runners}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.step()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (rows of the linears-alone timing)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--attention-backend", default="cpp")
+    p.add_argument("--repeats", type=int, default=20, help="linears-alone passes per way")
+    p.add_argument("--steps", type=int, default=25, help="decode steps per way and batch")
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+    from minibatch.models import load_model
+    from minibatch.runner import ModelRunner
+    from minibatch.runner.prepack import prepack_linears
+
+    torch.set_num_threads(args.threads)
+    runners = {}
+    for name, fuse in (("one_by_one", False), ("fused", True)):
+        model, tokenizer = load_model("smollm2-135m", dtype="bfloat16")
+        prepack_linears(model, fuse=fuse)
+        runners[name] = ModelRunner(model, tokenizer, attention_backend=args.attention_backend, prepack_weights=False)
+    load_before = machine_load()
+    rows = []
+    for n in (int(b) for b in args.batches.split(",")):
+        linears = linear_times({k: r.model for k, r in runners.items()}, n, args.repeats)
+        steps = step_times(runners, n, args.steps)
+        row = {"batch": n, "linears_ms": linears, "decode_step_ms": steps,
+               "linears_speedup": round(linears["one_by_one"] / linears["fused"], 2),
+               "step_speedup": round(steps["one_by_one"] / steps["fused"], 2)}
+        print(row)
+        rows.append(row)
+    result = {"command": "python benchmarks/fused_projections.py " + " ".join(argv if argv is not None else
+                                                                              sys.argv[1:]),
+              "environment": environment(load_before), "model": "smollm2-135m", "dtype": "bfloat16",
+              "attention_backend": args.attention_backend, "threads": args.threads, "rows": rows}
+    write_json(result, args.json_path)
+    return result
+
+
+if __name__ == "__main__":
+    main()
