@@ -16,6 +16,7 @@ import urllib.request
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from minibatch.models import load_model
@@ -623,3 +624,36 @@ def test_shutdown_drains_and_every_open_stream_gets_its_final_event(tmp_path, si
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("length", "abort")
     assert any(json.loads(e[-2])["choices"][0]["finish_reason"] == "abort" for e in results.values())
+
+
+def test_serve_builds_and_steps_the_engine_in_one_thread():
+    """``serve`` loads the model and steps the engine in the same (non-main) thread, so the process keeps one
+    OpenMP pool (AsyncEngine.run_in_this_thread says why); a failed build raises in the caller's thread."""
+    import threading
+
+    from minibatch.serving.launch import build_in_engine_thread
+
+    seen, stepped = {}, threading.Event()
+
+    class FakeEngine:
+        def run_in_this_thread(self):
+            seen["loop"] = threading.current_thread()
+            stepped.set()
+
+    def build():
+        seen["build"] = threading.current_thread()
+        return "app", FakeEngine()
+
+    threads = torch.get_num_threads()
+    try:
+        app, engine = build_in_engine_thread(build, threads=1)
+        assert app == "app" and stepped.wait(5)
+        assert seen["build"] is seen["loop"] and seen["build"] is not threading.main_thread()
+
+        def bad():
+            raise ValueError("--policy must be one of ...")
+
+        with pytest.raises(ValueError, match="--policy must be one of"):
+            build_in_engine_thread(bad, threads=1)
+    finally:
+        torch.set_num_threads(threads)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 
 from minibatch.clock import LiveClock
 from minibatch.precision import dtype_name, resolve_dtype
@@ -44,8 +45,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
                  dtype="float32", draft_model: str | None = None, served_model_name: str | None = None,
                  max_num_waiting: int = 256, keep_history: bool = False, loaded=None, attention_backend="torch",
-                 max_body_bytes: int = 8 << 20):
-    """(FastAPI app, AsyncEngine) for ``model`` under ``policy``; the engine loop is started.
+                 max_body_bytes: int = 8 << 20, start: bool = True):
+    """(FastAPI app, AsyncEngine) for ``model`` under ``policy``; the engine loop is started in a thread of its
+    own, or with ``start=False`` not (``AsyncEngine.run_in_this_thread`` runs it).
 
     config: the policy's settings, a dict or its config object (as ``make_engine``'s ``config``).
 
@@ -83,7 +85,37 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     from minibatch.serving.server import build_app
 
     app = build_app(async_engine, tokenizer, name, metrics, max_body_bytes)
-    return app, async_engine.start()
+    return app, async_engine.start() if start else async_engine
+
+
+def build_in_engine_thread(build: Callable[[], tuple], threads: int) -> tuple:
+    """Call ``build`` (returning (app, AsyncEngine not started)) in a new thread with ``threads`` torch threads,
+    which then runs the engine's loop: every torch operation of the server, loading included, runs in that one
+    thread (``AsyncEngine.run_in_this_thread`` says why). Returns build's result once it is built.
+
+    Raises:
+        whatever ``build`` raised (an unknown model or policy, an option out of range, ...)."""
+    import torch
+
+    built: dict = {}
+    ready = threading.Event()
+
+    def engine_thread():
+        try:
+            torch.set_num_threads(threads)
+            built["result"] = build()
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
+            built["error"] = e
+        finally:
+            ready.set()
+        if "result" in built:
+            built["result"][1].run_in_this_thread()
+
+    threading.Thread(target=engine_thread, name="minibatch-engine", daemon=True).start()
+    ready.wait()
+    if "error" in built:
+        raise built["error"]
+    return built["result"]
 
 
 def run_serve(args, settings: dict) -> int:
@@ -105,10 +137,10 @@ def run_serve(args, settings: dict) -> int:
         settings = check_policy_settings(settings, (args.policy,))  # names an unknown policy)
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, args.device)
-    app, engine = build_server(args.model, args.policy, settings, device=args.device, dtype=dtype,
-                               draft_model=args.draft_model,
-                               served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting,
-                               attention_backend=args.attention_backend, max_body_bytes=args.max_body_bytes)
+    app, engine = build_in_engine_thread(lambda: build_server(
+        args.model, args.policy, settings, device=args.device, dtype=dtype, draft_model=args.draft_model,
+        served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting,
+        attention_backend=args.attention_backend, max_body_bytes=args.max_body_bytes, start=False), args.threads)
     print(f"serving {args.served_model_name or args.model} ({dtype_name(dtype)}) under "
           f"{args.policy} on "
           f"http://{args.host}:{args.port}/v1", flush=True)
