@@ -61,31 +61,15 @@ def kernel_times(n: int, context: int, kind: str, repeats: int) -> dict:
 
 def engine_times(model, tokenizer, n: int, context: int, kind: str, steps: int) -> dict:
     """Median ms of a whole decode step per backend (steps alternating between the runners)."""
-    from minibatch.clock import WallClock
-    from minibatch.policies import make_engine
-    from minibatch.request import Request, SamplingParams
+    from minibatch.experiment import alternating_step_ms, decoding_engine
     from minibatch.runner import ModelRunner
 
     engines = {}
     for name in BACKENDS:
         runner = ModelRunner(model, tokenizer, attention_backend=name)
-        engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=n, block_size=16,
-                             n_slots=n * (2 * context + steps + 40) + 64)
-        g = torch.Generator().manual_seed(1)
-        for i, length in enumerate(lengths(kind, n, context, g).tolist()):
-            prompt = torch.randint(10, runner.vocab_size, (length,), generator=g).tolist()
-            engine.add_request(Request(f"r{i}", prompt, steps + 8, SamplingParams(ignore_eos=True)))
-        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-            engine.step()  # every prompt prefilled
-        engine.step()
-        engines[name] = engine
-    times = {name: [] for name in BACKENDS}
-    for _ in range(steps):
-        for name, engine in engines.items():
-            t0 = time.perf_counter()
-            engine.step()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+        engines[name] = decoding_engine(runner, lengths(kind, n, context, torch.Generator().manual_seed(1)).tolist(),
+                                        steps + 8)
+    return alternating_step_ms(engines, steps)
 
 
 def main(argv=None) -> dict:

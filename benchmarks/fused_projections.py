@@ -41,29 +41,10 @@ def linear_times(models: dict, rows: int, repeats: int) -> dict:
 
 def step_times(runners: dict, n: int, steps: int, context: int = 256) -> dict:
     """Median ms of a decode step of ``n`` requests per runner (steps alternating)."""
-    from minibatch.clock import WallClock
-    from minibatch.policies import make_engine
-    from minibatch.request import Request, SamplingParams
+    from minibatch.experiment import alternating_step_ms, decoding_engine
 
-    engines = {}
-    for name, runner in runners.items():
-        engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=n, block_size=16,
-                             n_slots=n * (context + steps + 40) + 64)
-        g = torch.Generator().manual_seed(1)
-        for i in range(n):
-            prompt = torch.randint(10, runner.vocab_size, (context,), generator=g).tolist()
-            engine.add_request(Request(f"r{i}", prompt, steps + 8, SamplingParams(ignore_eos=True)))
-        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-            engine.step()  # every prompt prefilled
-        engine.step()
-        engines[name] = engine
-    times = {name: [] for name in runners}
-    for _ in range(steps):
-        for name, engine in engines.items():
-            t0 = time.perf_counter()
-            engine.step()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+    engines = {name: decoding_engine(runner, [context] * n, steps + 8) for name, runner in runners.items()}
+    return alternating_step_ms(engines, steps)
 
 
 def main(argv=None) -> dict:

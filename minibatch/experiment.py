@@ -224,6 +224,42 @@ def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threa
     return model, tokenizer, runner, (lambda: WallClock(device)) if clock == "wall" else SimClock
 
 
+def decoding_engine(runner, lengths: list[int], max_new_tokens: int, seed: int = 1, extra_slots: int = 64):
+    """A paged engine on ``runner`` whose requests (one per prompt length, random token ids drawn with ``seed``,
+    ignore_eos, ``max_new_tokens`` each) are all prefilled: every step from here on is a decode of all of them
+    (the step benchmarks' setup). KV room: every prompt plus its output, plus ``extra_slots``."""
+    import torch
+
+    from minibatch.clock import WallClock
+    from minibatch.request import SamplingParams
+
+    engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=len(lengths), block_size=16,
+                         n_slots=sum(lengths) + len(lengths) * (max_new_tokens + 16) + extra_slots)
+    g = torch.Generator().manual_seed(seed)
+    for i, length in enumerate(lengths):
+        prompt = torch.randint(10, runner.vocab_size, (length,), generator=g).tolist()
+        engine.add_request(Request(f"r{i}", prompt, max_new_tokens, SamplingParams(ignore_eos=True)))
+    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+        engine.step()
+    return engine
+
+
+def alternating_step_ms(engines: dict, steps: int) -> dict:
+    """Median milliseconds of a step of each engine (name -> Engine), ``steps`` steps each, the engines taking
+    turns step by step (on a shared machine, a slow minute then costs them all alike)."""
+    import statistics
+
+    for engine in engines.values():
+        engine.step()  # the first step after the prefills pays for warm-up
+    times = {name: [] for name in engines}
+    for _ in range(steps):
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            engine.step()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+
+
 def default_draft(model: str) -> str:
     """The draft model of the ``spec`` policy: smollm2-135m-draft for smollm2-135m; for any other
     model the model itself (self-speculation: every draft accepted, no speedup, still exact)."""

@@ -77,6 +77,23 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// Softmax in place along each of `rows` rows of `n` scores (row r at scores + r x stride), fp32.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n, int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * stride;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < n; ++p) m = std::max(m, s[p]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t p = 0; p < n; ++p) {
+      s[p] = exp_nonpositive(s[p] - m);
+      total += s[p];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t p = 0; p < n; ++p) s[p] *= inv;
+  }
+}
+
 // Ask for a block's rows [h0 x head_dim, h1 x head_dim) of every token before they are read (the blocks of a
 // table are scattered, so the hardware prefetcher cannot guess the next one).
 template <typename scalar_t>
@@ -143,19 +160,7 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
         scores[hq * n_pos + p] = dot(qf + hq * head_dim, row + (hq / group) * head_dim, head_dim);
     }
   }
-  for (int64_t hq = 0; hq < heads; ++hq) {  // softmax along the context, fp32
-    float* s = scores + hq * n_pos;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n_pos; ++p) m = std::max(m, s[p]);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t p = 0; p < n_pos; ++p) {
-      s[p] = exp_nonpositive(s[p] - m);
-      total += s[p];
-    }
-    const float inv = 1.0f / total;
-    for (int64_t p = 0; p < n_pos; ++p) s[p] *= inv;
-  }
+  softmax_rows(scores, heads, n_pos, n_pos);  // along the context, fp32
   for (int64_t b = first, p = 0; b <= last; ++b) {  // weighted sum: a block's values converted, then summed per head
     const scalar_t* block = v_cache + table[b] * block_stride;
     if (b < last) prefetch_block(v_cache + table[b + 1] * block_stride, block_size, token_stride, lo, lo + width);
@@ -269,19 +274,7 @@ void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar
       _mm512_storeu_ps(scores + hq * n_pad + c, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
     }
   }
-  for (int64_t hq = 0; hq < heads; ++hq) {  // softmax along the context, fp32
-    float* s = scores + hq * n_pad;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < n_pos; ++p) mx = std::max(mx, s[p]);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t p = 0; p < n_pos; ++p) {
-      s[p] = exp_nonpositive(s[p] - mx);
-      total += s[p];
-    }
-    const float inv = 1.0f / total;
-    for (int64_t p = 0; p < n_pos; ++p) s[p] *= inv;
-  }
+  softmax_rows(scores, heads, n_pos, n_pad);  // along the context, fp32
   std::fill(acc, acc + heads * HD, 0.0f);
   for (int64_t c = 0; c < n_pos; c += 16) {  // weighted sum of the values; a head's sums in registers per chunk
     const int64_t m = chunk(v_cache, c);
