@@ -154,20 +154,23 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
     from torch.profiler import ProfilerActivity, profile
 
     from minibatch.clock import WallClock
+    from minibatch.experiment import decoding_engine
     from minibatch.policies import make_engine
     from minibatch.request import Request, SamplingParams
 
-    n_reqs, prompt_len = (size, context_len) if kind == "decode" else (1, size)
+    n_reqs = size if kind == "decode" else 1
     max_new = 2 * repeats + 6
     gen = torch.Generator().manual_seed(0)
-    engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=n_reqs, block_size=16,
-                         n_slots=n_reqs * (prompt_len + max_new + 16) + 64)
+    if kind == "decode":  # every prompt prefilled: the steps from here on are decodes
+        engine = decoding_engine(runner, [context_len] * size, max_new, seed=0)
+    else:
+        engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=1, block_size=16,
+                             n_slots=size + max_new + 16 + 64)
     added = []
 
     def add():
-        added.append(Request(f"p{len(added)}", torch.randint(10, runner.vocab_size, (prompt_len,),
-                                                             generator=gen).tolist(), max_new,
-                             SamplingParams(ignore_eos=True)))
+        added.append(Request(f"p{len(added)}", torch.randint(10, runner.vocab_size, (size,), generator=gen).tolist(),
+                             max_new, SamplingParams(ignore_eos=True)))
         engine.add_request(added[-1])
 
     def timed_step() -> float:
@@ -182,11 +185,6 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
             engine.abort_request(added[-1].request_id)
         return elapsed
 
-    if kind == "decode":
-        for _ in range(n_reqs):
-            add()
-        while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
-            engine.step()  # every prompt prefilled: the steps from here on are decodes
     timed_step(), timed_step()  # warm-up: first calls allocate, pick kernels, compile
     times = [timed_step() for _ in range(repeats)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
