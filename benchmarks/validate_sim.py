@@ -1,6 +1,6 @@
 """Validate the calibrated simulator against measured runs on held-out traces.
 
-    python -m minibatch calibrate --model smollm2-135m --threads 1 --draft-model smollm2-135m-draft
+    python -m minibatch calibrate --model smollm2-135m --threads 1 --draft-model smollm2-135m-draft --dtype float32
     python benchmarks/validate_sim.py --threads 1 --measured data/cpu/sim_validation_measured.json \
         --json data/cpu/sim_validation.json
     python benchmarks/validate_sim.py --resimulate --measured data/cpu/sim_validation_measured.json \
