@@ -9,6 +9,10 @@ into a padded tensor, then torch's fused attention), at two levels, each way int
 
     python benchmarks/cpu_decode.py --json data/cpu/cpu_decode.json
 
+``--against-source OLD.cpp`` (e.g. ``git show REV:minibatch/kernels/cpu_paged_decode.cpp > OLD.cpp``) builds that
+version of the kernel too and times it at the kernel level beside the current one ("cpp_before"): an A/B of a
+kernel change in one process, calls interleaved.
+
 The first run on a machine builds the kernel (tens of seconds, before any timing).
 """
 
@@ -32,8 +36,22 @@ def lengths(kind: str, n: int, context: int, g: torch.Generator) -> torch.Tensor
     return torch.randint(32, 2 * context + 1, (n,), generator=g)
 
 
-def kernel_times(n: int, context: int, kind: str, repeats: int) -> dict:
-    """Median ms of one layer's decode attention per backend, and the largest difference between them."""
+def build_kernel(source: str):
+    """Another version of the C++ kernel (its own extension name, from the source's hash), for an A/B."""
+    import hashlib
+
+    from torch.utils.cpp_extension import load
+
+    from minibatch.kernels import cpu_decode
+
+    with open(source, "rb") as f:
+        name = "minibatch_paged_decode_ab_" + hashlib.sha256(f.read()).hexdigest()[:12]
+    return load(name, [source], extra_cflags=cpu_decode.CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def kernel_times(n: int, context: int, kind: str, repeats: int, before=None) -> dict:
+    """Median ms of one layer's decode attention per backend (and per ``before`` kernel, an A/B), and the largest
+    difference between sdpa and cpp."""
     from minibatch.kernels import cpu_decode
     from minibatch.runner.backends.sdpa import SdpaAttentionData, decode_attention
 
@@ -49,6 +67,8 @@ def kernel_times(n: int, context: int, kind: str, repeats: int) -> dict:
     data = SdpaAttentionData(write_all=True, decode_tables=tables, decode_mask=mask)
     ways = {"sdpa": lambda: decode_attention(q, k_cache, v_cache, data, d ** -0.5),
             "cpp": lambda: cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, d ** -0.5)}
+    if before is not None:
+        ways["cpp_before"] = lambda: before.paged_decode(q, k_cache, v_cache, tables, lens, d ** -0.5, 0)
     diff = (ways["sdpa"]().float() - ways["cpp"]().float()).abs().max().item()
     times = {name: [] for name in ways}
     for _ in range(repeats):
@@ -79,22 +99,28 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=100, help="kernel calls per way")
     p.add_argument("--steps", type=int, default=30, help="engine decode steps per backend")
+    p.add_argument("--against-source", default=None, help="another version of cpu_paged_decode.cpp to time beside "
+                   "the current kernel (kernel level)")
+    p.add_argument("--skip-engine", action="store_true", help="kernel level only")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     from minibatch.kernels import cpu_decode
     from minibatch.models import load_model
 
-    cpu_decode.load()  # the build, before any timing
+    cpu_decode.load()  # the builds, before any timing
+    before = build_kernel(args.against_source) if args.against_source else None
     model, tokenizer = load_model("smollm2-135m", dtype="bfloat16")
     load_before = machine_load()
     torch.set_num_threads(args.threads)
     rows = []
     for kind in ("equal", "mixed"):
-        kernel = kernel_times(args.requests, args.context, kind, args.repeats)
-        engine = engine_times(model, tokenizer, args.requests, args.context, kind, args.steps)
-        row = {"lengths": kind, "kernel_ms": kernel, "engine_step_ms": engine,
-               "kernel_speedup": round(kernel["sdpa"] / kernel["cpp"], 2),
-               "engine_step_speedup": round(engine["sdpa"] / engine["cpp"], 2)}
+        kernel = kernel_times(args.requests, args.context, kind, args.repeats, before)
+        row = {"lengths": kind, "kernel_ms": kernel, "kernel_speedup": round(kernel["sdpa"] / kernel["cpp"], 2)}
+        if before is not None:
+            row["kernel_speedup_over_before"] = round(kernel["cpp_before"] / kernel["cpp"], 2)
+        if not args.skip_engine:
+            engine = engine_times(model, tokenizer, args.requests, args.context, kind, args.steps)
+            row |= {"engine_step_ms": engine, "engine_step_speedup": round(engine["sdpa"] / engine["cpp"], 2)}
         print(row)
         rows.append(row)
     result = {"command": "python benchmarks/cpu_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -458,13 +458,23 @@ def test_cli_subprocess_sigint_exits_130_without_traceback(tmp_path):
                              "data/profiles/smollm2-135m-cpu.json", "--num-requests", "200000", "--rate", "1000",
                              "--no-progress", "--json", str(tmp_path / "s.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for line in proc.stdout:  # the run has started once the trace is built
-        if line.startswith("trace:"):
-            break
-    time.sleep(1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+    try:
+        for line in proc.stdout:  # the run has started once the trace is built
+            if line.startswith("trace:"):
+                break
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # show where it is stuck (faulthandler dumps every thread on SIGABRT)
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=60)
+            raise AssertionError(f"still running 120 s after SIGINT; its stacks:\n{err[-4000:]}") from None
+    finally:  # never leave a runaway simulation behind (it would hold a core and memory for the rest of the run)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1].endswith("interrupted")
     assert not list(tmp_path.iterdir())  # no partial file
