@@ -458,7 +458,10 @@ def test_cli_subprocess_sigint_exits_130_without_traceback(tmp_path):
                              "data/profiles/smollm2-135m-cpu.json", "--num-requests", "200000", "--rate", "1000",
                              "--no-progress", "--json", str(tmp_path / "s.json")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+                            # a test run started in the background (`cmd &` in a script) has SIGINT ignored, and an
+                            # ignored signal stays ignored across exec: Python then installs no Ctrl-C handler
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:  # the run has started once the trace is built
             if line.startswith("trace:"):
