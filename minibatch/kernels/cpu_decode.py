@@ -33,12 +33,21 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
-def build_name() -> str:
+def build_name(source: str = SOURCE) -> str:
     """The extension's name: the source, flags, torch version and CPU model hashed (``-march=native`` code is
     only valid on the CPU it was built for, so another CPU sharing the cache builds its own)."""
-    with open(SOURCE, "rb") as f:
+    with open(source, "rb") as f:
         key = f.read() + " ".join(CFLAGS + [torch.__version__, platform.machine(), _cpu_model()]).encode()
     return "minibatch_paged_decode_" + hashlib.sha256(key).hexdigest()[:12]
+
+
+def build(source: str = SOURCE):
+    """Compile ``source`` (this kernel, or another version of it for an A/B) into torch's extension cache, or load
+    it from there; returns the module. Raises whatever the build raises."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    return load_extension(build_name(source), [source], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                          verbose=False)
 
 
 def load():
@@ -50,10 +59,7 @@ def load():
     global _module, _error
     if _module is None and _error is None:
         try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            _module = load_extension(build_name(), [SOURCE], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                                     verbose=False)
+            _module = build()
         except Exception as e:  # noqa: BLE001 - any build failure makes the backend unavailable, with its reason
             _error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
     if _module is None:
