@@ -2,8 +2,9 @@
 into a padded tensor, then torch's fused attention), at two levels, each way interleaved with the others:
 
 * ``kernel``: one layer's decode attention on SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64, block_size
-  16, bf16) for ``--requests`` requests whose contexts are all ``--context`` tokens ("equal") or drawn uniformly
-  from 32 .. 2 x context ("mixed": sdpa pads every request to the longest);
+  16, ``--dtype``: bf16, or float32 for CPUs without native bf16) for ``--requests`` requests whose contexts are
+  all ``--context`` tokens ("equal") or drawn uniformly from 32 .. 2 x context ("mixed": sdpa pads every request
+  to the longest);
 * ``engine``: whole decode steps of SmolLM2-135M on ModelRunners that differ only in the backend (one model, each
   runner its own KV cache and the same requests), steps alternating between them; medians of ``--steps``.
 
@@ -36,7 +37,8 @@ def lengths(kind: str, n: int, context: int, g: torch.Generator) -> torch.Tensor
     return torch.randint(32, 2 * context + 1, (n,), generator=g)
 
 
-def kernel_times(n: int, context: int, kind: str, repeats: int, before=None) -> dict:
+def kernel_times(n: int, context: int, kind: str, repeats: int, before=None,
+                 dtype: torch.dtype = torch.bfloat16) -> dict:
     """Median ms of one layer's decode attention per backend (and per ``before`` kernel, an A/B), and the largest
     difference between sdpa and cpp."""
     from minibatch.kernels import cpu_decode
@@ -47,9 +49,9 @@ def kernel_times(n: int, context: int, kind: str, repeats: int, before=None) -> 
     lens = lengths(kind, n, context, g)
     blocks = -(-int(lens.max()) // block)
     pool = n * blocks * 2
-    k_cache, v_cache = (torch.randn(pool, block, kv_heads, d, generator=g).bfloat16() for _ in range(2))
+    k_cache, v_cache = (torch.randn(pool, block, kv_heads, d, generator=g).to(dtype) for _ in range(2))
     tables = torch.randperm(pool, generator=g)[: n * blocks].view(n, blocks)
-    q = torch.randn(n, heads, d, generator=g).bfloat16()
+    q = torch.randn(n, heads, d, generator=g).to(dtype)
     mask = (torch.arange(blocks * block)[None, :] < lens[:, None])[:, None, None, :]
     data = SdpaAttentionData(write_all=True, decode_tables=tables, decode_mask=mask)
     ways = {"sdpa": lambda: decode_attention(q, k_cache, v_cache, data, d ** -0.5),
@@ -87,6 +89,7 @@ def main(argv=None) -> dict:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--context", type=int, default=256, help="tokens of context per request (equal; mixed: mean)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the model's and cache's")
     p.add_argument("--repeats", type=int, default=100, help="kernel calls per way")
     p.add_argument("--steps", type=int, default=30, help="engine decode steps per backend")
     p.add_argument("--against-source", default=None, help="another version of cpu_paged_decode.cpp to time beside "
@@ -99,12 +102,12 @@ def main(argv=None) -> dict:
 
     cpu_decode.load()  # the builds, before any timing
     before = cpu_decode.build(args.against_source) if args.against_source else None
-    model, tokenizer = load_model("smollm2-135m", dtype="bfloat16")
+    model, tokenizer = load_model("smollm2-135m", dtype=args.dtype)
     load_before = machine_load()
     torch.set_num_threads(args.threads)
     rows = []
     for kind in ("equal", "mixed"):
-        kernel = kernel_times(args.requests, args.context, kind, args.repeats, before)
+        kernel = kernel_times(args.requests, args.context, kind, args.repeats, before, getattr(torch, args.dtype))
         row = {"lengths": kind, "kernel_ms": kernel, "kernel_speedup": round(kernel["sdpa"] / kernel["cpp"], 2)}
         if before is not None:
             row["kernel_speedup_over_before"] = round(kernel["cpp_before"] / kernel["cpp_bare"], 2)
@@ -114,7 +117,7 @@ def main(argv=None) -> dict:
         print(row)
         rows.append(row)
     result = {"command": "python benchmarks/cpu_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "environment": environment(load_before), "model": "smollm2-135m", "dtype": "bfloat16",
+              "environment": environment(load_before), "model": "smollm2-135m", "dtype": args.dtype,
               "requests": args.requests, "context": args.context, "threads": args.threads, "rows": rows}
     write_json(result, args.json_path)
     return result

@@ -1,5 +1,7 @@
 """Sibling projections as one product (``minibatch/runner/prepack.py``: q/k/v_proj and gate/up_proj of a module
-share one prepacked weight) against the same linears prepacked one by one, on SmolLM2-135M in bf16:
+share one weight, prepacked in bf16) against the same linears one by one (prepacked in bf16), on SmolLM2-135M
+(``--dtype float32``: both as loaded, the groups running ``F.linear``; the runner does not fuse them there, as this
+measured no gain):
 
 * ``linears``: every linear layer of the model called once on ``rows`` random rows, in the model's order (a fused
   group's later members take their columns of the first one's product);
@@ -7,6 +9,7 @@ share one prepacked weight) against the same linears prepacked one by one, on Sm
   in the fusion (two copies of the model), steps alternating between them; medians.
 
     python benchmarks/fused_projections.py --json data/cpu/fused_projections.json
+    python benchmarks/fused_projections.py --dtype float32 --json data/cpu/fused_projections_float32.json
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ def linear_times(models: dict, rows: int, repeats: int) -> dict:
     calls = {}
     for name, model in models.items():
         layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        inputs = {m.in_features: torch.randn(rows, m.in_features).bfloat16() for m in layers}
+        dtype = next(model.parameters()).dtype
+        inputs = {m.in_features: torch.randn(rows, m.in_features).to(dtype) for m in layers}
         calls[name] = [(m, inputs[m.in_features]) for m in layers]
     times = {name: [] for name in models}
     with torch.inference_mode():
@@ -51,6 +55,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (rows of the linears-alone timing)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="bfloat16: prepacked for oneDNN (needs a CPU with native bf16); float32: as loaded")
     p.add_argument("--attention-backend", default="cpp")
     p.add_argument("--repeats", type=int, default=20, help="linears-alone passes per way")
     p.add_argument("--steps", type=int, default=25, help="decode steps per way and batch")
@@ -58,13 +64,18 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     from minibatch.models import load_model
     from minibatch.runner import ModelRunner
-    from minibatch.runner.prepack import prepack_linears
+    from minibatch.runner.prepack import can_prepack, fuse_siblings, prepack_linears
 
     torch.set_num_threads(args.threads)
     runners = {}
     for name, fuse in (("one_by_one", False), ("fused", True)):
-        model, tokenizer = load_model("smollm2-135m", dtype="bfloat16")
-        prepack_linears(model, fuse=fuse)
+        model, tokenizer = load_model("smollm2-135m", dtype=args.dtype)
+        if args.dtype == "bfloat16":
+            if not can_prepack(model):
+                sys.exit("no oneDNN bf16 on this CPU: bf16 weights are not prepacked here (try --dtype float32)")
+            prepack_linears(model, fuse=fuse)
+        elif fuse:
+            fuse_siblings(model, prepacked=False)
         runners[name] = ModelRunner(model, tokenizer, attention_backend=args.attention_backend, prepack_weights=False)
     load_before = machine_load()
     rows = []
@@ -78,7 +89,7 @@ def main(argv=None) -> dict:
         rows.append(row)
     result = {"command": "python benchmarks/fused_projections.py " + " ".join(argv if argv is not None else
                                                                               sys.argv[1:]),
-              "environment": environment(load_before), "model": "smollm2-135m", "dtype": "bfloat16",
+              "environment": environment(load_before), "model": "smollm2-135m", "dtype": args.dtype,
               "attention_backend": args.attention_backend, "threads": args.threads, "rows": rows}
     write_json(result, args.json_path)
     return result

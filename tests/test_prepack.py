@@ -56,3 +56,22 @@ def test_sibling_projections_run_as_one_product_and_a_lone_call_runs_alone():
         prepack_linears(model)
         attn.q_proj(x)
         assert torch.equal(attn.k_proj(x), torch.nn.functional.linear(x, attn.k_proj.weight))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_float32_siblings_fused_give_the_same_logits_bit_for_bit(rows, one_thread):
+    """The float32 grouping (``fuse_siblings(prepacked=False)``, one F.linear per group; what
+    benchmarks/fused_projections.py --dtype float32 times) changes no logit; the runner leaves float32 layers be."""
+    from minibatch.runner.prepack import GroupedLinear, fuse_siblings
+
+    model, tok = load_model("tiny-random-llama", dtype="float32")
+    ids = torch.randint(3, model.config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        before = model(ids).logits
+        assert fuse_siblings(model, prepacked=False) == 2 * model.config.num_hidden_layers
+        after = model(ids).logits
+    assert torch.equal(before, after)
+    assert not model.model.layers[0].mlp.up_proj.group.prepacked
+    fresh, _ = load_model("tiny-random-llama", dtype="float32")
+    ModelRunner(fresh, tok)
+    assert not any(isinstance(m, GroupedLinear) for m in fresh.modules())

@@ -16,7 +16,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -174,120 +174,164 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   for (int64_t i = 0; i < heads * head_dim; ++i) out[h0 * group * head_dim + i] = static_cast<scalar_t>(acc[i]);
 }
 
-#if defined(__AVX512F__)
-// The AVX-512 path for head_dim 64 and 128 (HD): tokens in chunks of 16, each chunk's rows of one KV head
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define MINIBATCH_SIMD 1
+// The vector path for head_dim 64 and 128 (HD), written once over `Simd`: W fp32 lanes (AVX-512: 16; AVX2 with
+// FMA: 8, which most laptop CPUs without AVX-512 have). Tokens in chunks of W, each chunk's rows of one KV head
 // converted to fp32 once and shared by the `group` query heads that read them.
-
-// 16 values of a row as fp32 lanes (bf16: zero-extend and shift into the top half; fp16: the hardware conversion)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const double* p) {
-  float narrow[16];
-  for (int j = 0; j < 16; ++j) narrow[j] = static_cast<float>(p[j]);
-  return _mm512_loadu_ps(narrow);
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// 16 dot products' partial sums in, their 16 totals out: lane j of the result is the sum of v[j]'s lanes. A
-// transposing tree (pairs within 128-bit lanes, then across them): 45 shuffles and adds for 16 sums instead of a
-// full horizontal reduction per sum.
-inline __m512 sum16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int k = 0; k < 8; ++k)
-    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k) {
-    const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
-    u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+#if defined(__AVX512F__)
+struct Simd {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  // W values of a row as fp32 lanes (bf16: zero-extend and shift into the top half; fp16: the hardware conversion)
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
-  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+  static V load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // W dot products' partial sums in, their W totals out: lane j of the result is the sum of v[j]'s lanes. A
+  // transposing tree (pairs within 128-bit lanes, then across them): 45 shuffles and adds for 16 sums instead of a
+  // full horizontal reduction per sum.
+  static V sum(const V* v) {
+    __m512 t[8], u[4];
+    for (int k = 0; k < 8; ++k)
+      t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k) {
+      const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+      u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+  }
+};
+#else
+struct Simd {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  static V load(const at::Half* p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    float narrow[8];
+    for (int j = 0; j < 8; ++j) narrow[j] = static_cast<float>(p[j]);
+    return _mm256_loadu_ps(narrow);
+#endif
+  }
+  // lane j of the result is the sum of v[j]'s 8 lanes: horizontal adds pair the lanes within 128-bit halves, then
+  // the two halves are added (14 instructions for 8 sums)
+  static V sum(const V* v) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+};
+#endif
+template <typename T>
+inline Simd::V load_lanes(const T* p) { return Simd::load(p); }
+inline Simd::V load_lanes(const double* p) {
+  float narrow[Simd::W];
+  for (int j = 0; j < Simd::W; ++j) narrow[j] = static_cast<float>(p[j]);
+  return Simd::load(narrow);
 }
 
 constexpr int64_t PREFETCH_AHEAD = 32;  // positions
 
-// The cache rows of context positions [c, c + m) (m <= 16), KV heads [h0, h0 + width / HD): each position's
-// `width` values are contiguous in its token row; converted to fp32 into rows[16][width] (positions past m are
-// zero). The next chunk's rows are prefetched.
+// The cache rows of context positions [c, c + m) (m <= W), KV heads [h0, h0 + width / HD): each position's
+// `width` values are contiguous in its token row; converted to fp32 into rows[W][width] (positions past m are
+// zero). The next chunks' rows are prefetched.
 template <typename scalar_t, int HD>
 inline void load_chunk(const scalar_t* cache, const int64_t* table, int64_t c, int64_t m, int64_t end, bool first,
                        int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t lo, int64_t width,
                        float* rows) {
+  constexpr int W = Simd::W;
   auto row_of = [&](int64_t pos) {
     return cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + lo;
   };
   for (int64_t j = 0; j < m; ++j) {
     const scalar_t* src = row_of(c + j);
-    for (int64_t e = 0; e < width; e += 16) _mm512_storeu_ps(rows + j * width + e, load16(src + e));
+    for (int64_t e = 0; e < width; e += W) Simd::store(rows + j * width + e, load_lanes(src + e));
   }
-  for (int64_t j = m; j < 16; ++j)
-    for (int64_t e = 0; e < width; e += 16) _mm512_storeu_ps(rows + j * width + e, _mm512_setzero_ps());
+  for (int64_t j = m; j < W; ++j)
+    for (int64_t e = 0; e < width; e += W) Simd::store(rows + j * width + e, Simd::zero());
 #if defined(__GNUC__) || defined(__clang__)
   // the positions PREFETCH_AHEAD on (at the first chunk, all of those up to there), below `end`
-  for (int64_t pos = first ? c + 16 : c + PREFETCH_AHEAD; pos < std::min(end, c + PREFETCH_AHEAD + 16); ++pos) {
+  for (int64_t pos = first ? c + W : c + PREFETCH_AHEAD; pos < std::min(end, c + PREFETCH_AHEAD + W); ++pos) {
     const char* next = reinterpret_cast<const char*>(row_of(pos));
     for (int64_t e = 0; e < width * static_cast<int64_t>(sizeof(scalar_t)); e += 64) __builtin_prefetch(next + e);
   }
 #endif
 }
 
-// decode_task's contract (below), for head_dim == HD in {64, 128}. Two passes over the context, 16 positions at a
+// decode_task's contract (below), for head_dim == HD in {64, 128}. Two passes over the context, W positions at a
 // time, each reading the positions' rows of all the task's KV heads as one contiguous run: scores, softmax, then
 // the weighted sum of the values.
 template <typename scalar_t, int HD>
-void decode_task_avx512(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
-                        int64_t seq_len, int64_t start, int64_t h0, int64_t h1, int64_t group, int64_t block_size,
-                        int64_t token_stride, float scale, scalar_t* out, std::vector<float>& buf) {
-  constexpr int NV = HD / 16;
-  const int64_t n_pos = seq_len - start, n_pad = (n_pos + 15) / 16 * 16, block_stride = block_size * token_stride;
+void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
+                      int64_t seq_len, int64_t start, int64_t h0, int64_t h1, int64_t group, int64_t block_size,
+                      int64_t token_stride, float scale, scalar_t* out, std::vector<float>& buf) {
+  constexpr int W = Simd::W, NV = HD / W;
+  using V = Simd::V;
+  const int64_t n_pos = seq_len - start, n_pad = (n_pos + W - 1) / W * W, block_stride = block_size * token_stride;
   const int64_t heads = (h1 - h0) * group, width = (h1 - h0) * HD, lo = h0 * HD;
-  // buf: heads x n_pad scores, heads x HD sums, 16 positions' rows, heads x HD queries
-  const int64_t size = heads * n_pad + heads * HD + 16 * width + heads * HD;
+  // buf: heads x n_pad scores, heads x HD sums, W positions' rows, heads x HD queries
+  const int64_t size = heads * n_pad + heads * HD + W * width + heads * HD;
   if (static_cast<int64_t>(buf.size()) < size) buf.resize(size);
   float* scores = buf.data();
   float* acc = scores + heads * n_pad;
   float* rows = acc + heads * HD;
-  float* qf = rows + 16 * width;
+  float* qf = rows + W * width;
   for (int64_t i = 0; i < heads * HD; ++i) qf[i] = static_cast<float>(q[h0 * group * HD + i]);
   auto chunk = [&](const scalar_t* cache, int64_t c) {  // loads the chunk at c; returns how many positions it holds
-    const int64_t m = std::min<int64_t>(16, n_pos - c);
-    load_chunk<scalar_t, HD>(cache, table, start + c, m, seq_len, c == 0, block_size, block_stride, token_stride, lo, width,
-                             rows);
+    const int64_t m = std::min<int64_t>(W, n_pos - c);
+    load_chunk<scalar_t, HD>(cache, table, start + c, m, seq_len, c == 0, block_size, block_stride, token_stride, lo,
+                             width, rows);
     return m;
   };
-  for (int64_t c = 0; c < n_pos; c += 16) {  // scores: q . k of 16 positions at a time, scaled
+  for (int64_t c = 0; c < n_pos; c += W) {  // scores: q . k of W positions at a time, scaled
     chunk(k_cache, c);
     for (int64_t hq = 0; hq < heads; ++hq) {
       const float* kh = rows + (hq / group) * HD;
-      __m512 qv[NV], part[16];
-      for (int v = 0; v < NV; ++v) qv[v] = _mm512_loadu_ps(qf + hq * HD + v * 16);
-      for (int j = 0; j < 16; ++j) {
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kh + j * width));
-        for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(kh + j * width + v * 16), a);
+      V qv[NV], part[W];
+      for (int v = 0; v < NV; ++v) qv[v] = Simd::load(qf + hq * HD + v * W);
+      for (int j = 0; j < W; ++j) {
+        V a = Simd::mul(qv[0], Simd::load(kh + j * width));
+        for (int v = 1; v < NV; ++v) a = Simd::fmadd(qv[v], Simd::load(kh + j * width + v * W), a);
         part[j] = a;
       }
-      _mm512_storeu_ps(scores + hq * n_pad + c, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
+      Simd::store(scores + hq * n_pad + c, Simd::mul(Simd::sum(part), Simd::set1(scale)));
     }
   }
   softmax_rows(scores, heads, n_pos, n_pad);  // along the context, fp32
   std::fill(acc, acc + heads * HD, 0.0f);
-  for (int64_t c = 0; c < n_pos; c += 16) {  // weighted sum of the values; a head's sums in registers per chunk
+  for (int64_t c = 0; c < n_pos; c += W) {  // weighted sum of the values; a head's sums in registers per chunk
     const int64_t m = chunk(v_cache, c);
     for (int64_t hq = 0; hq < heads; ++hq) {
       const float* vh = rows + (hq / group) * HD;
       const float* w = scores + hq * n_pad + c;
-      __m512 r[NV];
-      for (int v = 0; v < NV; ++v) r[v] = _mm512_loadu_ps(acc + hq * HD + v * 16);
+      V r[NV];
+      for (int v = 0; v < NV; ++v) r[v] = Simd::load(acc + hq * HD + v * W);
       for (int64_t j = 0; j < m; ++j) {
-        const __m512 wj = _mm512_set1_ps(w[j]);
-        for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vh + j * width + v * 16), r[v]);
+        const V wj = Simd::set1(w[j]);
+        for (int v = 0; v < NV; ++v) r[v] = Simd::fmadd(wj, Simd::load(vh + j * width + v * W), r[v]);
       }
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + hq * HD + v * 16, r[v]);
+      for (int v = 0; v < NV; ++v) Simd::store(acc + hq * HD + v * W, r[v]);
     }
   }
   for (int64_t i = 0; i < heads * HD; ++i) out[h0 * group * HD + i] = static_cast<scalar_t>(acc[i]);
@@ -342,9 +386,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / splits, h0 = (task % splits) * per_task;
         const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
-#if defined(__AVX512F__)
+#if defined(MINIBATCH_SIMD)
         if (head_dim == 64 || head_dim == 128) {
-          auto fast = head_dim == 64 ? decode_task_avx512<scalar_t, 64> : decode_task_avx512<scalar_t, 128>;
+          auto fast = head_dim == 64 ? decode_task_simd<scalar_t, 64> : decode_task_simd<scalar_t, 128>;
           fast(qp + i * num_heads * head_dim, kp, vp, tp + i * max_blocks, lens[i], start, h0, h0 + per_task, group,
                block_size, token_stride, static_cast<float>(scale), op + i * num_heads * head_dim, buf);
           continue;

@@ -40,20 +40,23 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 class FusedGroup:
     """Sibling projections run as one product (module docstring): ``packed``, their weights' rows concatenated
-    and prepacked; ``bias`` concatenated (or None); ``sizes``, each member's output features; ``kept``: the
-    input of the last fused product and the members' columns not yet taken."""
+    (prepacked for oneDNN when ``prepacked``, else as is, for ``F.linear``); ``bias`` concatenated (or None);
+    ``sizes``, each member's output features; ``kept``: the input of the last fused product and the members'
+    columns not yet taken."""
 
-    def __init__(self, members: list[PrepackedLinear], batch_size_hint: int):
+    def __init__(self, members: list[torch.nn.Linear], batch_size_hint: int, prepacked: bool = True):
         weight = torch.cat([m.weight.detach() for m in members])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
+        self.prepacked = prepacked
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint) if prepacked else weight
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
         self.sizes = [m.out_features for m in members]
         self.kept: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
 
     def __call__(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if index == 0:  # the first member: all the products at once, the others kept for their calls
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [],
-                                                     "").reshape(*x.shape[:-1], -1)
+            flat = x.reshape(-1, x.shape[-1])
+            out = (torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "") if self.prepacked
+                   else torch.nn.functional.linear(flat, self.packed, self.bias)).reshape(*x.shape[:-1], -1)
             parts = out.split(self.sizes, dim=-1)
             self.kept = (x, dict(enumerate(parts[1:], start=1)))
             return parts[0]
@@ -77,21 +80,28 @@ class GroupedLinear(PrepackedLinear):
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def fuse_siblings(model, batch_size_hint: int = 32) -> int:
-    """Group every module's prepacked q/k/v_proj and gate/up_proj (:data:`FUSED_GROUPS`; all present, one input
-    size, biases all or none) into a :class:`FusedGroup`; returns how many groups were made."""
+def fuse_siblings(model, batch_size_hint: int = 32, prepacked: bool = True) -> int:
+    """Group every module's q/k/v_proj and gate/up_proj (:data:`FUSED_GROUPS`; all present, one input size, biases
+    all or none) into a :class:`FusedGroup`; returns how many groups were made. ``prepacked``: the members are
+    :class:`PrepackedLinear` (bf16, oneDNN); else plain ``nn.Linear`` (or already grouped: grouped again, which
+    refreshes the group's weight after an edit) and the group runs ``F.linear``. The runner fuses only prepacked
+    bf16 layers: in float32 (MKL's GEMM) one product per group is bit-identical but did not pay on a 2-core AMD EPYC
+    without AVX-512 (decode steps 0.92x to 0.95x as fast on 1 / 8 / 32 requests, ``python
+    benchmarks/fused_projections.py --dtype float32``, ``data/cpu/fused_projections_float32.json``)."""
     made = 0
     for module in model.modules():
         for names in FUSED_GROUPS:
             members = [getattr(module, n, None) for n in names]
-            if not all(isinstance(m, PrepackedLinear) for m in members):
+            if not all(isinstance(m, PrepackedLinear) if prepacked else type(m) in (torch.nn.Linear, GroupedLinear)
+                       for m in members):
                 continue
             if len({m.in_features for m in members}) > 1 or len({m.bias is None for m in members}) > 1:
                 continue
-            group = FusedGroup(members, batch_size_hint)
+            group = FusedGroup(members, batch_size_hint, prepacked)
             for i, m in enumerate(members):
                 m.__class__, m.group, m.index = GroupedLinear, group, i
-                del m.packed_weight  # the group's copy serves; a lone call (another input) runs F.linear
+                if hasattr(m, "packed_weight"):
+                    del m.packed_weight  # the group's copy serves; a lone call (another input) runs F.linear
             made += 1
     return made
 
