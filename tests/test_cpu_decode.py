@@ -64,8 +64,8 @@ def test_bad_input_is_refused():
 def test_backend_is_refused_with_the_reason_when_the_kernel_cannot_be_built(monkeypatch):
     from minibatch.runner.backends import get_backend
 
-    monkeypatch.setattr(cpu_decode, "_module", None)
-    monkeypatch.setattr(cpu_decode, "_error", "OSError: no C++ compiler")
+    monkeypatch.setattr(cpu_decode.KERNEL, "module", None)
+    monkeypatch.setattr(cpu_decode.KERNEL, "error", "OSError: no C++ compiler")
     with pytest.raises(ValueError, match="attention_backend 'cpp' is not available here: .*no C\\+\\+ compiler"):
         get_backend("cpp").check("cpu", torch.float32)
     with pytest.raises(ValueError, match="runs on cpu, not cuda"):

@@ -75,3 +75,52 @@ def test_float32_siblings_fused_give_the_same_logits_bit_for_bit(rows, one_threa
     fresh, _ = load_model("tiny-random-llama", dtype="float32")
     ModelRunner(fresh, tok)
     assert not any(isinstance(m, GroupedLinear) for m in fresh.modules())
+
+
+def test_split_linear_answers_like_f_linear_and_keeps_out_of_keys_where_it_differs(monkeypatch):
+    """float32 on a CPU with 2 threads: every call of a SplitLinear equals F.linear bit for bit, whatever the rows;
+    a key whose split once differed runs F.linear from then on; prefills and one thread run F.linear."""
+    from minibatch.kernels import cpu_split_linear
+    from minibatch.runner import prepack
+
+    if not cpu_split_linear.available():
+        pytest.skip("no C++ compiler to build the split linear kernel")
+    monkeypatch.setattr(prepack, "_split_exact", {})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        layer = torch.nn.Linear(96, 640, bias=True)
+        layer.__class__ = prepack.SplitLinear
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for rows in (1, 2, 5, 7, 32, 64, 65, 300):
+                x = torch.randn(1, rows, 96, generator=g)
+                for _ in range(2):  # the first call of a key checks, the second uses the verdict
+                    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+            assert {k[3] for k in prepack._split_exact} == {1, 2, 5, 7, 32, 64}  # prefills never split
+            calls = []
+            real = cpu_split_linear.split_linear
+            monkeypatch.setattr(cpu_split_linear, "split_linear", lambda *a: calls.append(1) or real(*a) + 1)
+            x = torch.randn(3, 96, generator=g)
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # differed
+            assert prepack._split_exact[(640, 96, True, 3, 2)] is False and len(calls) == 1
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)) and len(calls) == 1
+            torch.set_num_threads(1)
+            assert torch.equal(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_runner_splits_float32_linears_unless_told_not_to():
+    from minibatch.kernels import cpu_split_linear
+    from minibatch.runner.prepack import SplitLinear
+
+    if not cpu_split_linear.available():
+        pytest.skip("no C++ compiler to build the split linear kernel")
+    model, tok = load_model("tiny-random-llama", dtype="float32")
+    ModelRunner(model, tok, prepack_weights=False)
+    assert not any(isinstance(m, SplitLinear) for m in model.modules())
+    ModelRunner(model, tok)
+    assert isinstance(model.lm_head, SplitLinear) and isinstance(model.model.layers[0].mlp.down_proj, SplitLinear)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_split_linear.split_linear(torch.randn(2, 3), torch.randn(4, 5), None)

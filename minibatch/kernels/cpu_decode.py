@@ -6,48 +6,20 @@ num_kv_heads) query rows of a decode. This kernel is vLLM's PagedAttention decod
 as a loop nest: one task per (request, KV head) reads that head's keys and values through the block table once,
 for all its query heads, with fp32 scores and softmax. ``benchmarks/cpu_decode.py`` times it against the sdpa path.
 
-It is compiled by ``torch.utils.cpp_extension.load`` (a C++ compiler with OpenMP; ninja) into torch's extension
-cache the first time it is used on a machine (tens of seconds), then loaded from there. ``available()`` says
-whether that worked; the error is kept for the message.
+It is compiled the first time it is used on a machine (``kernels.cpp_build``: tens of seconds), then loaded from
+torch's extension cache. ``available()`` says whether that worked; the error is kept for the message.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import platform
 
 import torch
 
+from minibatch.kernels.cpp_build import CppExtension, build  # noqa: F401 (build: the benchmark's A/B)
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_paged_decode.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_module = None
-_error: str | None = None
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
-
-
-def build_name(source: str = SOURCE) -> str:
-    """The extension's name: the source, flags, torch version and CPU model hashed (``-march=native`` code is
-    only valid on the CPU it was built for, so another CPU sharing the cache builds its own)."""
-    with open(source, "rb") as f:
-        key = f.read() + " ".join(CFLAGS + [torch.__version__, platform.machine(), _cpu_model()]).encode()
-    return "minibatch_paged_decode_" + hashlib.sha256(key).hexdigest()[:12]
-
-
-def build(source: str = SOURCE):
-    """Compile ``source`` (this kernel, or another version of it for an A/B) into torch's extension cache, or load
-    it from there; returns the module. Raises whatever the build raises."""
-    from torch.utils.cpp_extension import load as load_extension
-
-    return load_extension(build_name(source), [source], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                          verbose=False)
+KERNEL = CppExtension(SOURCE, "the C++ paged decode kernel")
 
 
 def load():
@@ -56,24 +28,12 @@ def load():
     Raises:
         RuntimeError: it could not be built (no compiler, no OpenMP, ...); the message gives the first line of why.
     """
-    global _module, _error
-    if _module is None and _error is None:
-        try:
-            _module = build()
-        except Exception as e:  # noqa: BLE001 - any build failure makes the backend unavailable, with its reason
-            _error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-    if _module is None:
-        raise RuntimeError(f"the C++ paged decode kernel could not be built: {_error}")
-    return _module
+    return KERNEL.load()
 
 
 def available() -> bool:
     """Whether the kernel is built (or can be built now) on this machine."""
-    try:
-        load()
-        return True
-    except RuntimeError:
-        return False
+    return KERNEL.available()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

@@ -24,7 +24,7 @@ from minibatch.runner.backends import get_backend
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
 from minibatch.runner.sampler import Sampler, ban_tokens, step_logprobs
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
-from minibatch.runner.prepack import prepack_linears
+from minibatch.runner.prepack import prepack_linears, split_linears
 from minibatch.runner.support import check_packed_support, config_int, config_max_model_len
 from minibatch.scheduler.output import SchedulerOutput, StepResult
 
@@ -44,7 +44,10 @@ class ModelRunner(KVOwnership):
             carry almost all of its proposals). None (default): the whole vocabulary.
         prepack_weights: on a CPU in bfloat16, lay every linear weight out once for oneDNN instead of at each
             call (``runner.prepack``: the same kernel on the same numbers, bit-identical outputs, ~25% less
-            matmul time in decode steps). Changes the model's Linear modules in place.
+            matmul time in decode steps); in float32, split a decode step's products across the CPU's threads by
+            output feature (``runner.prepack.split_linears``, bit-identical too, checked on the machine first).
+            Changes the model's Linear modules in place (the HF reference and baselines run on the same model
+            object, so they get the same bit-identical layers).
 
     Raises:
         ValueError: an unknown attention_backend, or one that does not support the model's device or dtype.
@@ -66,7 +69,7 @@ class ModelRunner(KVOwnership):
                  prepack_weights: bool = True):
         self.model = model.eval()
         if prepack_weights:
-            prepack_linears(model)
+            prepack_linears(model) or split_linears(model)
         self.tokenizer = tokenizer
         cfg = model.config.get_text_config()
         self.device = next(model.parameters()).device

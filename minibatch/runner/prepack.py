@@ -132,3 +132,65 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
     if fuse:
         fuse_siblings(model, batch_size_hint)
     return changed
+
+
+# ---------------------------------------------------------------------------------------------- float32: split
+SPLIT_MAX_ROWS = 64  # inputs of more rows (prefills) run F.linear: MKL's own threading serves them
+SPLIT_MIN_COLS = 128  # no slice narrower than this (a thread's start-up would cost more than its share)
+# (out_features, in_features, bias, rows, threads) -> whether the split equalled F.linear bit for bit here
+_split_exact: dict[tuple, bool] = {}
+
+
+class SplitLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose forward, for inputs of at most :data:`SPLIT_MAX_ROWS` rows on a CPU with two or more
+    threads, splits its output features across the threads (``kernels/cpu_split_linear.cpp``: tensor parallelism's
+    column-parallel linear, Megatron-LM §3, across one CPU's cores); other calls run ``F.linear``.
+
+    Bit-identical to ``F.linear`` by construction: MKL's float32 product is not always the same number for a slice
+    of the output as for the whole (on a 2-core AMD EPYC, 2 threads, 5 rows it differs in the last bit), so the
+    first call of each (layer shape, rows, thread count) computes both, returns ``F.linear``'s and uses the split
+    for that key from then on only if the two were equal (:data:`_split_exact`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        threads = torch.get_num_threads()
+        if (x.dtype != self.weight.dtype or x.device.type != "cpu" or not 0 < rows <= SPLIT_MAX_ROWS or threads < 2
+                or self.out_features < 2 * SPLIT_MIN_COLS):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        from minibatch.kernels.cpu_split_linear import split_linear
+
+        key = (self.out_features, self.in_features, self.bias is not None, rows, threads)
+        exact = _split_exact.get(key)
+        if exact is False:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        x2d = x.reshape(rows, x.shape[-1])
+        out = split_linear(x2d, self.weight, self.bias, SPLIT_MIN_COLS)
+        if exact is None:  # the first call of this key: answer with F.linear, keep whether the split matched it
+            whole = torch.nn.functional.linear(x2d, self.weight, self.bias)
+            _split_exact[key] = torch.equal(out, whole)
+            out = whole
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def can_split(model) -> bool:
+    """Whether :func:`split_linears` applies: a float32 model on a CPU, and the split kernel builds here."""
+    from minibatch.kernels import cpu_split_linear
+
+    p = next(model.parameters())
+    return p.device.type == "cpu" and p.dtype == torch.float32 and cpu_split_linear.available()
+
+
+@torch.no_grad()
+def split_linears(model) -> int:
+    """Turn every ``nn.Linear`` of a float32 CPU model into a :class:`SplitLinear` (in place; idempotent); returns
+    how many Linears were changed (0 where :func:`can_split` is False). Why: in a decode step's few rows MKL's
+    float32 product runs on one core or splits its work poorly (``benchmarks/split_linear.py``,
+    ``data/cpu/split_linear.json``)."""
+    if not can_split(model):
+        return 0
+    changed = 0
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = SplitLinear
+            changed += 1
+    return changed

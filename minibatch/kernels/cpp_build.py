@@ -1,0 +1,78 @@
+"""Building this package's C++ CPU kernels (``*.cpp`` beside this file) on first use, once per machine.
+
+``torch.utils.cpp_extension.load`` compiles a source (a C++ compiler with OpenMP; ninja) into torch's extension
+cache the first time it is used on a machine (tens of seconds), then loads it from there. :class:`CppExtension`
+keeps the module, or the first line of why it could not be built, for the message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+
+import torch
+
+# -fopenmp also for the compile: ATen's parallel_for is a header template whose OpenMP pragmas are ignored without
+# it (the loop then runs on one thread)
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def build_name(source: str) -> str:
+    """The extension's name: ``minibatch_`` + the source's file name + a hash of the source, flags, torch version and
+    CPU model (``-march=native`` code is only valid on the CPU it was built for, so another CPU sharing the cache
+    builds its own)."""
+    with open(source, "rb") as f:
+        key = f.read() + " ".join(CFLAGS + [torch.__version__, platform.machine(), _cpu_model()]).encode()
+    stem = os.path.splitext(os.path.basename(source))[0]
+    return f"minibatch_{stem}_" + hashlib.sha256(key).hexdigest()[:12]
+
+
+def build(source: str):
+    """Compile ``source`` into torch's extension cache, or load it from there; returns the module. Raises whatever
+    the build raises."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    return load_extension(build_name(source), [source], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                          verbose=False)
+
+
+class CppExtension:
+    """One C++ source (``source``), built by :func:`build` the first time :meth:`load` is called; ``what`` names it
+    in the error. ``module``: the built module, or None; ``error``: why it could not be built, or None."""
+
+    def __init__(self, source: str, what: str):
+        self.source, self.what = source, what
+        self.module = None
+        self.error: str | None = None
+
+    def load(self):
+        """The compiled module (built the first time on this machine).
+
+        Raises:
+            RuntimeError: it could not be built (no compiler, no OpenMP, ...); the message gives the first line of
+                why."""
+        if self.module is None and self.error is None:
+            try:
+                self.module = build(self.source)
+            except Exception as e:  # noqa: BLE001 - any build failure makes the kernel unavailable, with its reason
+                self.error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        if self.module is None:
+            raise RuntimeError(f"{self.what} could not be built: {self.error}")
+        return self.module
+
+    def available(self) -> bool:
+        """Whether it is built (or can be built now) on this machine."""
+        try:
+            self.load()
+            return True
+        except RuntimeError:
+            return False
