@@ -51,16 +51,43 @@ def step_times(runners: dict, n: int, steps: int, context: int = 256) -> dict:
     return alternating_step_ms(engines, steps)
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options this benchmark shares with ``split_linear.py``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (rows of the linears-alone timing)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="bfloat16: prepacked for oneDNN (needs a CPU with native bf16); float32: as loaded")
     p.add_argument("--attention-backend", default="cpp")
     p.add_argument("--repeats", type=int, default=20, help="linears-alone passes per way")
     p.add_argument("--steps", type=int, default=25, help="decode steps per way and batch")
     p.add_argument("--json", dest="json_path", default=None)
+    return p
+
+
+def run_ways(runners: dict, args, script: str, argv, dtype: str) -> dict:
+    """Both ways (``runners``: name -> ModelRunner, the baseline first) at every batch size: linears alone and whole
+    decode steps, the speedups of the second way over the first; written to ``args.json_path``."""
+    base, new = list(runners)
+    load_before = machine_load()
+    rows = []
+    for n in (int(b) for b in args.batches.split(",")):
+        linears = linear_times({k: r.model for k, r in runners.items()}, n, args.repeats)
+        steps = step_times(runners, n, args.steps)
+        row = {"batch": n, "linears_ms": linears, "decode_step_ms": steps,
+               "linears_speedup": round(linears[base] / linears[new], 2),
+               "step_speedup": round(steps[base] / steps[new], 2)}
+        print(row)
+        rows.append(row)
+    result = {"command": f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "environment": environment(load_before), "model": "smollm2-135m", "dtype": dtype,
+              "attention_backend": args.attention_backend, "threads": args.threads, "rows": rows}
+    write_json(result, args.json_path)
+    return result
+
+
+def main(argv=None) -> dict:
+    p = parser(__doc__)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="bfloat16: prepacked for oneDNN (needs a CPU with native bf16); float32: as loaded")
     args = p.parse_args(argv)
     from minibatch.models import load_model
     from minibatch.runner import ModelRunner
@@ -77,22 +104,7 @@ def main(argv=None) -> dict:
         elif fuse:
             fuse_siblings(model, prepacked=False)
         runners[name] = ModelRunner(model, tokenizer, attention_backend=args.attention_backend, prepack_weights=False)
-    load_before = machine_load()
-    rows = []
-    for n in (int(b) for b in args.batches.split(",")):
-        linears = linear_times({k: r.model for k, r in runners.items()}, n, args.repeats)
-        steps = step_times(runners, n, args.steps)
-        row = {"batch": n, "linears_ms": linears, "decode_step_ms": steps,
-               "linears_speedup": round(linears["one_by_one"] / linears["fused"], 2),
-               "step_speedup": round(steps["one_by_one"] / steps["fused"], 2)}
-        print(row)
-        rows.append(row)
-    result = {"command": "python benchmarks/fused_projections.py " + " ".join(argv if argv is not None else
-                                                                              sys.argv[1:]),
-              "environment": environment(load_before), "model": "smollm2-135m", "dtype": args.dtype,
-              "attention_backend": args.attention_backend, "threads": args.threads, "rows": rows}
-    write_json(result, args.json_path)
-    return result
+    return run_ways(runners, args, "fused_projections.py", argv, args.dtype)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,17 @@ def fuse_siblings(model, batch_size_hint: int = 32, prepacked: bool = True) -> i
     return made
 
 
+def retype_linears(model, cls: type) -> int:
+    """Give every plain ``nn.Linear`` of ``model`` the class ``cls`` (a subclass that changes only ``forward``: the
+    modules keep their names, parameters and checkpoint); returns how many changed."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = cls
+            changed += 1
+    return changed
+
+
 def can_prepack(model) -> bool:
     """Whether :func:`prepack_linears` applies: a bf16 model on a CPU with oneDNN (mkldnn) bf16 support."""
     p = next(model.parameters())
@@ -122,11 +133,8 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
     place."""
     if not can_prepack(model):
         return 0
-    changed = 0
+    changed = retype_linears(model, PrepackedLinear)
     for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.__class__ = PrepackedLinear
-            changed += 1
         if isinstance(module, PrepackedLinear):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_size_hint)
     if fuse:
@@ -186,11 +194,4 @@ def split_linears(model) -> int:
     how many Linears were changed (0 where :func:`can_split` is False). Why: in a decode step's few rows MKL's
     float32 product runs on one core or splits its work poorly (``benchmarks/split_linear.py``,
     ``data/cpu/split_linear.json``)."""
-    if not can_split(model):
-        return 0
-    changed = 0
-    for m in model.modules():
-        if type(m) is torch.nn.Linear:
-            m.__class__ = SplitLinear
-            changed += 1
-    return changed
+    return retype_linears(model, SplitLinear) if can_split(model) else 0
