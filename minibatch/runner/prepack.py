@@ -1,4 +1,6 @@
-"""Linear layers whose weights are laid out once for oneDNN, not at every call (CPU, bf16).
+"""Linear layers made faster for a CPU's decode steps, with bit-identical outputs: bf16 weights laid out once for
+oneDNN instead of at every call, sibling projections run as one product, and float32 products split across the
+CPU's threads.
 
 ``torch.nn.functional.linear`` on a CPU in bfloat16 runs oneDNN's matmul and first reorders the weight into the
 blocked layout oneDNN computes in, at every call. :func:`prepack_linears` does that reorder once per layer, at
@@ -16,6 +18,11 @@ over the input, one oneDNN call instead of three): on SmolLM2-135M, 2-core CPU, 
 1.15x / 1.08x less time on 1 / 8 / 32 rows and whole decode steps are 1.10x / 1.08x / 1.05x as fast
 (``benchmarks/fused_projections.py``, ``data/cpu/fused_projections.json``), with outputs still bit-identical
 (oneDNN sums every output column over the same inputs in the same order, whatever the number of columns).
+
+In float32 (no reorder to save: MKL's GEMM takes the weight as it is) :func:`split_linears` splits each layer's
+output features into one slice per thread for inputs of a few rows (:class:`SplitLinear`): MKL runs such products
+on one core or divides them poorly. MKL's number for a slice is not always the whole product's, so every
+(shape, rows, threads) is checked on its first call and split only if it matched.
 """
 
 from __future__ import annotations
@@ -154,10 +161,11 @@ class SplitLinear(torch.nn.Linear):
     threads, splits its output features across the threads (``kernels/cpu_split_linear.cpp``: tensor parallelism's
     column-parallel linear, Megatron-LM §3, across one CPU's cores); other calls run ``F.linear``.
 
-    Bit-identical to ``F.linear`` by construction: MKL's float32 product is not always the same number for a slice
-    of the output as for the whole (on a 2-core AMD EPYC, 2 threads, 5 rows it differs in the last bit), so the
-    first call of each (layer shape, rows, thread count) computes both, returns ``F.linear``'s and uses the split
-    for that key from then on only if the two were equal (:data:`_split_exact`)."""
+    Kept bit-identical to ``F.linear``: MKL's float32 product is not always the same number for a slice of the
+    output as for the whole (on a 2-core AMD EPYC, 2 threads, 5 rows it differs in the last bit; MKL picks its code
+    path by the shapes and the thread count), so the first call of each (layer shape, rows, thread count) computes
+    both, returns ``F.linear``'s and uses the split for that key from then on only if the two were equal
+    (:data:`_split_exact`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
