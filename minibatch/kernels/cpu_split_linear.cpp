@@ -4,9 +4,10 @@
 // Tensor parallelism's column-parallel linear (Megatron-LM, Shoeybi et al. 2019, section 3: A split along its
 // output columns, each worker computing its own part of the output), across the cores of one CPU. Why: for the few
 // rows of a decode step, MKL's float32 product runs on one core (a GEMV at one row) or splits its work poorly,
-// while each core reading half of the weight streams it from memory at about twice the rate. Each output column is
-// still one dot product over the same inputs in the same order, so the result is bit-identical to the whole
-// product's; minibatch/runner/prepack.py checks that on the machine before it uses this. Built on first use by
+// while each core reading half of the weight streams it from memory at about twice the rate. The result is not
+// always bit-identical to the whole product's (MKL picks its code path by shape and thread count: on a 2-core AMD
+// EPYC, 2 threads and 5 rows differ in the last bit), so minibatch/runner/prepack.py compares the two on the first
+// call of each shape, row count and thread count, and uses this only where they matched. Built on first use by
 // minibatch/kernels/cpp_build.py.
 #include <torch/extension.h>
 

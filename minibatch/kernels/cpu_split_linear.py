@@ -11,6 +11,7 @@ from minibatch.kernels.cpp_build import CppExtension
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_split_linear.cpp")
 KERNEL = CppExtension(SOURCE, "the C++ split linear kernel")
+MIN_COLS = 128  # no slice narrower than this (a thread's start-up would cost more than its share)
 
 
 def available() -> bool:
@@ -18,7 +19,8 @@ def available() -> bool:
     return KERNEL.available()
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_cols: int = 128) -> torch.Tensor:
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 min_cols: int = MIN_COLS) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the output features split into one slice per torch thread (each at least
     ``min_cols`` wide), each slice's product run by its own thread. x: (m, k); weight: (n, k); bias: (n,) or None;
     CPU tensors of one dtype. Returns (m, n).

@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import torch
 
+from minibatch.kernels import cpu_split_linear
+from minibatch.kernels.cpu_split_linear import MIN_COLS
+
 
 class PrepackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward uses the weight reordered once (``packed_weight``); see the module docstring."""
@@ -151,7 +154,6 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
 
 # ---------------------------------------------------------------------------------------------- float32: split
 SPLIT_MAX_ROWS = 64  # inputs of more rows (prefills) run F.linear: MKL's own threading serves them
-SPLIT_MIN_COLS = 128  # no slice narrower than this (a thread's start-up would cost more than its share)
 # (out_features, in_features, bias, rows, threads) -> whether the split equalled F.linear bit for bit here
 _split_exact: dict[tuple, bool] = {}
 
@@ -171,16 +173,14 @@ class SplitLinear(torch.nn.Linear):
         rows = x.numel() // max(1, x.shape[-1])
         threads = torch.get_num_threads()
         if (x.dtype != self.weight.dtype or x.device.type != "cpu" or not 0 < rows <= SPLIT_MAX_ROWS or threads < 2
-                or self.out_features < 2 * SPLIT_MIN_COLS):
+                or self.out_features < 2 * MIN_COLS):
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        from minibatch.kernels.cpu_split_linear import split_linear
-
         key = (self.out_features, self.in_features, self.bias is not None, rows, threads)
         exact = _split_exact.get(key)
         if exact is False:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         x2d = x.reshape(rows, x.shape[-1])
-        out = split_linear(x2d, self.weight, self.bias, SPLIT_MIN_COLS)
+        out = cpu_split_linear.split_linear(x2d, self.weight, self.bias)
         if exact is None:  # the first call of this key: answer with F.linear, keep whether the split matched it
             whole = torch.nn.functional.linear(x2d, self.weight, self.bias)
             _split_exact[key] = torch.equal(out, whole)
@@ -190,8 +190,6 @@ class SplitLinear(torch.nn.Linear):
 
 def can_split(model) -> bool:
     """Whether :func:`split_linears` applies: a float32 model on a CPU, and the split kernel builds here."""
-    from minibatch.kernels import cpu_split_linear
-
     p = next(model.parameters())
     return p.device.type == "cpu" and p.dtype == torch.float32 and cpu_split_linear.available()
 
