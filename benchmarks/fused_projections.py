@@ -1,7 +1,7 @@
 """Sibling projections as one product (``minibatch/runner/prepack.py``: q/k/v_proj and gate/up_proj of a module
 share one weight, prepacked in bf16) against the same linears one by one (prepacked in bf16), on SmolLM2-135M
-(``--dtype float32``: both as loaded, the groups running ``F.linear``; the runner does not fuse them there, as this
-measured no gain):
+(``--dtype float32``: ``--layout plain``, both as loaded, the groups running ``F.linear``, which measured no gain;
+``--layout panels``, both packed for our float32 kernel, the way the runner runs float32):
 
 * ``linears``: every linear layer of the model called once on ``rows`` random rows, in the model's order (a fused
   group's later members take their columns of the first one's product);
@@ -10,6 +10,7 @@ measured no gain):
 
     python benchmarks/fused_projections.py --json data/cpu/fused_projections.json
     python benchmarks/fused_projections.py --dtype float32 --json data/cpu/fused_projections_float32.json
+    python benchmarks/fused_projections.py --dtype float32 --layout panels --json data/cpu/fused_panels.json
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from minibatch.report import environment, machine_load, write_json
 
 
 def linear_times(models: dict, rows: int, repeats: int) -> dict:
-    """Median ms of all of each model's linear layers on ``rows`` rows (the ways alternating)."""
+    """Median ms of all of each model's linear layers on ``rows`` rows (the ways alternating), called as in the
+    engine's steps (``engine_linears``: float32 packed layers run their kernel there only)."""
+    from minibatch.runner.prepack import engine_linears
+
     calls = {}
     for name, model in models.items():
         layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -33,7 +37,7 @@ def linear_times(models: dict, rows: int, repeats: int) -> dict:
         inputs = {m.in_features: torch.randn(rows, m.in_features).to(dtype) for m in layers}
         calls[name] = [(m, inputs[m.in_features]) for m in layers]
     times = {name: [] for name in models}
-    with torch.inference_mode():
+    with torch.inference_mode(), engine_linears():
         for _ in range(repeats + 2):
             for name, pairs in calls.items():
                 t0 = time.perf_counter()
@@ -52,7 +56,7 @@ def step_times(runners: dict, n: int, steps: int, context: int = 256) -> dict:
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
-    """The options this benchmark shares with ``split_linear.py``."""
+    """The options this benchmark shares with ``cpu_linear.py``."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="1,8,32", help="decode batch sizes (rows of the linears-alone timing)")
     p.add_argument("--threads", type=int, default=2)
@@ -72,7 +76,10 @@ def run_ways(runners: dict, args, script: str, argv, dtype: str) -> dict:
     for n in (int(b) for b in args.batches.split(",")):
         linears = linear_times({k: r.model for k, r in runners.items()}, n, args.repeats)
         steps = step_times(runners, n, args.steps)
-        row = {"batch": n, "linears_ms": linears, "decode_step_ms": steps,
+        weights = sum(m.weight.numel() for m in runners[base].model.modules() if isinstance(m, torch.nn.Linear))
+        row = {"batch": n, "linears_ms": linears,
+               "linears_gflop_per_s": {k: round(2 * n * weights / (ms * 1e6), 1) for k, ms in linears.items()},
+               "decode_step_ms": steps,
                "linears_speedup": round(linears[base] / linears[new], 2),
                "step_speedup": round(steps[base] / steps[new], 2)}
         print(row)
@@ -87,11 +94,13 @@ def run_ways(runners: dict, args, script: str, argv, dtype: str) -> dict:
 def main(argv=None) -> dict:
     p = parser(__doc__)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="bfloat16: prepacked for oneDNN (needs a CPU with native bf16); float32: as loaded")
+                   help="bfloat16: prepacked for oneDNN (needs a CPU with native bf16); float32: see --layout")
+    p.add_argument("--layout", choices=("plain", "panels"), default="plain",
+                   help="float32 only: plain, as loaded (F.linear); panels, packed for our kernel")
     args = p.parse_args(argv)
     from minibatch.models import load_model
     from minibatch.runner import ModelRunner
-    from minibatch.runner.prepack import can_prepack, fuse_siblings, prepack_linears
+    from minibatch.runner.prepack import can_prepack, fuse_siblings, pack_linears, prepack_linears
 
     torch.set_num_threads(args.threads)
     runners = {}
@@ -101,8 +110,11 @@ def main(argv=None) -> dict:
             if not can_prepack(model):
                 sys.exit("no oneDNN bf16 on this CPU: bf16 weights are not prepacked here (try --dtype float32)")
             prepack_linears(model, fuse=fuse)
+        elif args.layout == "panels":
+            if not pack_linears(model, fuse=fuse):
+                sys.exit("the packed float32 kernel is not available here (no C++ compiler to build it)")
         elif fuse:
-            fuse_siblings(model, prepacked=False)
+            fuse_siblings(model, layout="plain")
         runners[name] = ModelRunner(model, tokenizer, attention_backend=args.attention_backend, prepack_weights=False)
     return run_ways(runners, args, "fused_projections.py", argv, args.dtype)
 

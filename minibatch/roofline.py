@@ -97,19 +97,31 @@ def _times_s(fn, repeats: int) -> list[float]:
 
 
 def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32, matmul_size: int = 2048,
-                read_bytes: int = 256 * 2**20, repeats: int = 5) -> Roofline:
+                read_bytes: int = 256 * 2**20, repeats: int = 5, packed_kernel: bool = False) -> Roofline:
     """This CPU's roofs, measured (about two seconds): peak = the FLOP/s of a ``matmul_size``-square matrix product
     in ``dtype``; bandwidth = the bytes/s of summing a ``read_bytes`` tensor (far larger than any cache); each the
     best of ``repeats`` (a roof is the most the machine does; a busy moment only lowers a run). num_threads: torch
-    threads while measuring (restored; None leaves them)."""
+    threads while measuring (restored; None leaves them). packed_kernel: in float32, also time the same product on
+    our packed kernel (``kernels.cpu_linear``, where it builds) and keep the higher peak: on some CPUs it beats
+    torch's own (MKL's) product, and a roof below what a kernel reaches would not bound anything."""
     threads = num_threads or torch.get_num_threads()
+    what = "matmul"
     with torch_threads(num_threads):
         a, b = torch.randn(matmul_size, matmul_size, dtype=dtype), torch.randn(matmul_size, matmul_size, dtype=dtype)
         peak = 2 * matmul_size**3 / min_time_s(lambda: a @ b, repeats)
+        if packed_kernel and dtype == torch.float32:
+            from minibatch.kernels import cpu_linear
+
+            if cpu_linear.available():
+                panels = cpu_linear.pack_weight(b.t())
+                ours = 2 * matmul_size**3 / min_time_s(lambda: cpu_linear.packed_linear(a, panels, matmul_size),
+                                                       repeats)
+                what = "matmul (the faster of torch's and our packed kernel's)"
+                peak = max(peak, ours)
         x = torch.ones(read_bytes // 4, dtype=torch.float32)
         bandwidth = read_bytes / min_time_s(x.sum, repeats)
     return Roofline(f"this CPU, {threads} thread{'s' * (threads > 1)}", peak, bandwidth,
-                    f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} matmul, "
+                    f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} {what}, "
                     f"sum of {read_bytes // 2**20} MiB, best of {repeats}")
 
 

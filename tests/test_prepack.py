@@ -1,5 +1,6 @@
 """Prepacked linear weights (minibatch/runner/prepack.py): on a CPU in bf16 every Linear runs oneDNN with its
-weight laid out once, and the outputs are bit-identical to F.linear's, whatever the number of rows."""
+weight laid out once, and the outputs are bit-identical to F.linear's, whatever the number of rows; in float32 the
+engine's steps run our packed kernel (kernels/cpu_linear.cpp), checked against a float64 product."""
 
 import pytest
 import torch
@@ -60,67 +61,90 @@ def test_sibling_projections_run_as_one_product_and_a_lone_call_runs_alone():
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 def test_float32_siblings_fused_give_the_same_logits_bit_for_bit(rows, one_thread):
-    """The float32 grouping (``fuse_siblings(prepacked=False)``, one F.linear per group; what
-    benchmarks/fused_projections.py --dtype float32 times) changes no logit; the runner leaves float32 layers be."""
-    from minibatch.runner.prepack import GroupedLinear, fuse_siblings
+    """The float32 groupings change no logit: ``fuse_siblings(layout="plain")`` (one F.linear per group; what
+    benchmarks/fused_projections.py --dtype float32 times) and, inside the engine's steps, groups on our packed
+    kernel's panels (the kernel computes each output feature alone) against the same panels one layer at a time;
+    outside the engine the packed model is stock F.linear."""
+    from minibatch.kernels import cpu_linear
+    from minibatch.runner.prepack import GroupedLinear, engine_linears, fuse_siblings, pack_linears
 
     model, tok = load_model("tiny-random-llama", dtype="float32")
     ids = torch.randint(3, model.config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(rows))
     with torch.inference_mode():
         before = model(ids).logits
-        assert fuse_siblings(model, prepacked=False) == 2 * model.config.num_hidden_layers
-        after = model(ids).logits
-    assert torch.equal(before, after)
-    assert not model.model.layers[0].mlp.up_proj.group.prepacked
-    fresh, _ = load_model("tiny-random-llama", dtype="float32")
-    ModelRunner(fresh, tok)
-    assert not any(isinstance(m, GroupedLinear) for m in fresh.modules())
+        assert fuse_siblings(model, layout="plain") == 2 * model.config.num_hidden_layers
+        assert torch.equal(before, model(ids).logits) and model.model.layers[0].mlp.up_proj.group.layout == "plain"
+        if not cpu_linear.available():
+            return
+        assert pack_linears(model, fuse=False) > 0 and not any(isinstance(m, GroupedLinear) for m in model.modules())
+        with engine_linears():
+            alone = model(ids).logits
+            assert fuse_siblings(model, layout="panels") == 2 * model.config.num_hidden_layers
+            assert torch.equal(alone, model(ids).logits)
+        assert torch.equal(before, model(ids).logits)
 
 
-def test_split_linear_answers_like_f_linear_and_keeps_out_of_keys_where_it_differs(monkeypatch):
-    """float32 on a CPU with 2 threads: every call of a SplitLinear equals F.linear bit for bit, whatever the rows;
-    a key whose split once differed runs F.linear from then on; prefills and one thread run F.linear."""
-    from minibatch.kernels import cpu_split_linear
-    from minibatch.runner import prepack
+def test_packed_linear_matches_a_float64_product_for_any_shape_and_is_batch_invariant():
+    """The float32 kernel against F.linear in float64 (relative error < 1e-5), for widths that are and are not
+    multiples of the 16-feature panel, row counts around the 6-row micro-kernel, with and without bias; each row's
+    output is bit-identical whatever the other rows of its batch and the thread count."""
+    from minibatch.kernels import cpu_linear
 
-    if not cpu_split_linear.available():
-        pytest.skip("no C++ compiler to build the split linear kernel")
-    monkeypatch.setattr(prepack, "_split_exact", {})
+    if not cpu_linear.available():
+        pytest.skip("no C++ compiler to build the float32 linear kernel")
+    g = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        layer = torch.nn.Linear(96, 640, bias=True)
-        layer.__class__ = prepack.SplitLinear
-        g = torch.Generator().manual_seed(0)
-        with torch.inference_mode():
-            for rows in (1, 2, 5, 7, 32, 64, 65, 300):
-                x = torch.randn(1, rows, 96, generator=g)
-                for _ in range(2):  # the first call of a key checks, the second uses the verdict
-                    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-            assert {k[3] for k in prepack._split_exact} == {1, 2, 5, 7, 32, 64}  # prefills never split
-            calls = []
-            real = cpu_split_linear.split_linear
-            monkeypatch.setattr(cpu_split_linear, "split_linear", lambda *a: calls.append(1) or real(*a) + 1)
-            x = torch.randn(3, 96, generator=g)
-            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # differed
-            assert prepack._split_exact[(640, 96, True, 3, 2)] is False and len(calls) == 1
-            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)) and len(calls) == 1
-            torch.set_num_threads(1)
-            assert torch.equal(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))
+        for n, k in ((1, 3), (17, 5), (100, 37), (576, 64)):
+            w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+            panels = cpu_linear.pack_weight(w)
+            unpacked = panels.permute(0, 2, 1).reshape(-1, k)  # feature j of panel p: row 16 p + j
+            assert panels.shape == (-(-n // 16), k, 16) and torch.equal(unpacked[:n], w) and not unpacked[n:].any()
+            for rows in (1, 2, 5, 6, 7, 13, 64):
+                x = torch.randn(rows, k, generator=g)
+                for bias in (None, b):
+                    torch.set_num_threads(2)
+                    out = cpu_linear.packed_linear(x, panels, n, bias)
+                    ref = torch.nn.functional.linear(x.double(), w.double(), None if bias is None else bias.double())
+                    assert out.shape == (rows, n) and out.dtype == torch.float32
+                    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
+                    torch.set_num_threads(1)
+                    assert torch.equal(cpu_linear.packed_linear(x[-1:], panels, n, bias), out[-1:])
     finally:
         torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        cpu_linear.packed_linear(torch.randn(2, 5), cpu_linear.pack_weight(torch.randn(4, 6)), 4)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_linear.pack_weight(torch.randn(4, 6, dtype=torch.float64))
 
 
-def test_the_runner_splits_float32_linears_unless_told_not_to():
-    from minibatch.kernels import cpu_split_linear
-    from minibatch.runner.prepack import SplitLinear
+def test_panel_linears_run_the_kernel_in_the_engine_only_and_f_linear_elsewhere(monkeypatch):
+    from minibatch.kernels import cpu_linear
+    from minibatch.runner import prepack
 
-    if not cpu_split_linear.available():
-        pytest.skip("no C++ compiler to build the split linear kernel")
+    if not cpu_linear.available():
+        pytest.skip("no C++ compiler to build the float32 linear kernel")
     model, tok = load_model("tiny-random-llama", dtype="float32")
     ModelRunner(model, tok, prepack_weights=False)
-    assert not any(isinstance(m, SplitLinear) for m in model.modules())
+    assert not any(isinstance(m, prepack.PanelLinear) for m in model.modules())
     ModelRunner(model, tok)
-    assert isinstance(model.lm_head, SplitLinear) and isinstance(model.model.layers[0].mlp.down_proj, SplitLinear)
-    with pytest.raises(RuntimeError, match="x must be"):
-        cpu_split_linear.split_linear(torch.randn(2, 3), torch.randn(4, 5), None)
+    head = model.lm_head
+    assert isinstance(head, prepack.PanelLinear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, prepack.PanelLinear)
+    calls = []
+    real = cpu_linear.packed_linear
+    rows = lambda x: x.numel() // x.shape[-1]  # noqa: E731
+    monkeypatch.setattr(cpu_linear, "packed_linear", lambda *a: calls.append(rows(a[0])) or real(*a))
+    x = torch.randn(2, 3, head.in_features)
+    with torch.inference_mode():
+        stock = torch.nn.functional.linear(x, head.weight)
+        assert torch.equal(head(x), stock) and not calls  # outside the engine: F.linear, bit for bit
+        with prepack.engine_linears():
+            fast = head(x)
+            assert calls == [6] and fast.shape == stock.shape and torch.allclose(fast, stock, rtol=1e-5, atol=1e-5)
+            big = torch.randn(prepack.PANEL_MAX_ROWS + 1, head.in_features)
+            assert torch.equal(head(big), torch.nn.functional.linear(big, head.weight)) and calls == [6]
+        head.weight.mul_(2)  # a weight edit: packing again refreshes the panels
+        assert prepack.pack_linears(model) > 0
+        with prepack.engine_linears():
+            assert torch.allclose(head(x), 2 * stock, rtol=1e-5, atol=1e-5)

@@ -230,7 +230,10 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     if runner.device.type == "cuda":
         roof = measure_cuda(runner.dtype)
     else:
-        roof = measure_cpu(torch.get_num_threads(), runner.dtype)
+        from minibatch.runner.prepack import PanelLinear
+
+        roof = measure_cpu(torch.get_num_threads(), runner.dtype,
+                           packed_kernel=any(isinstance(m, PanelLinear) for m in runner.model.modules()))
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
     rows = []
     for kind, size in shapes:

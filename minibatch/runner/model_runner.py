@@ -24,7 +24,7 @@ from minibatch.runner.backends import get_backend
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
 from minibatch.runner.sampler import Sampler, ban_tokens, step_logprobs
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
-from minibatch.runner.prepack import prepack_linears, split_linears
+from minibatch.runner.prepack import engine_linears, pack_linears, prepack_linears
 from minibatch.runner.support import check_packed_support, config_int, config_max_model_len
 from minibatch.scheduler.output import SchedulerOutput, StepResult
 
@@ -44,10 +44,10 @@ class ModelRunner(KVOwnership):
             carry almost all of its proposals). None (default): the whole vocabulary.
         prepack_weights: on a CPU in bfloat16, lay every linear weight out once for oneDNN instead of at each
             call (``runner.prepack``: the same kernel on the same numbers, bit-identical outputs, ~25% less
-            matmul time in decode steps); in float32, split a decode step's products across the CPU's threads by
-            output feature (``runner.prepack.split_linears``, bit-identical too, checked on the machine first).
-            Changes the model's Linear modules in place (the HF reference and baselines run on the same model
-            object, so they get the same bit-identical layers).
+            matmul time in decode steps); in float32, pack every weight once into panels for our own matrix-product
+            kernel (``runner.prepack.pack_linears``: float32 sums in another order than MKL's, used in this
+            runner's steps only). Changes the model's Linear modules in place: the HF reference and baselines run
+            on the same model object, with the bit-identical bf16 layers and with stock ``F.linear`` in float32.
 
     Raises:
         ValueError: an unknown attention_backend, or one that does not support the model's device or dtype.
@@ -69,7 +69,7 @@ class ModelRunner(KVOwnership):
                  prepack_weights: bool = True):
         self.model = model.eval()
         if prepack_weights:
-            prepack_linears(model) or split_linears(model)
+            prepack_linears(model) or pack_linears(model)
         self.tokenizer = tokenizer
         cfg = model.config.get_text_config()
         self.device = next(model.parameters()).device
@@ -180,6 +180,10 @@ class ModelRunner(KVOwnership):
         """Run a :class:`~minibatch.runner.batch.PackedBatch`: returns (logits (num_logits, vocab_size),
         the request_id of each row)."""
         set_attention(self.model, attention.ATTN_IMPLEMENTATION)
+        with engine_linears():
+            return self._forward_packed(batch)
+
+    def _forward_packed(self, batch) -> tuple[torch.Tensor, list[str]]:
         inputs = dict(input_ids=batch.input_ids[None],  # (1, num_tokens)
                       position_ids=batch.positions[None],  # (1, num_tokens)
                       attn_metadata=batch.attn_metadata, use_cache=False)
@@ -218,10 +222,11 @@ class ModelRunner(KVOwnership):
             cache = self._static["cache"]
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]  # (B, T) real positions
-        logits = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, **{self._cache_kwarg: cache}, use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]  # (B, vocab_size)
+        with engine_linears():
+            logits = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, **{self._cache_kwarg: cache},
+                use_cache=True, logits_to_keep=1,
+            ).logits[:, -1]  # (B, vocab_size)
         self._static = {"mask": mask, "cache": cache}
         keep = [i for i, s in enumerate(rows) if not s.request.is_finished]
         return logits[keep], [rows[i].request_id for i in keep]

@@ -1,6 +1,6 @@
-"""Linear layers made faster for a CPU's decode steps, with bit-identical outputs: bf16 weights laid out once for
-oneDNN instead of at every call, sibling projections run as one product, and float32 products split across the
-CPU's threads.
+"""Linear layers made faster for a CPU's decode steps: bf16 weights laid out once for oneDNN instead of at every
+call and sibling projections run as one product (bit-identical outputs), and float32 weights packed once for our own
+matrix-product kernel (the engine's steps only).
 
 ``torch.nn.functional.linear`` on a CPU in bfloat16 runs oneDNN's matmul and first reorders the weight into the
 blocked layout oneDNN computes in, at every call. :func:`prepack_linears` does that reorder once per layer, at
@@ -19,18 +19,22 @@ over the input, one oneDNN call instead of three): on SmolLM2-135M, 2-core CPU, 
 (``benchmarks/fused_projections.py``, ``data/cpu/fused_projections.json``), with outputs still bit-identical
 (oneDNN sums every output column over the same inputs in the same order, whatever the number of columns).
 
-In float32 (no reorder to save: MKL's GEMM takes the weight as it is) :func:`split_linears` splits each layer's
-output features into one slice per thread for inputs of a few rows (:class:`SplitLinear`): MKL runs such products
-on one core or divides them poorly. MKL's number for a slice is not always the whole product's, so every
-(shape, rows, threads) is checked on its first call and split only if it matched.
+In float32, ``F.linear`` calls MKL's GEMM, which takes the weight as it is, packs it again at every call and runs
+the few rows of a decode step far below the CPU's peak. :func:`pack_linears` packs every weight once into panels for
+``kernels.cpu_linear`` (GotoBLAS-style, :class:`PanelLinear`). Its float32 sums run in another order than MKL's, so
+the outputs are not bit-identical to ``F.linear``: the layers use the kernel only inside :func:`engine_linears` (the
+engine's own steps), and ``model.generate`` on the same model object (the Hugging Face reference, the transformers
+baselines) still runs stock ``F.linear``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
-from minibatch.kernels import cpu_split_linear
-from minibatch.kernels.cpu_split_linear import MIN_COLS
+from minibatch.kernels import cpu_linear
 
 
 class PrepackedLinear(torch.nn.Linear):
@@ -49,25 +53,37 @@ FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class FusedGroup:
-    """Sibling projections run as one product (module docstring): ``packed``, their weights' rows concatenated
-    (prepacked for oneDNN when ``prepacked``, else as is, for ``F.linear``); ``bias`` concatenated (or None);
+    """Sibling projections run as one product (module docstring): ``packed``, their weights' rows concatenated and
+    laid out for ``layout`` ("onednn": prepacked for oneDNN, bf16; "panels": our float32 kernel's panels, which it
+    runs only inside :func:`engine_linears`; "plain": as is, for ``F.linear``); ``bias`` concatenated (or None);
     ``sizes``, each member's output features; ``kept``: the input of the last fused product and the members'
     columns not yet taken."""
 
-    def __init__(self, members: list[torch.nn.Linear], batch_size_hint: int, prepacked: bool = True):
+    def __init__(self, members: list[torch.nn.Linear], batch_size_hint: int, layout: str = "onednn"):
         weight = torch.cat([m.weight.detach() for m in members])
-        self.prepacked = prepacked
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint) if prepacked else weight
+        self.layout = layout
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint) if layout == "onednn"
+                       else cpu_linear.pack_weight(weight) if layout == "panels" else weight)
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
         self.sizes = [m.out_features for m in members]
         self.kept: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
 
+    def product(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """All the members' outputs for ``flat`` (rows, in_features), or None where this layout does not run."""
+        if self.layout == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        if self.layout == "panels":
+            if not (_IN_ENGINE.get() and flat.dtype == torch.float32 and flat.shape[0] <= PANEL_MAX_ROWS):
+                return None
+            return cpu_linear.packed_linear(flat, self.packed, sum(self.sizes), self.bias)
+        return torch.nn.functional.linear(flat, self.packed, self.bias)
+
     def __call__(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if index == 0:  # the first member: all the products at once, the others kept for their calls
-            flat = x.reshape(-1, x.shape[-1])
-            out = (torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "") if self.prepacked
-                   else torch.nn.functional.linear(flat, self.packed, self.bias)).reshape(*x.shape[:-1], -1)
-            parts = out.split(self.sizes, dim=-1)
+            out = self.product(x.reshape(-1, x.shape[-1]))
+            if out is None:
+                return None
+            parts = out.reshape(*x.shape[:-1], -1).split(self.sizes, dim=-1)
             self.kept = (x, dict(enumerate(parts[1:], start=1)))
             return parts[0]
         if self.kept is not None and self.kept[0] is x and index in self.kept[1]:
@@ -90,28 +106,33 @@ class GroupedLinear(PrepackedLinear):
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def fuse_siblings(model, batch_size_hint: int = 32, prepacked: bool = True) -> int:
+def fuse_siblings(model, batch_size_hint: int = 32, layout: str = "onednn") -> int:
     """Group every module's q/k/v_proj and gate/up_proj (:data:`FUSED_GROUPS`; all present, one input size, biases
-    all or none) into a :class:`FusedGroup`; returns how many groups were made. ``prepacked``: the members are
-    :class:`PrepackedLinear` (bf16, oneDNN); else plain ``nn.Linear`` (or already grouped: grouped again, which
-    refreshes the group's weight after an edit) and the group runs ``F.linear``. The runner fuses only prepacked
-    bf16 layers: in float32 (MKL's GEMM) one product per group is bit-identical but did not pay on a 2-core AMD EPYC
-    without AVX-512 (decode steps 0.92x to 0.95x as fast on 1 / 8 / 32 requests, ``python
-    benchmarks/fused_projections.py --dtype float32``, ``data/cpu/fused_projections_float32.json``)."""
+    all or none) into a :class:`FusedGroup`; returns how many groups were made. ``layout`` "onednn": the members are
+    :class:`PrepackedLinear` (bf16); "panels": :class:`PanelLinear` (float32, our kernel); "plain": plain
+    ``nn.Linear`` and the group runs ``F.linear`` (members already grouped are grouped again, which refreshes the
+    group's weight after an edit). With MKL's GEMM (plain) one product per group is bit-identical but did not pay on
+    a 2-core AMD EPYC without AVX-512 (decode steps 0.92x to 0.95x as fast on 1 / 8 / 32 requests, ``python
+    benchmarks/fused_projections.py --dtype float32 --layout plain``, ``data/cpu/fused_projections_float32.json``).
+    On our panels it is bit-identical too (the kernel computes each output feature alone) and did not pay either
+    (:func:`pack_linears`)."""
+    member_ok = {"onednn": lambda m: isinstance(m, PrepackedLinear),
+                 "panels": lambda m: isinstance(m, PanelLinear),
+                 "plain": lambda m: type(m) in (torch.nn.Linear, GroupedLinear)}[layout]
     made = 0
     for module in model.modules():
         for names in FUSED_GROUPS:
             members = [getattr(module, n, None) for n in names]
-            if not all(isinstance(m, PrepackedLinear) if prepacked else type(m) in (torch.nn.Linear, GroupedLinear)
-                       for m in members):
+            if not all(member_ok(m) for m in members):
                 continue
             if len({m.in_features for m in members}) > 1 or len({m.bias is None for m in members}) > 1:
                 continue
-            group = FusedGroup(members, batch_size_hint, prepacked)
+            group = FusedGroup(members, batch_size_hint, layout)
             for i, m in enumerate(members):
                 m.__class__, m.group, m.index = GroupedLinear, group, i
-                if hasattr(m, "packed_weight"):
-                    del m.packed_weight  # the group's copy serves; a lone call (another input) runs F.linear
+                for copy in ("packed_weight", "panels"):
+                    if hasattr(m, copy):
+                        delattr(m, copy)  # the group's copy serves; a lone call (another input) runs F.linear
             made += 1
     return made
 
@@ -148,56 +169,65 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
         if isinstance(module, PrepackedLinear):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_size_hint)
     if fuse:
-        fuse_siblings(model, batch_size_hint)
+        fuse_siblings(model, batch_size_hint, "onednn")
     return changed
 
 
-# ---------------------------------------------------------------------------------------------- float32: split
-SPLIT_MAX_ROWS = 64  # inputs of more rows (prefills) run F.linear: MKL's own threading serves them
-# (out_features, in_features, bias, rows, threads) -> whether the split equalled F.linear bit for bit here
-_split_exact: dict[tuple, bool] = {}
+# --------------------------------------------------------------------------------------------- float32: panels
+PANEL_MAX_ROWS = 512  # inputs of more rows (long prefills) run F.linear: MKL's blocking for large products serves them
+_IN_ENGINE: contextvars.ContextVar[bool] = contextvars.ContextVar("minibatch_engine_linears", default=False)
 
 
-class SplitLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose forward, for inputs of at most :data:`SPLIT_MAX_ROWS` rows on a CPU with two or more
-    threads, splits its output features across the threads (``kernels/cpu_split_linear.cpp``: tensor parallelism's
-    column-parallel linear, Megatron-LM §3, across one CPU's cores); other calls run ``F.linear``.
+@contextlib.contextmanager
+def engine_linears():
+    """Inside this block (the engine's steps: ``ModelRunner.forward_packed`` and its padded forward) the model's
+    :class:`PanelLinear` layers run the packed kernel; outside it (``model.generate``, the Hugging Face reference
+    and baselines on the same model object) they run stock ``F.linear``."""
+    token = _IN_ENGINE.set(True)
+    try:
+        yield
+    finally:
+        _IN_ENGINE.reset(token)
 
-    Kept bit-identical to ``F.linear``: MKL's float32 product is not always the same number for a slice of the
-    output as for the whole (on a 2-core AMD EPYC, 2 threads, 5 rows it differs in the last bit; MKL picks its code
-    path by the shapes and the thread count), so the first call of each (layer shape, rows, thread count) computes
-    both, returns ``F.linear``'s and uses the split for that key from then on only if the two were equal
-    (:data:`_split_exact`)."""
+
+class PanelLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose forward, inside :func:`engine_linears` for float32 CPU inputs of at most
+    :data:`PANEL_MAX_ROWS` rows, runs ``kernels.cpu_linear.packed_linear`` on ``panels`` (its weight packed once,
+    GotoBLAS-style panels of 16 output features); every other call runs ``F.linear``. The outputs are float32 sums
+    of the same products in another order (not bit-identical to ``F.linear``; the same for any batch); the engine's
+    fp32 outputs stay token-exact with Hugging Face ``generate`` (tests/test_smollm2_engine.py, test_golden.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(1, x.shape[-1])
-        threads = torch.get_num_threads()
-        if (x.dtype != self.weight.dtype or x.device.type != "cpu" or not 0 < rows <= SPLIT_MAX_ROWS or threads < 2
-                or self.out_features < 2 * MIN_COLS):
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        key = (self.out_features, self.in_features, self.bias is not None, rows, threads)
-        exact = _split_exact.get(key)
-        if exact is False:
-            return torch.nn.functional.linear(x, self.weight, self.bias)
-        x2d = x.reshape(rows, x.shape[-1])
-        out = cpu_split_linear.split_linear(x2d, self.weight, self.bias)
-        if exact is None:  # the first call of this key: answer with F.linear, keep whether the split matched it
-            whole = torch.nn.functional.linear(x2d, self.weight, self.bias)
-            _split_exact[key] = torch.equal(out, whole)
-            out = whole
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        # cheap checks only: a decode step calls ~200 of these, so a few microseconds each add up
+        if _IN_ENGINE.get() and x.dtype == torch.float32 and x.is_cpu and x.numel() <= PANEL_MAX_ROWS * x.shape[-1]:
+            return cpu_linear.packed_linear(x, self.panels, self.out_features, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def can_split(model) -> bool:
-    """Whether :func:`split_linears` applies: a float32 model on a CPU, and the split kernel builds here."""
+def can_pack_panels(model) -> bool:
+    """Whether :func:`pack_linears` applies: a float32 model on a CPU, and the kernel builds here."""
     p = next(model.parameters())
-    return p.device.type == "cpu" and p.dtype == torch.float32 and cpu_split_linear.available()
+    return p.device.type == "cpu" and p.dtype == torch.float32 and cpu_linear.available()
 
 
 @torch.no_grad()
-def split_linears(model) -> int:
-    """Turn every ``nn.Linear`` of a float32 CPU model into a :class:`SplitLinear` (in place; idempotent); returns
-    how many Linears were changed (0 where :func:`can_split` is False). Why: in a decode step's few rows MKL's
-    float32 product runs on one core or splits its work poorly (``benchmarks/split_linear.py``,
-    ``data/cpu/split_linear.json``)."""
-    return retype_linears(model, SplitLinear) if can_split(model) else 0
+def pack_linears(model, fuse: bool = False) -> int:
+    """Turn every ``nn.Linear`` of a float32 CPU model into a :class:`PanelLinear`, its weight packed once into
+    panels (in place; a layer packed or grouped before is packed again, which refreshes it after a weight edit) and,
+    with ``fuse``, group the sibling projections (:func:`fuse_siblings`, "panels"; off by default: on a 2-core AMD
+    EPYC it made decode steps 0.96x / 0.98x / 0.97x as fast on 1 / 8 / 32 requests, ``python
+    benchmarks/fused_projections.py --dtype float32 --layout panels``, ``data/cpu/fused_panels.json``); returns how
+    many Linears were packed (0 where :func:`can_pack_panels` is False). The panels are a second copy of the
+    weights (the model's own stay, for ``F.linear`` and the checkpoint). Why: MKL's float32 GEMM runs a decode step's
+    few rows far below the CPU's peak (``benchmarks/cpu_linear.py``, ``data/cpu/cpu_linear.json``)."""
+    if not can_pack_panels(model):
+        return 0
+    packed = 0
+    for module in model.modules():
+        if type(module) in (torch.nn.Linear, PanelLinear, GroupedLinear):
+            module.__class__ = PanelLinear
+            module.panels = cpu_linear.pack_weight(module.weight.detach())
+            packed += 1
+    if fuse:
+        fuse_siblings(model, layout="panels")
+    return packed
