@@ -118,6 +118,25 @@ def test_packed_linear_matches_a_float64_product_for_any_shape_and_is_batch_inva
         cpu_linear.pack_weight(torch.randn(4, 6, dtype=torch.float64))
 
 
+def test_packed_linear_portable_lanes_give_the_same_numbers_as_the_vector_ones():
+    """The kernel's plain C++ lanes (what CPUs without AVX2 + FMA build, e.g. ARM laptops; forced here with
+    -DMINIBATCH_PORTABLE) and its AVX2 lanes sum the same products in the same order with one rounding per fused
+    multiply-add: bit-identical outputs."""
+    from minibatch.kernels import cpu_linear
+    from minibatch.kernels.cpp_build import build
+
+    if not cpu_linear.available():
+        pytest.skip("no C++ compiler to build the float32 linear kernel")
+    portable = build(cpu_linear.SOURCE, ("-DMINIBATCH_PORTABLE",))
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(40, 70, generator=g), torch.randn(40, generator=g)
+    panels = cpu_linear.pack_weight(w)
+    assert torch.equal(portable.pack_weight(w), panels)
+    for rows in (1, 6, 11):
+        x = torch.randn(rows, 70, generator=g)
+        assert torch.equal(portable.packed_linear(x, panels, 40, b), cpu_linear.packed_linear(x, panels, 40, b))
+
+
 def test_panel_linears_run_the_kernel_in_the_engine_only_and_f_linear_elsewhere(monkeypatch):
     from minibatch.kernels import cpu_linear
     from minibatch.runner import prepack

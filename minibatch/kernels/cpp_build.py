@@ -26,23 +26,24 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
-def build_name(source: str) -> str:
+def build_name(source: str, extra_cflags: tuple[str, ...] = ()) -> str:
     """The extension's name: ``minibatch_`` + the source's file name + a hash of the source, flags, torch version and
     CPU model (``-march=native`` code is only valid on the CPU it was built for, so another CPU sharing the cache
     builds its own)."""
     with open(source, "rb") as f:
-        key = f.read() + " ".join(CFLAGS + [torch.__version__, platform.machine(), _cpu_model()]).encode()
+        key = f.read() + " ".join(CFLAGS + list(extra_cflags) + [torch.__version__, platform.machine(),
+                                                                   _cpu_model()]).encode()
     stem = os.path.splitext(os.path.basename(source))[0]
     return f"minibatch_{stem}_" + hashlib.sha256(key).hexdigest()[:12]
 
 
-def build(source: str):
-    """Compile ``source`` into torch's extension cache, or load it from there; returns the module. Raises whatever
-    the build raises."""
+def build(source: str, extra_cflags: tuple[str, ...] = ()):
+    """Compile ``source`` (with ``extra_cflags`` after :data:`CFLAGS`, e.g. a ``-D`` a test builds a variant with)
+    into torch's extension cache, or load it from there; returns the module. Raises whatever the build raises."""
     from torch.utils.cpp_extension import load as load_extension
 
-    return load_extension(build_name(source), [source], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                          verbose=False)
+    return load_extension(build_name(source, extra_cflags), [source], extra_cflags=CFLAGS + list(extra_cflags),
+                          extra_ldflags=["-fopenmp"], verbose=False)
 
 
 class CppExtension:

@@ -25,7 +25,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
+// MINIBATCH_PORTABLE (a -D flag): the plain C++ lanes even where AVX2 is available (tests compare the two builds)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(MINIBATCH_PORTABLE)
+#define MINIBATCH_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -34,7 +36,7 @@ namespace {
 constexpr int64_t PANEL = 16;  // output features per panel: two 8-lane vectors
 constexpr int ROWS = 6;        // rows per micro-kernel call: 12 accumulators + 2 weights + 1 input in 16 registers
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(MINIBATCH_AVX2)
 struct Vec8 {  // 8 float32 lanes in one AVX register
   __m256 v;
   static Vec8 zero() { return {_mm256_setzero_ps()}; }

@@ -205,9 +205,15 @@ class PanelLinear(torch.nn.Linear):
 
 
 def can_pack_panels(model) -> bool:
-    """Whether :func:`pack_linears` applies: a float32 model on a CPU, and the kernel builds here."""
+    """Whether :func:`pack_linears` applies: a float32 model on a CPU whose linear weights' second copy (the panels)
+    takes at most half of the memory available now, and the kernel builds here."""
+    import psutil
+
     p = next(model.parameters())
-    return p.device.type == "cpu" and p.dtype == torch.float32 and cpu_linear.available()
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        return False
+    copy_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return copy_bytes <= psutil.virtual_memory().available // 2 and cpu_linear.available()
 
 
 @torch.no_grad()
