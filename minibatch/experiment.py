@@ -239,7 +239,7 @@ def decoding_engine(runner, lengths: list[int], max_new_tokens: int, seed: int =
     for i, length in enumerate(lengths):
         prompt = torch.randint(10, runner.vocab_size, (length,), generator=g).tolist()
         engine.add_request(Request(f"r{i}", prompt, max_new_tokens, SamplingParams(ignore_eos=True)))
-    while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
+    while engine.pending or engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
         engine.step()
     return engine
 

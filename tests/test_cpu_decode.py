@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from minibatch.kernels import cpu_decode
+from minibatch.kernels.cpp_build import compiler_available
 from minibatch.runner.backends.compiled import paged_decode as reference_decode
 
-pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="no C++ compiler to build the CPU decode kernel")
+# skipped only without a compiler: where there is one, a kernel that does not build fails every test here
+pytestmark = pytest.mark.skipif(not compiler_available(), reason="no C++ compiler to build the CPU decode kernel")
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

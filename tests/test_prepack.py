@@ -5,9 +5,12 @@ engine's steps run our packed kernel (kernels/cpu_linear.cpp), checked against a
 import pytest
 import torch
 
+from minibatch.kernels.cpp_build import compiler_available
 from minibatch.models import load_model
 from minibatch.runner import ModelRunner
 from minibatch.runner.prepack import PrepackedLinear, can_prepack, prepack_linears
+
+NO_COMPILER = "no C++ compiler to build the float32 linear kernel"
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
@@ -65,7 +68,6 @@ def test_float32_siblings_fused_give_the_same_logits_bit_for_bit(rows, one_threa
     benchmarks/fused_projections.py --dtype float32 times) and, inside the engine's steps, groups on our packed
     kernel's panels (the kernel computes each output feature alone) against the same panels one layer at a time;
     outside the engine the packed model is stock F.linear."""
-    from minibatch.kernels import cpu_linear
     from minibatch.runner.prepack import GroupedLinear, engine_linears, fuse_siblings, pack_linears
 
     model, tok = load_model("tiny-random-llama", dtype="float32")
@@ -74,8 +76,8 @@ def test_float32_siblings_fused_give_the_same_logits_bit_for_bit(rows, one_threa
         before = model(ids).logits
         assert fuse_siblings(model, layout="plain") == 2 * model.config.num_hidden_layers
         assert torch.equal(before, model(ids).logits) and model.model.layers[0].mlp.up_proj.group.layout == "plain"
-        if not cpu_linear.available():
-            return
+        if not compiler_available():
+            pytest.skip(NO_COMPILER)
         assert pack_linears(model, fuse=False) > 0 and not any(isinstance(m, GroupedLinear) for m in model.modules())
         with engine_linears():
             alone = model(ids).logits
@@ -87,11 +89,12 @@ def test_float32_siblings_fused_give_the_same_logits_bit_for_bit(rows, one_threa
 def test_packed_linear_matches_a_float64_product_for_any_shape_and_is_batch_invariant():
     """The float32 kernel against F.linear in float64 (relative error < 1e-5), for widths that are and are not
     multiples of the 16-feature panel, row counts around the 6-row micro-kernel, with and without bias; each row's
-    output is bit-identical whatever the other rows of its batch and the thread count."""
+    output is bit-identical whatever the other rows of its batch and the thread count. Also: no rows, no input
+    features (each output its bias), 3-d and non-contiguous inputs, and the contract's errors."""
     from minibatch.kernels import cpu_linear
 
-    if not cpu_linear.available():
-        pytest.skip("no C++ compiler to build the float32 linear kernel")
+    if not compiler_available():
+        pytest.skip(NO_COMPILER)
     g = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
     try:
@@ -112,8 +115,18 @@ def test_packed_linear_matches_a_float64_product_for_any_shape_and_is_batch_inva
                     assert torch.equal(cpu_linear.packed_linear(x[-1:], panels, n, bias), out[-1:])
     finally:
         torch.set_num_threads(threads)
+    w, b = torch.randn(20, 8, generator=g), torch.randn(20, generator=g)
+    panels = cpu_linear.pack_weight(w)
+    assert cpu_linear.packed_linear(torch.randn(0, 8), panels, 20, b).shape == (0, 20)
+    assert torch.equal(cpu_linear.packed_linear(torch.randn(3, 0), cpu_linear.pack_weight(torch.randn(20, 0)), 20, b),
+                       b.expand(3, 20))
+    x = torch.randn(2, 8, 5, generator=g).transpose(1, 2)  # (2, 5, 8), not contiguous
+    out = cpu_linear.packed_linear(x, panels, 20, b)
+    assert out.shape == (2, 5, 20) and torch.allclose(out, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="packed must be"):
         cpu_linear.packed_linear(torch.randn(2, 5), cpu_linear.pack_weight(torch.randn(4, 6)), 4)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu_linear.packed_linear(torch.randn(2, 8), panels, 20, torch.randn(19))
     with pytest.raises(RuntimeError, match="float32"):
         cpu_linear.pack_weight(torch.randn(4, 6, dtype=torch.float64))
 
@@ -125,8 +138,10 @@ def test_packed_linear_portable_lanes_give_the_same_numbers_as_the_vector_ones()
     from minibatch.kernels import cpu_linear
     from minibatch.kernels.cpp_build import build
 
-    if not cpu_linear.available():
-        pytest.skip("no C++ compiler to build the float32 linear kernel")
+    if not compiler_available():
+        pytest.skip(NO_COMPILER)
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no AVX2 here: both builds would run the plain lanes")
     portable = build(cpu_linear.SOURCE, ("-DMINIBATCH_PORTABLE",))
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(40, 70, generator=g), torch.randn(40, generator=g)
@@ -134,19 +149,25 @@ def test_packed_linear_portable_lanes_give_the_same_numbers_as_the_vector_ones()
     assert torch.equal(portable.pack_weight(w), panels)
     for rows in (1, 6, 11):
         x = torch.randn(rows, 70, generator=g)
-        assert torch.equal(portable.packed_linear(x, panels, 40, b), cpu_linear.packed_linear(x, panels, 40, b))
+        for bias in (None, b):
+            ours = cpu_linear.packed_linear(x, panels, 40, bias)
+            assert torch.equal(portable.packed_linear(x, panels, 40, bias), ours)
 
 
 def test_panel_linears_run_the_kernel_in_the_engine_only_and_f_linear_elsewhere(monkeypatch):
+    """PanelLinear: stock F.linear outside ``engine_linears`` (bit for bit) and for more than PANEL_MAX_ROWS rows;
+    the kernel inside it, and in the runner's own steps; a weight edited in place runs F.linear until packed again;
+    a packing refused (memory) leaves plain nn.Linear layers, never stale panels."""
+    from minibatch.experiment import decoding_engine
     from minibatch.kernels import cpu_linear
     from minibatch.runner import prepack
 
-    if not cpu_linear.available():
-        pytest.skip("no C++ compiler to build the float32 linear kernel")
+    if not compiler_available():
+        pytest.skip(NO_COMPILER)
     model, tok = load_model("tiny-random-llama", dtype="float32")
     ModelRunner(model, tok, prepack_weights=False)
     assert not any(isinstance(m, prepack.PanelLinear) for m in model.modules())
-    ModelRunner(model, tok)
+    runner = ModelRunner(model, tok)
     head = model.lm_head
     assert isinstance(head, prepack.PanelLinear)
     assert isinstance(model.model.layers[0].mlp.down_proj, prepack.PanelLinear)
@@ -154,6 +175,16 @@ def test_panel_linears_run_the_kernel_in_the_engine_only_and_f_linear_elsewhere(
     real = cpu_linear.packed_linear
     rows = lambda x: x.numel() // x.shape[-1]  # noqa: E731
     monkeypatch.setattr(cpu_linear, "packed_linear", lambda *a: calls.append(rows(a[0])) or real(*a))
+    engine = decoding_engine(runner, [8, 8], 4)
+    for _ in range(3):  # up to the two prompts' prefill: 16 rows (the LM head on their last two)
+        if 16 in calls:
+            break
+        engine.step()
+    assert 16 in calls
+    calls.clear()
+    engine.step()  # a decode step of the two requests: every linear on the kernel
+    assert set(calls) == {2}
+    calls.clear()
     x = torch.randn(2, 3, head.in_features)
     with torch.inference_mode():
         stock = torch.nn.functional.linear(x, head.weight)
@@ -163,7 +194,11 @@ def test_panel_linears_run_the_kernel_in_the_engine_only_and_f_linear_elsewhere(
             assert calls == [6] and fast.shape == stock.shape and torch.allclose(fast, stock, rtol=1e-5, atol=1e-5)
             big = torch.randn(prepack.PANEL_MAX_ROWS + 1, head.in_features)
             assert torch.equal(head(big), torch.nn.functional.linear(big, head.weight)) and calls == [6]
-        head.weight.mul_(2)  # a weight edit: packing again refreshes the panels
+        head.weight.mul_(2)  # edited in place: the panels are stale, so F.linear until packed again
+        with prepack.engine_linears():
+            assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight)) and calls == [6]
         assert prepack.pack_linears(model) > 0
         with prepack.engine_linears():
-            assert torch.allclose(head(x), 2 * stock, rtol=1e-5, atol=1e-5)
+            assert torch.allclose(head(x), 2 * stock, rtol=1e-5, atol=1e-5) and calls == [6, 6]
+        monkeypatch.setattr(prepack, "can_pack_panels", lambda model: False)
+        assert prepack.pack_linears(model) == 0 and type(head) is torch.nn.Linear and not hasattr(head, "panels")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 
 import torch
 
@@ -24,6 +25,12 @@ def _cpu_model() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         return platform.processor()
+
+
+def compiler_available() -> bool:
+    """Whether the C++ compiler torch's extension builder calls (``$CXX``, else ``c++``) is on this machine: where it
+    is, a kernel that does not build is a bug (tests fail on it rather than skip)."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def build_name(source: str, extra_cflags: tuple[str, ...] = ()) -> str:

@@ -132,12 +132,15 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c1
   RECORD_FUNCTION("minibatch::packed_linear", std::vector<c10::IValue>());
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
               "packed_linear: x must be a (..., k) float32 CPU tensor");
-  const int64_t k = x.size(-1), m = k == 0 ? 0 : x.numel() / k, panels = (n + PANEL - 1) / PANEL;
+  const int64_t k = x.size(-1), panels = (n + PANEL - 1) / PANEL;
+  int64_t m = 1;  // the rows: every size but the last (k may be 0: then each output is its bias, or 0)
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) m *= x.size(d);
   TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == k && packed.size(2) == PANEL &&
-                  packed.scalar_type() == torch::kFloat32 && packed.is_contiguous(),
+                  packed.scalar_type() == torch::kFloat32 && packed.is_contiguous() && packed.device().is_cpu(),
               "packed_linear: packed must be pack_weight's (ceil(n / 16), k, 16) panels for x's k and this n");
-  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == torch::kFloat32),
-              "packed_linear: bias must be (n,) float32");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == torch::kFloat32 &&
+                                     bias->device().is_cpu()),
+              "packed_linear: bias must be (n,) float32 on the CPU");
   x = x.detach().contiguous();
   torch::Tensor b = bias.has_value() ? bias->detach().contiguous() : torch::Tensor();
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());

@@ -9,7 +9,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
-#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -347,8 +346,6 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
 // `window` keys of its context. Returns (n, num_heads, head_dim) in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor seq_lens, double scale, int64_t window) {
-  // a named range for torch's profiler (free when it is off): `python -m minibatch profile` credits it to attention
-  RECORD_FUNCTION("minibatch::paged_decode", std::vector<c10::IValue>());
   // a named range for torch's profiler (free when it is off): `python -m minibatch profile` credits it to attention
   RECORD_FUNCTION("minibatch::paged_decode", std::vector<c10::IValue>());
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),

@@ -67,13 +67,16 @@ class FusedGroup:
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
         self.sizes = [m.out_features for m in members]
         self.kept: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+        # panels: the members' weights and their versions when packed (an in-place edit since: F.linear, not stale)
+        self.sources = [(m.weight, m.weight._version) for m in members] if layout == "panels" else []
 
     def product(self, flat: torch.Tensor) -> torch.Tensor | None:
         """All the members' outputs for ``flat`` (rows, in_features), or None where this layout does not run."""
         if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         if self.layout == "panels":
-            if not (_IN_ENGINE.get() and flat.dtype == torch.float32 and flat.shape[0] <= PANEL_MAX_ROWS):
+            if not (_IN_ENGINE.get() and flat.dtype == torch.float32 and flat.shape[0] <= PANEL_MAX_ROWS
+                    and all(w._version == v for w, v in self.sources)):
                 return None
             return cpu_linear.packed_linear(flat, self.packed, sum(self.sizes), self.bias)
         return torch.nn.functional.linear(flat, self.packed, self.bias)
@@ -194,12 +197,16 @@ class PanelLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose forward, inside :func:`engine_linears` for float32 CPU inputs of at most
     :data:`PANEL_MAX_ROWS` rows, runs ``kernels.cpu_linear.packed_linear`` on ``panels`` (its weight packed once,
     GotoBLAS-style panels of 16 output features); every other call runs ``F.linear``. The outputs are float32 sums
-    of the same products in another order (not bit-identical to ``F.linear``; the same for any batch); the engine's
-    fp32 outputs stay token-exact with Hugging Face ``generate`` (tests/test_smollm2_engine.py, test_golden.py)."""
+    of the same products in another order (not bit-identical to ``F.linear``; for inputs up to PANEL_MAX_ROWS rows,
+    the same whatever the batch); the engine's fp32 outputs stay token-exact with Hugging Face ``generate``
+    (tests/test_smollm2_engine.py, test_golden.py). A weight changed in place after packing (``load_state_dict``, a
+    merged adapter: its ``_version`` moves) makes the layer run ``F.linear`` until :func:`pack_linears` packs it
+    again; ``packed_version`` is the weight's version the panels were packed from."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # cheap checks only: a decode step calls ~200 of these, so a few microseconds each add up
-        if _IN_ENGINE.get() and x.dtype == torch.float32 and x.is_cpu and x.numel() <= PANEL_MAX_ROWS * x.shape[-1]:
+        if (_IN_ENGINE.get() and x.dtype == torch.float32 and x.is_cpu and x.numel() <= PANEL_MAX_ROWS * x.shape[-1]
+                and self.weight._version == self.packed_version):
             return cpu_linear.packed_linear(x, self.panels, self.out_features, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
@@ -223,17 +230,24 @@ def pack_linears(model, fuse: bool = False) -> int:
     with ``fuse``, group the sibling projections (:func:`fuse_siblings`, "panels"; off by default: on a 2-core AMD
     EPYC it made decode steps 0.96x / 0.98x / 0.97x as fast on 1 / 8 / 32 requests, ``python
     benchmarks/fused_projections.py --dtype float32 --layout panels``, ``data/cpu/fused_panels.json``); returns how
-    many Linears were packed (0 where :func:`can_pack_panels` is False). The panels are a second copy of the
+    many Linears were packed (0 where :func:`can_pack_panels` is False: then layers packed or grouped before are
+    plain ``nn.Linear`` again). The panels are a second copy of the
     weights (the model's own stay, for ``F.linear`` and the checkpoint). Why: MKL's float32 GEMM runs a decode step's
     few rows far below the CPU's peak (``benchmarks/cpu_linear.py``, ``data/cpu/cpu_linear.json``)."""
-    if not can_pack_panels(model):
-        return 0
+    ok = can_pack_panels(model)
     packed = 0
     for module in model.modules():
-        if type(module) in (torch.nn.Linear, PanelLinear, GroupedLinear):
-            module.__class__ = PanelLinear
-            module.panels = cpu_linear.pack_weight(module.weight.detach())
-            packed += 1
-    if fuse:
+        layout = module.group.layout if type(module) is GroupedLinear else None
+        ours = type(module) is PanelLinear or layout == "panels"  # packed or grouped on panels before
+        if ours or (ok and (type(module) is torch.nn.Linear or layout == "plain")):
+            for old in ("panels", "packed_version", "group", "index"):  # an earlier packing or grouping
+                if hasattr(module, old):
+                    delattr(module, old)
+            module.__class__ = PanelLinear if ok else torch.nn.Linear  # refused: plain again, never stale panels
+            if ok:
+                module.panels = cpu_linear.pack_weight(module.weight.detach())
+                module.packed_version = module.weight._version
+                packed += 1
+    if ok and fuse:
         fuse_siblings(model, layout="panels")
     return packed
