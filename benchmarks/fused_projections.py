@@ -73,10 +73,10 @@ def run_ways(runners: dict, args, script: str, argv, dtype: str) -> dict:
     base, new = list(runners)
     load_before = machine_load()
     rows = []
+    weights = sum(m.weight.numel() for m in runners[base].model.modules() if isinstance(m, torch.nn.Linear))
     for n in (int(b) for b in args.batches.split(",")):
         linears = linear_times({k: r.model for k, r in runners.items()}, n, args.repeats)
         steps = step_times(runners, n, args.steps)
-        weights = sum(m.weight.numel() for m in runners[base].model.modules() if isinstance(m, torch.nn.Linear))
         row = {"batch": n, "linears_ms": linears,
                "linears_gflop_per_s": {k: round(2 * n * weights / (ms * 1e6), 1) for k, ms in linears.items()},
                "decode_step_ms": steps,
