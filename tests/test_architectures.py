@@ -66,7 +66,7 @@ FAST_BACKEND_MODELS = ("llama", "mistral", "qwen2", "gemma3_text", "qwen3", "gpt
 
 @pytest.mark.parametrize("model_type,backend", [(m, "sdpa") for m in FAST_BACKEND_MODELS]
                          + [("llama", "compiled"), ("mistral", "compiled")]
-                         + [(m, "cpp") for m in ("llama", "mistral", "qwen3", "gemma3_text")])
+                         + [(m, "cpp") for m in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")])
 def test_the_fast_backends_are_exact(model_type, backend):
     """The fast backends (sdpa: whole-block K/V reads, fused SDPA in the model's dtype; compiled: its decode
     compiled to read K/V through the block table; cpp: a C++ decode kernel reading K/V through the block table)

@@ -6,7 +6,8 @@ profiler (the median of ``repeats`` steps: ``step_s``), then profiled with torch
 time credited to the component it ran in:
 
 * projections ``qkv_proj`` / ``o_proj``, ``mlp``, ``norms``, ``embedding``, ``logits`` (the LM head): module
-  forward hooks around the model's own modules, found by name;
+  forward hooks around the model's own modules, found by name (fused decode layers, ``runner.fused_layers``, call no
+  module: their C++ ranges are named after these components, and the rest of the layer is ``other_ops``);
 * ``attention`` (the backend's attend) and ``kv_write`` (its K/V stores: index_copy_ / index_put_ ops inside
   it); ``rotary_and_reshapes``: the rest of the attention module (RoPE, views, transposes);
 * ``prepare_inputs`` (the packed batch's tensors and metadata), ``sampling``, ``schedule`` (the scheduler);
@@ -40,6 +41,7 @@ MODULE_COMPONENTS = (("embed_tokens", "embedding"), ("wte", "embedding"), ("q_pr
                      ("self_attn", "rotary_and_reshapes"), ("lm_head", "logits"))
 KV_WRITE_OPS = ("aten::index_copy_", "aten::index_put_", "aten::_index_put_impl_")
 LABEL = "mb::"
+KERNEL_LABEL = "minibatch::"  # the fused decode layer's ranges (kernels/cpu_decode_layer.cpp) are named by component
 
 
 def component_of_module(name: str) -> str | None:
@@ -120,6 +122,8 @@ def breakdown(events, steps: int) -> tuple[dict[str, float], dict[str, float]]:
             component = event.name[len(LABEL):]
             host["python_overhead"] += event.self_cpu_time_total / 1e6  # Python inside the range, no op
         else:
+            if event.name.startswith(KERNEL_LABEL) and event.name[len(KERNEL_LABEL):] in COMPONENTS:  # fused layer
+                component = event.name[len(KERNEL_LABEL):]
             where = ("kv_write" if component == "attention" and event.name in KV_WRITE_OPS else component) \
                 or "other_ops"
             host[where] += event.self_cpu_time_total / 1e6
@@ -142,10 +146,9 @@ def step_counts(model, num_logits: int, tokens: int, attended: list[int], kv_rea
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     body = params - embed.numel() - (0 if head is embed else head.numel())  # what every token goes through
-    dtype_bytes = embed.element_size()
-    flops = 2 * body * tokens + 2 * head.numel() * num_logits + 4 * cfg.hidden_size * cfg.num_hidden_layers * sum(
-        attended)
-    return flops, params * dtype_bytes + (kv_read_tokens + tokens) * kv_bytes_per_token
+    attention = 4 * cfg.hidden_size * cfg.num_hidden_layers * sum(attended)
+    flops = 2 * body * tokens + 2 * head.numel() * num_logits + attention
+    return flops, params * embed.element_size() + (kv_read_tokens + tokens) * kv_bytes_per_token
 
 
 def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) -> dict:
@@ -227,20 +230,16 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     load_before = machine_load()
     model, _, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
                                       attention_backend=attention_backend)
-    if runner.device.type == "cuda":
-        roof = measure_cuda(runner.dtype)
-    else:
-        from minibatch.runner.prepack import PanelLinear
+    from minibatch.runner.prepack import PanelLinear
 
-        roof = measure_cpu(torch.get_num_threads(), runner.dtype,
-                           packed_kernel=any(isinstance(m, PanelLinear) for m in runner.model.modules()))
+    roof = measure_cuda(runner.dtype) if runner.device.type == "cuda" else measure_cpu(
+        torch.get_num_threads(), runner.dtype, packed_kernel=any(isinstance(m, PanelLinear) for m in model.modules()))
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
     rows = []
     for kind, size in shapes:
         row = profile_shape(runner, kind, size, context_len, repeats)
         row["bound_s"] = max(row["flops"] / roof.peak_flop_per_s, row["bytes"] / roof.bytes_per_s)
-        row["bound"] = "compute" if row["flops"] / roof.peak_flop_per_s >= row["bytes"] / roof.bytes_per_s \
-            else "memory"
+        row["bound"] = "compute" if row["flops"] * roof.bytes_per_s >= row["bytes"] * roof.peak_flop_per_s else "memory"
         row["step_over_bound"] = round(row["step_s"] / row["bound_s"], 2)
         rows.append(row)
         top = sorted(row["components_s"].items(), key=lambda kv: -kv[1])[:3]
@@ -255,7 +254,8 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
 
         peer = add_vllm_steps(rows, runner.model, shapes, context_len, repeats, vllm_python)
     return {"environment": environment(load_before), "model": model_name, "dtype": dtype_name(runner.dtype),
-            "attention_backend": attention_backend, "threads": torch.get_num_threads(), "context_len": context_len,
+            "attention_backend": attention_backend, "fused_decode_layers": runner.fused_decoder is not None,
+            "threads": torch.get_num_threads(), "context_len": context_len,
             "repeats": repeats, "roofline": {"name": roof.name, "peak_flop_per_s": roof.peak_flop_per_s,
                                              "bytes_per_s": roof.bytes_per_s, "source": roof.source},
             "shapes": rows} | ({"vllm": peer} if peer else {})

@@ -33,32 +33,40 @@ def compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
-def build_name(source: str, extra_cflags: tuple[str, ...] = ()) -> str:
-    """The extension's name: ``minibatch_`` + the source's file name + a hash of the source, flags, torch version and
-    CPU model (``-march=native`` code is only valid on the CPU it was built for, so another CPU sharing the cache
-    builds its own)."""
-    with open(source, "rb") as f:
-        key = f.read() + " ".join(CFLAGS + list(extra_cflags) + [torch.__version__, platform.machine(),
-                                                                   _cpu_model()]).encode()
+def build_name(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[str, ...] = ()) -> str:
+    """The extension's name: ``minibatch_`` + the source's file name + a hash of the sources, the headers beside
+    them, flags, torch version and CPU model (``-march=native`` code is only valid on the CPU it was built for, so
+    another CPU sharing the cache builds its own)."""
+    folder = os.path.dirname(os.path.abspath(source))
+    headers = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".h"))
+    key = b""
+    for path in [source, *extra_sources, *headers]:
+        with open(path, "rb") as f:
+            key += f.read()
+    key += " ".join(CFLAGS + list(extra_cflags) + [torch.__version__, platform.machine(), _cpu_model()]).encode()
     stem = os.path.splitext(os.path.basename(source))[0]
     return f"minibatch_{stem}_" + hashlib.sha256(key).hexdigest()[:12]
 
 
-def build(source: str, extra_cflags: tuple[str, ...] = ()):
-    """Compile ``source`` (with ``extra_cflags`` after :data:`CFLAGS`, e.g. a ``-D`` a test builds a variant with)
-    into torch's extension cache, or load it from there; returns the module. Raises whatever the build raises."""
+def build(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[str, ...] = ()):
+    """Compile ``source`` (with ``extra_sources`` linked into the same module, and ``extra_cflags`` after
+    :data:`CFLAGS`, e.g. a ``-D`` a test builds a variant with) into torch's extension cache, or load it from there;
+    returns the module. Raises whatever the build raises."""
     from torch.utils.cpp_extension import load as load_extension
 
-    return load_extension(build_name(source, extra_cflags), [source], extra_cflags=CFLAGS + list(extra_cflags),
-                          extra_ldflags=["-fopenmp"], verbose=False)
+    return load_extension(build_name(source, extra_cflags, extra_sources), [source, *extra_sources],
+                          extra_cflags=CFLAGS + list(extra_cflags), extra_ldflags=["-fopenmp"], verbose=False)
 
 
 class CppExtension:
-    """One C++ source (``source``), built by :func:`build` the first time :meth:`load` is called; ``what`` names it
-    in the error. ``module``: the built module, or None; ``error``: why it could not be built, or None."""
+    """One C++ source (``source``, with ``extra_sources`` linked in and ``extra_cflags``), built by :func:`build`
+    the first time :meth:`load` is called; ``what`` names it in the error. ``module``: the built module, or None;
+    ``error``: why it could not be built, or None."""
 
-    def __init__(self, source: str, what: str):
+    def __init__(self, source: str, what: str, extra_sources: tuple[str, ...] = (),
+                 extra_cflags: tuple[str, ...] = ()):
         self.source, self.what = source, what
+        self.extra_sources, self.extra_cflags = tuple(extra_sources), tuple(extra_cflags)
         self.module = None
         self.error: str | None = None
 
@@ -70,7 +78,7 @@ class CppExtension:
                 why."""
         if self.module is None and self.error is None:
             try:
-                self.module = build(self.source)
+                self.module = build(self.source, self.extra_cflags, self.extra_sources)
             except Exception as e:  # noqa: BLE001 - any build failure makes the kernel unavailable, with its reason
                 self.error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
         if self.module is None:

@@ -169,7 +169,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c1
   return out;
 }
 
+#ifndef MINIBATCH_KERNEL_LIBRARY  // built into the fused decode layer's extension: no module of its own
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "a (n, k) float32 weight as panels of 16 output features");
   m.def("packed_linear", &packed_linear, "x w^T (+ bias) with w packed by pack_weight");
 }
+#endif

@@ -191,6 +191,18 @@ struct Simd {
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   // W values of a row as fp32 lanes (bf16: zero-extend and shift into the top half; fp16: the hardware conversion)
   static V load(const float* p) { return _mm512_loadu_ps(p); }
+  // for the softmax: lane-wise max, sum, round to nearest, 2^k of integer-valued k, zero where x < limit
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23));
+  }
+  static V zero_below(V x, float limit, V value) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_GE_OQ), value);
+  }
+  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   static V load(const at::BFloat16* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -222,6 +234,25 @@ struct Simd {
   static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V pow2(V k) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
+  }
+  static V zero_below(V x, float limit, V value) {
+    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_GE_OQ), value);
+  }
+  static float reduce_max(V v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    return *std::max_element(lanes, lanes + 8);
+  }
+  static float reduce_add(V v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+  }
   static V load(const at::BFloat16* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
@@ -250,6 +281,44 @@ inline Simd::V load_lanes(const double* p) {
   float narrow[Simd::W];
   for (int j = 0; j < Simd::W; ++j) narrow[j] = static_cast<float>(p[j]);
   return Simd::load(narrow);
+}
+
+// exp_nonpositive on W lanes, the same steps (scalar compilers do not vectorize its rounding)
+inline Simd::V exp_nonpositive_lanes(Simd::V x) {
+  const Simd::V clamped = Simd::max(x, Simd::set1(-87.0f));
+  const Simd::V k = Simd::round(Simd::mul(clamped, Simd::set1(1.44269504088896341f)));
+  const Simd::V r = Simd::fmadd(k, Simd::set1(2.12194440e-4f), Simd::fmadd(k, Simd::set1(-0.693359375f), clamped));
+  Simd::V p = Simd::set1(1.0f / 720.0f);
+  for (float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = Simd::fmadd(p, r, Simd::set1(c));
+  return Simd::zero_below(x, -87.0f, Simd::mul(p, Simd::pow2(k)));
+}
+
+// softmax_rows with W lanes at a time (the scalar exp_nonpositive for a row's last n % W scores)
+inline void softmax_rows_simd(float* scores, int64_t rows, int64_t n, int64_t stride) {
+  constexpr int W = Simd::W;
+  const int64_t full = n / W * W;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * stride;
+    Simd::V mv = Simd::set1(-std::numeric_limits<float>::infinity());
+    for (int64_t p = 0; p < full; p += W) mv = Simd::max(mv, Simd::load(s + p));
+    float m = Simd::reduce_max(mv);
+    for (int64_t p = full; p < n; ++p) m = std::max(m, s[p]);
+    const Simd::V mb = Simd::set1(m);
+    Simd::V tv = Simd::zero();
+    for (int64_t p = 0; p < full; p += W) {
+      const Simd::V e = exp_nonpositive_lanes(Simd::fmadd(mb, Simd::set1(-1.0f), Simd::load(s + p)));
+      Simd::store(s + p, e);
+      tv = Simd::add(tv, e);
+    }
+    float total = Simd::reduce_add(tv);
+    for (int64_t p = full; p < n; ++p) {
+      s[p] = exp_nonpositive(s[p] - m);
+      total += s[p];
+    }
+    const Simd::V inv = Simd::set1(1.0f / total);
+    for (int64_t p = 0; p < full; p += W) Simd::store(s + p, Simd::mul(Simd::load(s + p), inv));
+    for (int64_t p = full; p < n; ++p) s[p] *= 1.0f / total;
+  }
 }
 
 constexpr int64_t PREFETCH_AHEAD = 32;  // positions
@@ -319,7 +388,7 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
       Simd::store(scores + hq * n_pad + c, Simd::mul(Simd::sum(part), Simd::set1(scale)));
     }
   }
-  softmax_rows(scores, heads, n_pos, n_pad);  // along the context, fp32
+  softmax_rows_simd(scores, heads, n_pos, n_pad);  // along the context, fp32
   std::fill(acc, acc + heads * HD, 0.0f);
   for (int64_t c = 0; c < n_pos; c += W) {  // weighted sum of the values; a head's sums in registers per chunk
     const int64_t m = chunk(v_cache, c);
@@ -407,6 +476,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
+#ifndef MINIBATCH_KERNEL_LIBRARY  // built into the fused decode layer's extension: no module of its own
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (one-token queries) reading K/V by block table");
 }
+#endif

@@ -22,6 +22,7 @@ from minibatch.request import Request
 from minibatch.runner import attention
 from minibatch.runner.backends import get_backend
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
+from minibatch.runner.fused_layers import FusedDecoder, unsupported
 from minibatch.runner.sampler import Sampler, ban_tokens, step_logprobs
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
 from minibatch.runner.prepack import engine_linears, pack_linears, prepack_linears
@@ -48,6 +49,9 @@ class ModelRunner(KVOwnership):
             kernel (``runner.prepack.pack_linears``: float32 sums in another order than MKL's, used in this
             runner's steps only). Changes the model's Linear modules in place: the HF reference and baselines run
             on the same model object, with the bit-identical bf16 layers and with stock ``F.linear`` in float32.
+        fuse_decode_layers: run all-decode packed steps with one C++ call per decoder layer
+            (``runner.fused_layers``) where the model, dtype and attention backend allow it (float32 on a CPU,
+            packed linears, the ``cpp`` backend, Llama/Mistral/Qwen2 layers); ``fused_decoder`` is None elsewhere.
 
     Raises:
         ValueError: an unknown attention_backend, or one that does not support the model's device or dtype.
@@ -66,7 +70,7 @@ class ModelRunner(KVOwnership):
     """
 
     def __init__(self, model, tokenizer=None, attention_backend: str = "torch", vocab_subset=None,
-                 prepack_weights: bool = True):
+                 prepack_weights: bool = True, fuse_decode_layers: bool = True):
         self.model = model.eval()
         if prepack_weights:
             prepack_linears(model) or pack_linears(model)
@@ -99,6 +103,8 @@ class ModelRunner(KVOwnership):
         # the padded layout's KV cache argument: "cache" from transformers 5.24 ("past_key_values"
         # is deprecated there and warns), "past_key_values" before
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.fused_decoder = (FusedDecoder(model) if fuse_decode_layers
+                              and unsupported(model, self.attention_backend.name) is None else None)
 
     # ------------------------------------------------------------------ KV memory
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
@@ -184,14 +190,18 @@ class ModelRunner(KVOwnership):
             return self._forward_packed(batch)
 
     def _forward_packed(self, batch) -> tuple[torch.Tensor, list[str]]:
-        inputs = dict(input_ids=batch.input_ids[None],  # (1, num_tokens)
-                      position_ids=batch.positions[None],  # (1, num_tokens)
-                      attn_metadata=batch.attn_metadata, use_cache=False)
-        if self.vocab_subset is None:
-            # only the rows we sample from go through the LM head
-            logits = self.model(**inputs, logits_to_keep=batch.logits_indices).logits[0]
-            return logits, batch.sample_request_ids  # (num_logits, vocab_size)
-        hidden = self.model.base_model(**inputs).last_hidden_state[0, batch.logits_indices]  # (num_logits, hidden)
+        hidden = None if self.fused_decoder is None else self.fused_decoder.hidden_states(batch, self._kv())
+        if hidden is None:
+            inputs = dict(input_ids=batch.input_ids[None],  # (1, num_tokens)
+                          position_ids=batch.positions[None],  # (1, num_tokens)
+                          attn_metadata=batch.attn_metadata, use_cache=False)
+            if self.vocab_subset is None:
+                # only the rows we sample from go through the LM head
+                logits = self.model(**inputs, logits_to_keep=batch.logits_indices).logits[0]
+                return logits, batch.sample_request_ids  # (num_logits, vocab_size)
+            hidden = self.model.base_model(**inputs).last_hidden_state[0, batch.logits_indices]  # (num_logits, hidden)
+        elif self.vocab_subset is None:
+            return self.model.get_output_embeddings()(hidden), batch.sample_request_ids
         sub = torch.nn.functional.linear(hidden, self._subset_weight, self._subset_bias)
         logits = torch.full((hidden.shape[0], self.model.config.vocab_size), float("-inf"),
                             dtype=sub.dtype, device=sub.device)

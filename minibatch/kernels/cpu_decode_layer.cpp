@@ -1,0 +1,174 @@
+// One decoder layer of a Llama-family model for a decode step, float32 on a CPU, in one call.
+//
+// A decode step of a small model runs ~40 small operators per layer (two RMSNorms, rotary embedding, residual adds,
+// SiLU, views), each a few microseconds of dispatch and Python on a few thousand numbers: at 32 requests of
+// SmolLM2-135M that is about a quarter of the step. vLLM and SGLang write their own model code for this reason (one
+// CUDA graph, or fused kernels per layer); here the layer's whole decode path is one C++ function that calls the
+// packed matrix product (cpu_linear.cpp) and the paged decode attention (cpu_paged_decode.cpp) directly and does the
+// small operators itself:
+//
+//   h = RMSNorm(x) ; q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv) ; rotary on q, k ; k, v -> cache slots
+//   x = x + (PagedAttention(q; cache) Wo^T (+bo)) ; h = RMSNorm(x) ; x = x + (SiLU(h Wg^T) * (h Wu^T)) Wd^T
+//
+// transformers' LlamaDecoderLayer (also Mistral's and Qwen2's) with our packed attention, operation by operation in
+// the same float32 order where it is elementwise (RMSNorm: x * rsqrt(mean(x^2) + eps), then weight times that;
+// rotary: q cos + rotate_half(q) sin; SiLU: g / (1 + exp(-g))), with no fused multiply-add contraction. The mean of
+// squares is summed in double (torch sums float32 in another order: outputs differ in the last bits, as the packed
+// matrix product's do). Built by minibatch/kernels/cpu_decode_layer.py with the two kernels' sources.
+#include "cpu_kernels.h"
+
+#include <ATen/record_function.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define MINIBATCH_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define MINIBATCH_NO_CONTRACT
+#endif
+
+// out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)) for the n rows of width d.
+MINIBATCH_NO_CONTRACT void rms_norm(const float* x, const float* weight, double eps, int64_t n, int64_t d, float* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* xr = x + r * d;
+    double sq = 0.0;
+    for (int64_t i = 0; i < d; ++i) sq += static_cast<double>(xr[i]) * xr[i];
+    const float var = static_cast<float>(sq / static_cast<double>(d));
+    const float inv = 1.0f / std::sqrt(var + static_cast<float>(eps));
+    float* o = out + r * d;
+    for (int64_t i = 0; i < d; ++i) o[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// Rotary embedding in place on rows (n, heads, hd) with the token's cos, sin (n, hd): transformers'
+// x cos + rotate_half(x) sin, rotate_half(x) = (-x[hd/2:], x[:hd/2]).
+MINIBATCH_NO_CONTRACT void rotary(float* x, const float* cos, const float* sin, int64_t n, int64_t heads, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* c = cos + t * hd;
+    const float* s = sin + t * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = x + (t * heads + h) * hd;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] + (-b) * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+// g = SiLU(g) * u, elementwise (torch's silu: g / (1 + exp(-g))).
+MINIBATCH_NO_CONTRACT void silu_mul(float* g, const float* u, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+void add_into(float* x, const float* y, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) x[i] += y[i];
+}
+
+}  // namespace
+
+// x: (n, hidden) float32, the residual stream of n one-token decodes; returns the layer's output (n, hidden).
+// norms: {input_layernorm.weight, post_attention_layernorm.weight}, each (hidden,); eps: their epsilons.
+// panels: {q, k, v, o, gate, up, down} weights packed by cpu_linear's pack_weight; biases: q, k, v, o (or None).
+// dims: {hidden, intermediate, num_heads, num_kv_heads, head_dim}. cos, sin: (n, head_dim) float32, the tokens'
+// rotary embedding (the model's own rotary module computes them). k_cache, v_cache: this layer's
+// (num_blocks, block_size, num_kv_heads, head_dim) float32 caches, contiguous; slot_mapping: (n,) int64, where each
+// token's K/V goes (-1: not written); tables (n, max_blocks) int64, seq_lens (n,) int64: as paged_decode's.
+// scale: the attention's softmax scale; window: 0 = none, else the sliding window.
+torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, std::vector<double> eps,
+                           std::vector<torch::Tensor> panels, c10::optional<torch::Tensor> bq,
+                           c10::optional<torch::Tensor> bk, c10::optional<torch::Tensor> bv,
+                           c10::optional<torch::Tensor> bo, std::vector<int64_t> dims, torch::Tensor cos,
+                           torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor slot_mapping, torch::Tensor tables, torch::Tensor seq_lens, double scale,
+                           int64_t window) {
+  RECORD_FUNCTION("minibatch::decode_layer", std::vector<c10::IValue>());
+  TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && panels.size() == 7 && dims.size() == 5,
+              "decode_layer: 2 norms, 2 epsilons, 7 packed weights and 5 dims");
+  const int64_t hidden = dims[0], inter = dims[1], heads = dims[2], kv_heads = dims[3], hd = dims[4];
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(),
+              "decode_layer: x must be (n, hidden) float32 on the CPU");
+  x = x.contiguous();
+  const int64_t n = x.size(0);
+  for (const auto& w : norms)
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == hidden && w.scalar_type() == torch::kFloat32 && w.is_contiguous(),
+                "decode_layer: norm weights must be (hidden,) float32, contiguous");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == n && cos.size(1) == hd &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+              "decode_layer: cos and sin must be (n, head_dim) float32");
+  TORCH_CHECK(hd % 2 == 0 && k_cache.scalar_type() == torch::kFloat32 && k_cache.dim() == 4 &&
+                  k_cache.size(2) == kv_heads && k_cache.size(3) == hd && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
+              "decode_layer: caches must be (num_blocks, block_size, num_kv_heads, head_dim) float32, contiguous");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == n && slot_mapping.scalar_type() == torch::kLong,
+              "decode_layer: slot_mapping must be (n,) int64");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  // the ranges are named after `python -m minibatch profile`'s components (minibatch/experiments/step_profile.py)
+  auto h = torch::empty_like(x);
+  {
+    RECORD_FUNCTION("minibatch::norms", std::vector<c10::IValue>());
+    rms_norm(x.data_ptr<float>(), norms[0].data_ptr<float>(), eps[0], n, hidden, h.data_ptr<float>());
+  }
+  torch::Tensor q, k, v;
+  {
+    RECORD_FUNCTION("minibatch::qkv_proj", std::vector<c10::IValue>());
+    q = packed_linear(h, panels[0], heads * hd, bq);
+    k = packed_linear(h, panels[1], kv_heads * hd, bk);
+    v = packed_linear(h, panels[2], kv_heads * hd, bv);
+  }
+  {
+    RECORD_FUNCTION("minibatch::rotary_and_reshapes", std::vector<c10::IValue>());
+    rotary(q.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), n, heads, hd);
+    rotary(k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), n, kv_heads, hd);
+  }
+  {
+    RECORD_FUNCTION("minibatch::kv_write", std::vector<c10::IValue>());
+    const int64_t slots = k_cache.size(0) * k_cache.size(1), row = kv_heads * hd;
+    const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+    float* kc = k_cache.data_ptr<float>();
+    float* vc = v_cache.data_ptr<float>();
+    for (int64_t t = 0; t < n; ++t) {
+      if (slot[t] < 0) continue;
+      TORCH_CHECK(slot[t] < slots, "decode_layer: slot ", slot[t], " outside the cache");
+      std::memcpy(kc + slot[t] * row, k.data_ptr<float>() + t * row, row * sizeof(float));
+      std::memcpy(vc + slot[t] * row, v.data_ptr<float>() + t * row, row * sizeof(float));
+    }
+  }
+  torch::Tensor attn, o;
+  {
+    RECORD_FUNCTION("minibatch::attention", std::vector<c10::IValue>());
+    attn = paged_decode(q.view({n, heads, hd}), k_cache, v_cache, tables, seq_lens, scale, window);
+  }
+  {
+    RECORD_FUNCTION("minibatch::o_proj", std::vector<c10::IValue>());
+    o = packed_linear(attn.view({n, heads * hd}), panels[3], hidden, bo);
+  }
+  auto out = x.clone();
+  add_into(out.data_ptr<float>(), o.data_ptr<float>(), n * hidden);
+  {
+    RECORD_FUNCTION("minibatch::norms", std::vector<c10::IValue>());
+    rms_norm(out.data_ptr<float>(), norms[1].data_ptr<float>(), eps[1], n, hidden, h.data_ptr<float>());
+  }
+  {
+    RECORD_FUNCTION("minibatch::mlp", std::vector<c10::IValue>());
+    auto g = packed_linear(h, panels[4], inter, c10::nullopt);
+    auto u = packed_linear(h, panels[5], inter, c10::nullopt);
+    silu_mul(g.data_ptr<float>(), u.data_ptr<float>(), n * inter);
+    auto d = packed_linear(g, panels[6], hidden, c10::nullopt);
+    add_into(out.data_ptr<float>(), d.data_ptr<float>(), n * hidden);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_layer", &decode_layer, "a Llama-family decoder layer's decode path, float32, in one call");
+}

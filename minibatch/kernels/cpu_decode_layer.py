@@ -1,0 +1,50 @@
+"""A Llama-family decoder layer's decode path in one C++ call (``cpu_decode_layer.cpp``), float32 on a CPU.
+
+A decode step of a small model spends much of its time outside the matrix products and attention: ~40 small
+operators per layer (RMSNorm's six, rotary embedding's dozen, residual adds, SiLU, views), each microseconds of
+dispatch on a few thousand numbers. This kernel runs the whole layer (RMSNorm, q/k/v projections, rotary, the K/V
+write, paged decode attention, o projection, residual, RMSNorm, SiLU-gated MLP, residual) in one call, with the
+packed matrix product (``kernels.cpu_linear``) and the paged decode kernel (``kernels.cpu_decode``) linked in. The
+runner side is ``runner.fused_layers``. vLLM's and SGLang's model code exists for the same reason (fewer, larger
+operations per layer); here it is a loop nest over transformers' own weights, not a second model definition.
+
+Built on first use from the three sources (``kernels.cpp_build``), then loaded from torch's extension cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from minibatch.kernels.cpp_build import CppExtension
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(_HERE, "cpu_decode_layer.cpp")
+KERNEL = CppExtension(SOURCE, "the C++ fused decode layer",
+                      extra_sources=tuple(os.path.join(_HERE, f) for f in ("cpu_linear.cpp", "cpu_paged_decode.cpp")),
+                      extra_cflags=("-DMINIBATCH_KERNEL_LIBRARY",))
+
+
+def available() -> bool:
+    """Whether the kernel is built (or can be built now) on this machine."""
+    return KERNEL.available()
+
+
+def decode_layer(x: torch.Tensor, norms: list, eps: list, panels: list, biases: list, dims: list,
+                 cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 window: int | None) -> torch.Tensor:
+    """One decoder layer for n one-token decodes. x: (n, hidden) float32, the residual stream; norms: the input and
+    post-attention RMSNorm weights (hidden,), eps their epsilons; panels: q, k, v, o, gate, up, down weights packed by
+    ``kernels.cpu_linear.pack_weight``; biases: q, k, v, o biases or None; dims: (hidden, intermediate, num_heads,
+    num_kv_heads, head_dim); cos, sin: (n, head_dim) float32 from the model's rotary module; k_cache, v_cache: the
+    layer's (num_blocks, block_size, num_kv_heads, head_dim) float32 caches (the new K/V are written at
+    slot_mapping (n,) int64, -1 = not written); tables (n, max_blocks) int64 and seq_lens (n,) int64 as
+    ``kernels.cpu_decode.paged_decode``'s; window: None or the sliding window. Returns (n, hidden) float32.
+
+    Raises:
+        RuntimeError: the kernel could not be built, or the shapes/dtypes break the contract (the C++ check's
+            message)."""
+    return KERNEL.load().decode_layer(x, norms, eps, panels, *biases, dims, cos, sin, k_cache, v_cache, slot_mapping,
+                                      tables, seq_lens, float(scale), int(window or 0))

@@ -1,0 +1,13 @@
+// The C++ CPU kernels that minibatch/kernels/cpu_decode_layer.cpp calls directly (one extension built from the
+// three sources, with -DMINIBATCH_KERNEL_LIBRARY so that only the layer's source defines a Python module).
+#pragma once
+
+#include <torch/extension.h>
+
+// cpu_linear.cpp: x (..., k) float32 times a weight packed by pack_weight, (ceil(n / 16), k, 16), plus bias.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
+
+// cpu_paged_decode.cpp: one-token queries q (n, num_heads, head_dim) against caches (num_blocks, block_size,
+// num_kv_heads, head_dim) read through tables (n, max_blocks) int64 up to seq_lens (n,) int64; window 0 = none.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor seq_lens, double scale, int64_t window);

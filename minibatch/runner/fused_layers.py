@@ -1,0 +1,130 @@
+"""Fused decode layers: an all-decode packed step of a Llama-family model with one C++ call per decoder layer.
+
+The packed forward (``ModelRunner.forward_packed``) runs the unmodified transformers model: per layer ~40 small
+operators (two RMSNorms, rotary embedding, views, residual adds, SiLU) around 7 matrix products and attention. At
+the few rows of a decode step each small operator costs microseconds of dispatch and Python, not arithmetic: on a
+2-core CPU about a quarter of a 32-request step of SmolLM2-135M (``python -m minibatch profile``). vLLM and SGLang
+remove that overhead with their own model code and CUDA graphs; here :class:`FusedDecoder` reads transformers' own
+modules once and, for a step whose every request decodes one token, runs each layer as
+``kernels.cpu_decode_layer.decode_layer`` (the same packed matrix product and paged decode kernel the modules would
+call, and the small operators in the same float32 order). Embedding, the rotary module's cos/sin, the final norm
+and the LM head stay the model's own modules.
+
+It applies only where the result is the same computation: a float32 model on a CPU whose linears are packed
+(``runner.prepack.pack_linears``), the ``cpp`` attention backend, and decoder layers whose classes are exactly
+transformers' Llama, Mistral or Qwen2 layers with a SiLU MLP (:func:`unsupported` says why not). Every other step
+(prefills, chunked prefill, speculative verification, the support probe, a weight edited after packing) runs the
+model's own forward. Outputs are float32 sums in another order than the modules' in the last bits (the mean of
+squares, like the packed products); the engine's float32 tokens stay exact against Hugging Face ``generate``
+(tests/test_fused_layers.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minibatch.kernels import cpu_decode_layer
+from minibatch.runner.prepack import PanelLinear
+
+# transformers' decoder layers whose forward decode_layer reproduces: module -> (layer, attention, MLP, RMSNorm)
+SUPPORTED = {
+    "transformers.models.llama.modeling_llama": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
+    "transformers.models.mistral.modeling_mistral": ("MistralDecoderLayer", "MistralAttention", "MistralMLP",
+                                                     "MistralRMSNorm"),
+    "transformers.models.qwen2.modeling_qwen2": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
+}
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+def sliding_window(layer, cfg) -> int | None:
+    """The sliding window the layer's attention passes to the attention function: Qwen2's per-layer attribute,
+    Mistral's config field for every layer, none for Llama."""
+    if hasattr(layer.self_attn, "sliding_window"):
+        return layer.self_attn.sliding_window
+    if type(layer).__module__.endswith("modeling_mistral"):
+        return getattr(cfg, "sliding_window", None)
+    return None
+
+
+def _exact_class(module, module_path: str, name: str) -> bool:
+    return type(module).__module__ == module_path and type(module).__name__ == name
+
+
+def unsupported(model, attention_backend: str) -> str | None:
+    """Why :class:`FusedDecoder` cannot run ``model``'s decode steps, or None when it can."""
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype != torch.float32:
+        return "not a float32 model on a CPU"
+    if attention_backend != "cpp":
+        return f"attention backend {attention_backend!r} (the fused layers call the 'cpp' backend's kernel)"
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "norm", "rotary_emb")):
+        return "not a Llama-family model (model.model.layers, embed_tokens, norm, rotary_emb)"
+    cfg = model.config.get_text_config()
+    if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
+        return "hidden_act is not silu, or pretraining_tp != 1"
+    if len(layers) != cfg.num_hidden_layers:
+        return "the config's num_hidden_layers is not the number of layers"
+    for layer in layers:
+        names = SUPPORTED.get(type(layer).__module__)
+        if names is None or not all(_exact_class(m, type(layer).__module__, n) for m, n in zip(
+                (layer, layer.self_attn, layer.mlp, layer.input_layernorm), names)) \
+                or not _exact_class(layer.post_attention_layernorm, type(layer).__module__, names[3]):
+            return f"decoder layer {type(layer).__name__} is not one of {sorted(v[0] for v in SUPPORTED.values())}"
+        act = layer.mlp.act_fn
+        if not (type(act) is torch.nn.SiLU or _exact_class(act, "transformers.activations", "SiLUActivation")):
+            return "the MLP's activation is not SiLU"
+        for path in PROJECTIONS:
+            if type(layer.get_submodule(path)) is not PanelLinear:
+                return f"{path} is not packed (runner.prepack.pack_linears)"
+        if any(layer.get_submodule(path).bias is not None for path in PROJECTIONS[4:]):
+            return "an MLP projection has a bias"
+    if not cpu_decode_layer.available():
+        return f"the kernel does not build here: {cpu_decode_layer.KERNEL.error}"
+    return None
+
+
+class FusedDecoder:
+    """``model``'s decode steps, one C++ call per decoder layer (see the module docstring). Build it only where
+    :func:`unsupported` is None."""
+
+    def __init__(self, model):
+        base = model.model
+        cfg = model.config.get_text_config()
+        self.model, self.base = model, base
+        attn = base.layers[0].self_attn
+        self.dims = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                     getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, attn.head_dim]
+        norms = lambda layer: (layer.input_layernorm, layer.post_attention_layernorm)  # noqa: E731
+        self.layers = [dict(norms=[norm.weight.detach() for norm in norms(layer)],
+                            eps=[float(norm.variance_epsilon) for norm in norms(layer)],
+                            linears=[layer.get_submodule(path) for path in PROJECTIONS],
+                            scale=float(layer.self_attn.scaling), window=sliding_window(layer, cfg))
+                       for layer in base.layers]
+
+    def hidden_states(self, batch, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """The final norm's output at ``batch.logits_indices`` ((num_logits, hidden) float32), or None when this
+        step is not for the fused layers (a prefill or speculative row, the support probe, a weight edited since it
+        was packed): then the caller runs the model's own forward. kv_cache: (num_layers, 2, num_blocks, block_size,
+        num_kv_heads, head_dim)."""
+        m = batch.attn_metadata
+        n = batch.input_ids.shape[0]
+        if m.prefill_indices or m.probe_calls is not None or len(m.decode_indices) != n \
+                or getattr(m.data, "decode_lens", None) is None:
+            return None
+        if any(type(lin) is not PanelLinear or lin.weight._version != lin.packed_version
+               for spec in self.layers for lin in spec["linears"]):  # packed again, refused, or edited since
+            return None
+        x = self.base.embed_tokens(batch.input_ids)  # (n, hidden)
+        cos, sin = self.base.rotary_emb(x[None], batch.positions[None])  # (1, n, head_dim) each
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        data = m.data
+        for i, spec in enumerate(self.layers):
+            lins = spec["linears"]
+            x = cpu_decode_layer.decode_layer(
+                x, spec["norms"], spec["eps"], [lin.panels for lin in lins], [lin.bias for lin in lins[:4]], self.dims,
+                cos, sin, kv_cache[i, 0], kv_cache[i, 1], m.slot_mapping, data.decode_tables, data.decode_lens,
+                spec["scale"], spec["window"])
+        return self.base.norm(x[batch.logits_indices])

@@ -1,0 +1,149 @@
+"""Fused decode layers (minibatch/runner/fused_layers.py, kernels/cpu_decode_layer.cpp): an all-decode step of a
+float32 Llama-family model as one C++ call per layer gives the modules' logits up to float32 rounding and HF
+generate's greedy tokens; every step it does not apply to runs the model's own forward; it is refused, with the
+reason, where it would not be the same computation."""
+
+import pytest
+import torch
+
+from architectures import build_tiny_model, check_architecture
+from minibatch.clock import SimClock
+from minibatch.kernels import cpu_decode_layer
+from minibatch.kernels.cpp_build import compiler_available
+from minibatch.models import load_model
+from minibatch.policies import make_engine
+from minibatch.request import Request, SamplingParams
+from minibatch.runner import ModelRunner, fused_layers
+
+pytestmark = pytest.mark.skipif(not compiler_available(), reason="no C++ compiler to build the fused decode layer")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The number of fused layer calls so far (the kernel wrapped)."""
+    count = [0]
+    original = cpu_decode_layer.decode_layer
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_decode_layer, "decode_layer", counted)
+    return count
+
+
+def decoding_pair(model, n=3):
+    """Two runners on one model, fused and not, each with an engine holding the same n greedy requests; each
+    runner's forward_packed records its logits (runner.logged)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.config.vocab_size, (5 + 4 * i,), generator=g).tolist() for i in range(n)]
+    engines = []
+    for fuse in (True, False):
+        runner = ModelRunner(model, attention_backend="cpp", fuse_decode_layers=fuse)
+        runner.logged = []
+        forward = runner.forward_packed
+
+        def logged(batch, forward=forward, runner=runner):
+            logits, ids = forward(batch)
+            runner.logged.append((logits.clone(), ids))
+            return logits, ids
+
+        runner.forward_packed = logged
+        engine = make_engine("paged", runner, SimClock(), max_num_seqs=n, block_size=4, n_slots=256)
+        for i, p in enumerate(prompts):
+            engine.add_request(Request(f"r{i}", p, 12, SamplingParams(ignore_eos=True)))
+        engines.append(engine)
+    return engines
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_fused_decode_steps_give_the_modules_logits(model_type, calls):
+    """Step by step, the fused runner's logits equal the modules' (same packed products and attention kernel)
+    up to float32 rounding of the small operators, on decodes of contexts longer than the sliding window."""
+    model = build_tiny_model(model_type)
+    fused, plain = decoding_pair(model)
+    assert fused.executor.fused_decoder is not None and plain.executor.fused_decoder is None
+    for engine in (fused, plain):
+        engine.generate([])
+    assert len(fused.executor.logged) == len(plain.executor.logged) >= 12
+    for (a, ids_a), (b, ids_b) in zip(fused.executor.logged, plain.executor.logged):
+        assert ids_a == ids_b
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert calls[0] >= 11 * model.config.num_hidden_layers  # every decode step, every layer
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_fused_engine_matches_hf_generate(model_type, calls):
+    """paged (every decode fused), chunked (decodes fused, chunks not) and spec_ngram (verification not fused):
+    HF generate's greedy tokens."""
+    result = check_architecture(model_type, ("paged", "chunked", "spec_ngram"), attention_backend="cpp")
+    assert result.exact == {"paged": True, "chunked": True, "spec_ngram": True}
+    assert calls[0] > 0
+
+
+def test_smollm2_fused_decodes_match_hf_generate(calls):
+    from minibatch.prompts import chat_prompt_ids, demo_prompts
+    from minibatch.reference import reference_outputs
+
+    model, tok = load_model("smollm2-135m", dtype="float32")
+    reqs = [Request(f"r{i}", chat_prompt_ids(tok, text), 12, SamplingParams(ignore_eos=True), arrival_time_s=0.02 * i)
+            for i, text in enumerate(demo_prompts()[:4])]
+    refs = reference_outputs(model, reqs)
+    runner = ModelRunner(model, tok, attention_backend="cpp")
+    assert runner.fused_decoder is not None
+    make_engine("paged", runner, SimClock(), max_num_seqs=4, n_slots=1024).generate(reqs)
+    assert [r.output_token_ids for r in reqs] == [refs[r.request_id] for r in reqs]
+    assert calls[0] >= 30 * 10  # 30 layers, every decode step
+
+
+def test_where_fused_layers_are_refused_and_why():
+    fp32, _ = load_model("tiny-random-llama", dtype="float32")
+    ModelRunner(fp32, attention_backend="cpp")  # packs the linears
+    assert fused_layers.unsupported(fp32, "cpp") is None
+    assert "attention backend 'torch'" in fused_layers.unsupported(fp32, "torch")
+    assert ModelRunner(fp32, attention_backend="torch").fused_decoder is None
+    bf16, _ = load_model("tiny-random-llama", dtype="bfloat16")
+    assert fused_layers.unsupported(bf16, "cpp") == "not a float32 model on a CPU"
+    assert "Qwen3DecoderLayer" in fused_layers.unsupported(build_tiny_model("qwen3"), "cpp")
+    gelu = build_tiny_model("llama")
+    ModelRunner(gelu, attention_backend="cpp")
+    gelu.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    assert fused_layers.unsupported(gelu, "cpp") == "the MLP's activation is not SiLU"
+    unpacked = build_tiny_model("llama")
+    assert "is not packed" in fused_layers.unsupported(unpacked, "cpp")
+    assert ModelRunner(unpacked, attention_backend="cpp", prepack_weights=False).fused_decoder is None
+
+
+def test_a_weight_edited_after_packing_runs_the_modules(calls):
+    """The edited weight's layer has no fresh panels: the step runs the model's own forward (F.linear on the new
+    weight) until the linears are packed again."""
+    model = build_tiny_model("llama")
+    fused, _ = decoding_pair(model)
+    while fused.scheduler.waiting or fused.pending:
+        fused.step()
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    before = calls[0]
+    fused.step()
+    assert calls[0] == before
+
+
+def test_the_kernel_checks_its_inputs():
+    model = build_tiny_model("llama")
+    runner = ModelRunner(model, attention_backend="cpp")
+    spec, dims = runner.fused_decoder.layers[0], runner.fused_decoder.dims
+    runner.allocate_kv_cache(8, 4)
+    x = torch.randn(2, dims[0])
+    cos = sin = torch.ones(2, dims[4])
+    args = dict(norms=spec["norms"], eps=spec["eps"], panels=[lin.panels for lin in spec["linears"]],
+                biases=[None] * 4, dims=dims, cos=cos, sin=sin, k_cache=runner.kv_cache[0, 0],
+                v_cache=runner.kv_cache[0, 1], slot_mapping=torch.tensor([0, 1]), tables=torch.tensor([[0], [1]]),
+                seq_lens=torch.tensor([1, 1]), scale=0.25, window=None)
+    out = cpu_decode_layer.decode_layer(x, **args)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_decode_layer.decode_layer(x[:, :-1], **args)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_decode_layer.decode_layer(x, **(args | dict(slot_mapping=torch.tensor([0, 10 ** 6]))))
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        cpu_decode_layer.decode_layer(x, **(args | dict(cos=torch.ones(3, dims[4]))))
