@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -123,6 +123,23 @@ def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32,
     return Roofline(f"this CPU, {threads} thread{'s' * (threads > 1)}", peak, bandwidth,
                     f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} {what}, "
                     f"sum of {read_bytes // 2**20} MiB, best of {repeats}")
+
+
+def measure_device(device: torch.device, dtype: torch.dtype, packed_kernel: bool = False,
+                   repeats: int = 10) -> Roofline:
+    """:func:`measure_cuda` on a CUDA device, else :func:`measure_cpu` with torch's thread count (``packed_kernel``:
+    as there), each roof the best of ``repeats`` calls."""
+    if torch.device(device).type == "cuda":
+        return measure_cuda(dtype, repeats=repeats)
+    return measure_cpu(torch.get_num_threads(), dtype, repeats=repeats, packed_kernel=packed_kernel)
+
+
+def higher_roofs(a: Roofline, b: Roofline, when: str) -> Roofline:
+    """Two measurements of one machine's roofs (``when``: e.g. "before and after the steps") as one, each roof the
+    higher of the two: a busy moment on a shared machine only lowers a measured roof."""
+    return replace(a, peak_flop_per_s=max(a.peak_flop_per_s, b.peak_flop_per_s),
+                   bytes_per_s=max(a.bytes_per_s, b.bytes_per_s),
+                   source=f"{a.source}, the higher of two runs ({when})")
 
 
 def measure_cuda(dtype: torch.dtype = torch.bfloat16, matmul_size: int = 8192, copy_bytes: int = 2**30,

@@ -224,7 +224,7 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     with vLLM), every row also gets vLLM's step time for its shape (``baselines.vllm_steps``), ``vllm_step_s``."""
     from minibatch.experiment import load_runner
     from minibatch.precision import dtype_name
-    from minibatch.roofline import measure_cpu, measure_cuda
+    from minibatch.roofline import higher_roofs, measure_device
     from minibatch.report import environment, machine_load
 
     load_before = machine_load()
@@ -232,16 +232,15 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
                                       attention_backend=attention_backend)
     from minibatch.runner.prepack import PanelLinear
 
-    roof = measure_cuda(runner.dtype) if runner.device.type == "cuda" else measure_cpu(
-        torch.get_num_threads(), runner.dtype, packed_kernel=any(isinstance(m, PanelLinear) for m in model.modules()))
+    packed = any(isinstance(m, PanelLinear) for m in model.modules())
+    first = measure_device(runner.device, runner.dtype, packed)
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
-    rows = []
-    for kind, size in shapes:
-        row = profile_shape(runner, kind, size, context_len, repeats)
+    rows = [profile_shape(runner, kind, size, context_len, repeats) for kind, size in shapes]
+    roof = higher_roofs(first, measure_device(runner.device, runner.dtype, packed), "before and after the steps")
+    for (kind, size), row in zip(shapes, rows):
         row["bound_s"] = max(row["flops"] / roof.peak_flop_per_s, row["bytes"] / roof.bytes_per_s)
         row["bound"] = "compute" if row["flops"] * roof.bytes_per_s >= row["bytes"] * roof.peak_flop_per_s else "memory"
         row["step_over_bound"] = round(row["step_s"] / row["bound_s"], 2)
-        rows.append(row)
         top = sorted(row["components_s"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{kind} {size:>5}: step {row['step_s'] * 1e3:7.1f} ms, roofline bound {row['bound_s'] * 1e3:6.1f} ms "
               f"({row['bound']}-bound), {row['step_over_bound']:.1f}x; overhead {row['overhead_share']:.0%}; top: "
