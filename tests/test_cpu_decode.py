@@ -47,6 +47,20 @@ def test_extreme_scores_stay_finite():
     assert torch.equal(out[0, 0], v_cache[2, 1, 0])
 
 
+@pytest.mark.parametrize("context", [7, 64])  # a context shorter than one vector of lanes, and whole vectors
+def test_a_nan_score_makes_the_output_nan_as_in_torch(context):
+    """A NaN key (a numerical fault upstream) must show, not be dropped by the softmax: the request's output is NaN,
+    as torch's softmax gives; the other request is untouched."""
+    k_cache, v_cache = torch.randn(8, 16, 1, 64), torch.randn(8, 16, 1, 64)
+    k_cache[0, 3, 0, 5] = float("nan")
+    tables, lens = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), torch.tensor([context, context])
+    q = torch.randn(2, 2, 64)
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.isnan(out[0]).all() and torch.isnan(ref[0]).all()
+    assert (out[1] - ref[1]).abs().max() <= TOLERANCE[torch.float32]
+
+
 def test_bad_input_is_refused():
     q = torch.randn(2, 4, 16)
     cache = torch.randn(10, 4, 2, 16)

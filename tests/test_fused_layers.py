@@ -104,7 +104,15 @@ def test_where_fused_layers_are_refused_and_why():
     assert ModelRunner(fp32, attention_backend="torch").fused_decoder is None
     bf16, _ = load_model("tiny-random-llama", dtype="bfloat16")
     assert fused_layers.unsupported(bf16, "cpp") == "not a float32 model on a CPU"
-    assert "Qwen3DecoderLayer" in fused_layers.unsupported(build_tiny_model("qwen3"), "cpp")
+    assert "model Qwen3ForCausalLM is not one of" in fused_layers.unsupported(build_tiny_model("qwen3"), "cpp")
+
+    class ScaledLlama(type(fp32)):  # a subclass may do more than transformers' forward (scale embeddings, ...)
+        pass
+
+    fp32.__class__ = ScaledLlama
+    assert fused_layers.unsupported(fp32, "cpp").startswith("model ScaledLlama is not one of")
+    runner = ModelRunner(fp32, attention_backend="cpp")
+    assert runner.fused_decoder is None and runner.fused_unsupported.startswith("model ScaledLlama")
     gelu = build_tiny_model("llama")
     ModelRunner(gelu, attention_backend="cpp")
     gelu.model.layers[1].mlp.act_fn = torch.nn.GELU()
@@ -128,6 +136,26 @@ def test_a_weight_edited_after_packing_runs_the_modules(calls):
     assert calls[0] == before
 
 
+@pytest.mark.parametrize("change", ["projection", "activation", "norm"])
+def test_a_module_replaced_after_building_runs_the_modules(change, calls):
+    """The fused decoder read the layers when the runner was built: a projection, activation or norm replaced since
+    makes the step run the model's own forward (which calls the new module)."""
+    model = build_tiny_model("llama")
+    fused, _ = decoding_pair(model)
+    while fused.scheduler.waiting or fused.pending:
+        fused.step()
+    layer = model.model.layers[1]
+    if change == "projection":
+        layer.mlp.up_proj = torch.nn.Linear(layer.mlp.up_proj.in_features, layer.mlp.up_proj.out_features, bias=False)
+    elif change == "activation":
+        layer.mlp.act_fn = torch.nn.GELU()
+    else:
+        layer.input_layernorm = type(layer.input_layernorm)(layer.input_layernorm.weight.shape[0])
+    before = calls[0]
+    fused.step()
+    assert calls[0] == before
+
+
 def test_the_kernel_checks_its_inputs():
     model = build_tiny_model("llama")
     runner = ModelRunner(model, attention_backend="cpp")
@@ -135,7 +163,9 @@ def test_the_kernel_checks_its_inputs():
     runner.allocate_kv_cache(8, 4)
     x = torch.randn(2, dims[0])
     cos = sin = torch.ones(2, dims[4])
-    args = dict(norms=spec["norms"], eps=spec["eps"], panels=[lin.panels for lin in spec["linears"]],
+    *lins, norm_in, norm_post, _ = spec["parts"]
+    args = dict(norms=[norm_in.weight, norm_post.weight], eps=[norm_in.variance_epsilon, norm_post.variance_epsilon],
+                panels=[lin.panels for lin in lins],
                 biases=[None] * 4, dims=dims, cos=cos, sin=sin, k_cache=runner.kv_cache[0, 0],
                 v_cache=runner.kv_cache[0, 1], slot_mapping=torch.tensor([0, 1]), tables=torch.tensor([[0], [1]]),
                 seq_lens=torch.tensor([1, 1]), scale=0.25, window=None)
@@ -143,7 +173,9 @@ def test_the_kernel_checks_its_inputs():
     assert out.shape == x.shape and torch.isfinite(out).all()
     with pytest.raises(RuntimeError, match="x must be"):
         cpu_decode_layer.decode_layer(x[:, :-1], **args)
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_decode_layer.decode_layer(x, **(args | dict(slot_mapping=torch.tensor([0, 10 ** 6]))))
+    cache_before = runner.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="outside the cache"):  # checked before row 0's K/V is written
+        cpu_decode_layer.decode_layer(x, **(args | dict(slot_mapping=torch.tensor([2, 10 ** 6]))))
+    assert torch.equal(runner.kv_cache, cache_before)
     with pytest.raises(RuntimeError, match="cos and sin"):
         cpu_decode_layer.decode_layer(x, **(args | dict(cos=torch.ones(3, dims[4]))))

@@ -6,8 +6,8 @@ profiler (the median of ``repeats`` steps: ``step_s``), then profiled with torch
 time credited to the component it ran in:
 
 * projections ``qkv_proj`` / ``o_proj``, ``mlp``, ``norms``, ``embedding``, ``logits`` (the LM head): module
-  forward hooks around the model's own modules, found by name (fused decode layers, ``runner.fused_layers``, call no
-  module: their C++ ranges are named after these components, and the rest of the layer is ``other_ops``);
+  forward hooks around the model's own modules, found by name (fused decode layers, ``runner.fused_layers``, call none
+  of a layer's modules: their C++ ranges are named after these components, the rest of the layer is ``other_ops``);
 * ``attention`` (the backend's attend) and ``kv_write`` (its K/V stores: index_copy_ / index_put_ ops inside
   it); ``rotary_and_reshapes``: the rest of the attention module (RoPE, views, transposes);
 * ``prepare_inputs`` (the packed batch's tensors and metadata), ``sampling``, ``schedule`` (the scheduler);

@@ -26,7 +26,10 @@
 
 namespace {
 
-#if defined(__GNUC__) && !defined(__clang__)
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#define MINIBATCH_NO_CONTRACT
+#elif defined(__GNUC__)
 #define MINIBATCH_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 #else
 #define MINIBATCH_NO_CONTRACT
@@ -107,11 +110,19 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
                   k_cache.size(2) == kv_heads && k_cache.size(3) == hd && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
               "decode_layer: caches must be (num_blocks, block_size, num_kv_heads, head_dim) float32, contiguous");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == n && slot_mapping.scalar_type() == torch::kLong,
-              "decode_layer: slot_mapping must be (n,) int64");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && tables.device().is_cpu() &&
+                  seq_lens.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "decode_layer: every tensor must be on the CPU");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == n && slot_mapping.scalar_type() == torch::kLong &&
+                  slot_mapping.device().is_cpu(),
+              "decode_layer: slot_mapping must be (n,) int64 on the CPU");
   cos = cos.contiguous();
   sin = sin.contiguous();
   slot_mapping = slot_mapping.contiguous();
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)  // all checked before anything is written: a refused call leaves the cache as is
+    TORCH_CHECK(slot[t] < slots, "decode_layer: slot ", slot[t], " outside the cache");
   // the ranges are named after `python -m minibatch profile`'s components (minibatch/experiments/step_profile.py)
   auto h = torch::empty_like(x);
   {
@@ -132,13 +143,11 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
   }
   {
     RECORD_FUNCTION("minibatch::kv_write", std::vector<c10::IValue>());
-    const int64_t slots = k_cache.size(0) * k_cache.size(1), row = kv_heads * hd;
-    const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+    const int64_t row = kv_heads * hd;
     float* kc = k_cache.data_ptr<float>();
     float* vc = v_cache.data_ptr<float>();
     for (int64_t t = 0; t < n; ++t) {
       if (slot[t] < 0) continue;
-      TORCH_CHECK(slot[t] < slots, "decode_layer: slot ", slot[t], " outside the cache");
       std::memcpy(kc + slot[t] * row, k.data_ptr<float>() + t * row, row * sizeof(float));
       std::memcpy(vc + slot[t] * row, v.data_ptr<float>() + t * row, row * sizeof(float));
     }

@@ -191,7 +191,8 @@ struct Simd {
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   // W values of a row as fp32 lanes (bf16: zero-extend and shift into the top half; fp16: the hardware conversion)
   static V load(const float* p) { return _mm512_loadu_ps(p); }
-  // for the softmax: lane-wise max, sum, round to nearest, 2^k of integer-valued k, zero where x < limit
+  // for the softmax: lane-wise max (b when either is NaN), sum, round to nearest, 2^k of integer-valued k,
+  // zero where x < limit (NaN kept)
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -199,7 +200,7 @@ struct Simd {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23));
   }
   static V zero_below(V x, float limit, V value) {
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_GE_OQ), value);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_NLT_UQ), value);
   }
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
@@ -241,7 +242,7 @@ struct Simd {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
   }
   static V zero_below(V x, float limit, V value) {
-    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_GE_OQ), value);
+    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_NLT_UQ), value);
   }
   static float reduce_max(V v) {
     float lanes[8];
@@ -285,7 +286,7 @@ inline Simd::V load_lanes(const double* p) {
 
 // exp_nonpositive on W lanes, the same steps (scalar compilers do not vectorize its rounding)
 inline Simd::V exp_nonpositive_lanes(Simd::V x) {
-  const Simd::V clamped = Simd::max(x, Simd::set1(-87.0f));
+  const Simd::V clamped = Simd::max(Simd::set1(-87.0f), x);  // x when x is NaN: a NaN score stays NaN
   const Simd::V k = Simd::round(Simd::mul(clamped, Simd::set1(1.44269504088896341f)));
   const Simd::V r = Simd::fmadd(k, Simd::set1(2.12194440e-4f), Simd::fmadd(k, Simd::set1(-0.693359375f), clamped));
   Simd::V p = Simd::set1(1.0f / 720.0f);

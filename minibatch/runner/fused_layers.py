@@ -11,12 +11,12 @@ call, and the small operators in the same float32 order). Embedding, the rotary 
 and the LM head stay the model's own modules.
 
 It applies only where the result is the same computation: a float32 model on a CPU whose linears are packed
-(``runner.prepack.pack_linears``), the ``cpp`` attention backend, and decoder layers whose classes are exactly
-transformers' Llama, Mistral or Qwen2 layers with a SiLU MLP (:func:`unsupported` says why not). Every other step
-(prefills, chunked prefill, speculative verification, the support probe, a weight edited after packing) runs the
-model's own forward. Outputs are float32 sums in another order than the modules' in the last bits (the mean of
-squares, like the packed products); the engine's float32 tokens stay exact against Hugging Face ``generate``
-(tests/test_fused_layers.py).
+(``runner.prepack.pack_linears``), the ``cpp`` attention backend, and a model, model body and decoder layers whose
+classes are exactly transformers' Llama, Mistral or Qwen2 ones, with a SiLU MLP (:func:`unsupported` says why not).
+Every other step (one with a row of several tokens: a prefill, a chunk, a speculative verification; the support
+probe; a module replaced or a weight edited after packing) runs the model's own forward. Outputs are float32 sums in
+another order than the modules' in the last bits (the mean of squares, like the packed products); the engine's
+float32 tokens stay exact against Hugging Face ``generate`` (tests/test_fused_layers.py).
 """
 
 from __future__ import annotations
@@ -24,14 +24,18 @@ from __future__ import annotations
 import torch
 
 from minibatch.kernels import cpu_decode_layer
-from minibatch.runner.prepack import PanelLinear
+from minibatch.runner.prepack import PANEL_MAX_ROWS, PanelLinear
 
-# transformers' decoder layers whose forward decode_layer reproduces: module -> (layer, attention, MLP, RMSNorm)
+# transformers' models whose forward decode_layer reproduces: module -> (causal LM, model, decoder layer, attention,
+# MLP, RMSNorm), each class exactly (a subclass, or another model around these layers, may do more: scale the
+# embeddings or the residuals, add norms)
 SUPPORTED = {
-    "transformers.models.llama.modeling_llama": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
-    "transformers.models.mistral.modeling_mistral": ("MistralDecoderLayer", "MistralAttention", "MistralMLP",
-                                                     "MistralRMSNorm"),
-    "transformers.models.qwen2.modeling_qwen2": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
+    "transformers.models.llama.modeling_llama": ("LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer",
+                                                 "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
+    "transformers.models.mistral.modeling_mistral": ("MistralForCausalLM", "MistralModel", "MistralDecoderLayer",
+                                                     "MistralAttention", "MistralMLP", "MistralRMSNorm"),
+    "transformers.models.qwen2.modeling_qwen2": ("Qwen2ForCausalLM", "Qwen2Model", "Qwen2DecoderLayer",
+                                                 "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
 }
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
@@ -51,6 +55,12 @@ def _exact_class(module, module_path: str, name: str) -> bool:
     return type(module).__module__ == module_path and type(module).__name__ == name
 
 
+def parts(layer) -> tuple:
+    """The modules of a decoder layer the fused call reads: the 7 projections, the 2 norms, the MLP's activation."""
+    return (*(layer.get_submodule(path) for path in PROJECTIONS), layer.input_layernorm,
+            layer.post_attention_layernorm, layer.mlp.act_fn)
+
+
 def unsupported(model, attention_backend: str) -> str | None:
     """Why :class:`FusedDecoder` cannot run ``model``'s decode steps, or None when it can."""
     p = next(model.parameters())
@@ -58,28 +68,31 @@ def unsupported(model, attention_backend: str) -> str | None:
         return "not a float32 model on a CPU"
     if attention_backend != "cpp":
         return f"attention backend {attention_backend!r} (the fused layers call the 'cpp' backend's kernel)"
+    names = SUPPORTED.get(type(model).__module__)
     base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
-    if layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "norm", "rotary_emb")):
-        return "not a Llama-family model (model.model.layers, embed_tokens, norm, rotary_emb)"
+    if names is None or not _exact_class(model, type(model).__module__, names[0]) \
+            or not _exact_class(base, type(model).__module__, names[1]):
+        return f"model {type(model).__name__} is not one of {sorted(v[0] for v in SUPPORTED.values())}"
+    path = type(model).__module__
     cfg = model.config.get_text_config()
     if getattr(cfg, "hidden_act", None) != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
         return "hidden_act is not silu, or pretraining_tp != 1"
-    if len(layers) != cfg.num_hidden_layers:
+    if len(base.layers) != cfg.num_hidden_layers:
         return "the config's num_hidden_layers is not the number of layers"
-    for layer in layers:
-        names = SUPPORTED.get(type(layer).__module__)
-        if names is None or not all(_exact_class(m, type(layer).__module__, n) for m, n in zip(
-                (layer, layer.self_attn, layer.mlp, layer.input_layernorm), names)) \
-                or not _exact_class(layer.post_attention_layernorm, type(layer).__module__, names[3]):
-            return f"decoder layer {type(layer).__name__} is not one of {sorted(v[0] for v in SUPPORTED.values())}"
+    for i, layer in enumerate(base.layers):
+        for where, module, name in (("", layer, names[2]), (".self_attn", layer.self_attn, names[3]),
+                                    (".mlp", layer.mlp, names[4]),
+                                    (".input_layernorm", layer.input_layernorm, names[5]),
+                                    (".post_attention_layernorm", layer.post_attention_layernorm, names[5])):
+            if not _exact_class(module, path, name):
+                return f"model.layers.{i}{where} is a {type(module).__name__}, not transformers' {name}"
         act = layer.mlp.act_fn
         if not (type(act) is torch.nn.SiLU or _exact_class(act, "transformers.activations", "SiLUActivation")):
             return "the MLP's activation is not SiLU"
-        for path in PROJECTIONS:
-            if type(layer.get_submodule(path)) is not PanelLinear:
-                return f"{path} is not packed (runner.prepack.pack_linears)"
-        if any(layer.get_submodule(path).bias is not None for path in PROJECTIONS[4:]):
+        for sub in PROJECTIONS:
+            if type(layer.get_submodule(sub)) is not PanelLinear:
+                return f"{sub} is not packed (runner.prepack.pack_linears)"
+        if any(layer.get_submodule(sub).bias is not None for sub in PROJECTIONS[4:]):
             return "an MLP projection has a bias"
     if not cpu_decode_layer.available():
         return f"the kernel does not build here: {cpu_decode_layer.KERNEL.error}"
@@ -97,34 +110,42 @@ class FusedDecoder:
         attn = base.layers[0].self_attn
         self.dims = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                      getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, attn.head_dim]
-        norms = lambda layer: (layer.input_layernorm, layer.post_attention_layernorm)  # noqa: E731
-        self.layers = [dict(norms=[norm.weight.detach() for norm in norms(layer)],
-                            eps=[float(norm.variance_epsilon) for norm in norms(layer)],
-                            linears=[layer.get_submodule(path) for path in PROJECTIONS],
-                            scale=float(layer.self_attn.scaling), window=sliding_window(layer, cfg))
-                       for layer in base.layers]
+        self.layers = [dict(layer=layer, parts=parts(layer), scale=float(layer.self_attn.scaling),
+                            window=sliding_window(layer, cfg)) for layer in base.layers]
+
+    def current(self) -> bool:
+        """Whether the model is still what this decoder read: the same layers, projections, norms and activation
+        (none replaced since), every projection's panels packed from its weight as it is now."""
+        if len(self.base.layers) != len(self.layers):
+            return False
+        for layer, spec in zip(self.base.layers, self.layers):
+            if layer is not spec["layer"] or any(a is not b for a, b in zip(parts(layer), spec["parts"])):
+                return False
+            if any(type(lin) is not PanelLinear or lin.weight._version != lin.packed_version
+                   for lin in spec["parts"][:7]):  # packed again, refused, or edited since
+                return False
+        return True
 
     def hidden_states(self, batch, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """The final norm's output at ``batch.logits_indices`` ((num_logits, hidden) float32), or None when this
-        step is not for the fused layers (a prefill or speculative row, the support probe, a weight edited since it
-        was packed): then the caller runs the model's own forward. kv_cache: (num_layers, 2, num_blocks, block_size,
-        num_kv_heads, head_dim)."""
+        step is not for the fused layers (a row of several tokens: a prefill, a chunk or a speculative
+        verification; the support probe; more rows than the packed linears take; a module replaced or a weight
+        edited since): then the caller runs the model's own forward. kv_cache: (num_layers, 2, num_blocks,
+        block_size, num_kv_heads, head_dim)."""
         m = batch.attn_metadata
         n = batch.input_ids.shape[0]
-        if m.prefill_indices or m.probe_calls is not None or len(m.decode_indices) != n \
-                or getattr(m.data, "decode_lens", None) is None:
-            return None
-        if any(type(lin) is not PanelLinear or lin.weight._version != lin.packed_version
-               for spec in self.layers for lin in spec["linears"]):  # packed again, refused, or edited since
+        if m.prefill_indices or m.probe_calls is not None or len(m.decode_indices) != n or n > PANEL_MAX_ROWS \
+                or getattr(m.data, "decode_lens", None) is None or not self.current():
             return None
         x = self.base.embed_tokens(batch.input_ids)  # (n, hidden)
         cos, sin = self.base.rotary_emb(x[None], batch.positions[None])  # (1, n, head_dim) each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         data = m.data
         for i, spec in enumerate(self.layers):
-            lins = spec["linears"]
+            *lins, norm_in, norm_post, _ = spec["parts"]
             x = cpu_decode_layer.decode_layer(
-                x, spec["norms"], spec["eps"], [lin.panels for lin in lins], [lin.bias for lin in lins[:4]], self.dims,
-                cos, sin, kv_cache[i, 0], kv_cache[i, 1], m.slot_mapping, data.decode_tables, data.decode_lens,
-                spec["scale"], spec["window"])
+                x, [norm_in.weight, norm_post.weight], [float(norm_in.variance_epsilon),
+                                                        float(norm_post.variance_epsilon)],
+                [lin.panels for lin in lins], [lin.bias for lin in lins[:4]], self.dims, cos, sin, kv_cache[i, 0],
+                kv_cache[i, 1], m.slot_mapping, data.decode_tables, data.decode_lens, spec["scale"], spec["window"])
         return self.base.norm(x[batch.logits_indices])

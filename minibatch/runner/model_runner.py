@@ -51,7 +51,8 @@ class ModelRunner(KVOwnership):
             on the same model object, with the bit-identical bf16 layers and with stock ``F.linear`` in float32.
         fuse_decode_layers: run all-decode packed steps with one C++ call per decoder layer
             (``runner.fused_layers``) where the model, dtype and attention backend allow it (float32 on a CPU,
-            packed linears, the ``cpp`` backend, Llama/Mistral/Qwen2 layers); ``fused_decoder`` is None elsewhere.
+            packed linears, the ``cpp`` backend, Llama/Mistral/Qwen2 layers); ``fused_decoder`` is None elsewhere,
+            and ``fused_unsupported`` says why.
 
     Raises:
         ValueError: an unknown attention_backend, or one that does not support the model's device or dtype.
@@ -103,8 +104,10 @@ class ModelRunner(KVOwnership):
         # the padded layout's KV cache argument: "cache" from transformers 5.24 ("past_key_values"
         # is deprecated there and warns), "past_key_values" before
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.fused_decoder = (FusedDecoder(model) if fuse_decode_layers
-                              and unsupported(model, self.attention_backend.name) is None else None)
+        # why decode layers are not fused here (None: they are)
+        self.fused_unsupported = (unsupported(model, self.attention_backend.name) if fuse_decode_layers
+                                  else "fuse_decode_layers=False")
+        self.fused_decoder = FusedDecoder(model) if self.fused_unsupported is None else None
 
     # ------------------------------------------------------------------ KV memory
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
