@@ -37,8 +37,11 @@ SUPPORTED = {
     "transformers.models.qwen2.modeling_qwen2": ("Qwen2ForCausalLM", "Qwen2Model", "Qwen2DecoderLayer",
                                                  "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
 }
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj")
+# what the fused call reads of a decoder layer, in its order: (owner: "" = the layer itself, name in the owner)
+PARTS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+         ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"), ("", "input_layernorm"),
+         ("", "post_attention_layernorm"), ("mlp", "act_fn"))
+PROJECTIONS = tuple(f"{owner}.{name}" for owner, name in PARTS[:7])
 
 
 def sliding_window(layer, cfg) -> int | None:
@@ -55,11 +58,11 @@ def _exact_class(module, module_path: str, name: str) -> bool:
     return type(module).__module__ == module_path and type(module).__name__ == name
 
 
-def parts(layer) -> tuple:
-    """The modules of a decoder layer the fused call reads: the 7 projections, the 2 norms, the MLP's activation."""
-    attn, mlp = layer.self_attn, layer.mlp  # plain attributes (get_submodule would cost ~2 ms a step in all)
-    return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
-            layer.input_layernorm, layer.post_attention_layernorm, mlp.act_fn)
+def parts(layer) -> list[tuple]:
+    """(registry, name, module) of each of :data:`PARTS` in ``layer``: the registry is the owner's ``_modules`` dict,
+    which a module replaced later changes (read with a dict lookup, far cheaper than module attribute access)."""
+    owners = {"": layer, "self_attn": layer.self_attn, "mlp": layer.mlp}
+    return [(owners[owner]._modules, name, owners[owner]._modules[name]) for owner, name in PARTS]
 
 
 def unsupported(model, attention_backend: str) -> str | None:
@@ -107,29 +110,22 @@ class FusedDecoder:
     def __init__(self, model):
         base = model.model
         cfg = model.config.get_text_config()
-        self.model, self.base = model, base
+        self.base = base
         attn = base.layers[0].self_attn
         self.dims = [cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
                      getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, attn.head_dim]
-        self.layers = [dict(layer=layer, parts=parts(layer), scale=float(layer.self_attn.scaling),
+        self.layers = [dict(parts=[module for _, _, module in parts(layer)], scale=float(layer.self_attn.scaling),
                             window=sliding_window(layer, cfg)) for layer in base.layers]
-        # every (registry, name, object) the fused call relies on: the layers, their submodules, the projections'
-        # and norms' parameters; checked with dict lookups each step (module attribute access would cost ~2 ms)
+        # every (registry, name, object) the fused call relies on, checked with dict lookups each step: the layers,
+        # their parts, and the parameters of the projections and norms
         self.slots = [(base.layers._modules, str(i), layer) for i, layer in enumerate(base.layers)]
-        self.weights = []
         for layer in base.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.slots += [(layer._modules, "self_attn", attn), (layer._modules, "mlp", mlp),
-                           (mlp._modules, "act_fn", mlp.act_fn)]
-            for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                 (mlp, ("gate_proj", "up_proj", "down_proj")),
-                                 (layer, ("input_layernorm", "post_attention_layernorm"))):
-                for name in names:
-                    module = owner._modules[name]
-                    self.slots += [(owner._modules, name, module), (module._parameters, "weight", module.weight),
-                                   (module._parameters, "bias", module._parameters.get("bias"))]
-                    if isinstance(module, PanelLinear):
-                        self.weights.append((module, module.weight))
+            self.slots += [(layer._modules, "self_attn", layer.self_attn), (layer._modules, "mlp", layer.mlp)]
+            for registry, name, module in parts(layer):
+                self.slots.append((registry, name, module))
+                if name != "act_fn":
+                    self.slots += [(module._parameters, p, module._parameters.get(p)) for p in ("weight", "bias")]
+        self.weights = [(lin, lin.weight) for spec in self.layers for lin in spec["parts"][:7]]
 
     def current(self) -> bool:
         """Whether the model is still what this decoder read: the same layers, projections, norms, activation and
