@@ -3,12 +3,13 @@
     python benchmarks/vllm_peer.py --vllm-python .venv-vllm/bin/python --json data/cpu/vllm_peer.json
 
 The trace: 64 ShareGPT requests all arriving at t = 0 (``--arrival zero``), output lengths x 0.5, greedy with
-ignore_eos, bf16, max_num_seqs 32, 2 GiB of KV for every engine, token budget 4096 (vLLM's CPU default; it
-applies to our chunked policy and to vLLM). Two rounds of ``python -m minibatch compare`` (run in-process), each
-running our policy and then vLLM, so each engine is timed twice, alternating (a machine that slows down between
-runs lowers one round, not one engine); transformers' ``generate_batch`` runs last in each round. Every run's
-outputs are checked against HF generate by the bf16 rule (logprob-close). The summary reports, per round, our
-output throughput over vLLM's and over transformers', and the lower of the rounds.
+ignore_eos, bf16 (``--dtype float32`` on CPUs without native bf16), max_num_seqs 32, 2 GiB of KV for every engine,
+token budget 4096 (vLLM's CPU default; it applies to our chunked policy and to vLLM). Two rounds of ``python -m
+minibatch compare`` (run in-process), each running our policy and then vLLM, so each engine is timed twice,
+alternating (a machine that slows down between runs lowers one round, not one engine); transformers'
+``generate_batch`` runs last in each round. Every run's outputs are checked against HF generate (bf16: the
+logprob-close rule; float32: exact). The summary reports, per round, our output throughput over vLLM's and over
+transformers', and the lower of the rounds.
 
 Run nothing else meanwhile: each round records the machine's load before and after, and compare warns when the
 machine was contended.
@@ -26,7 +27,7 @@ from minibatch.__main__ import main as minibatch_main
 from minibatch.report import write_json
 
 TRACE = ["--num-requests", "64", "--arrival", "zero", "--output-scale", "0.5", "--seed", "1", "--max-num-seqs", "32",
-         "--kv-cache-memory-bytes", str(2 * 2**30), "--max-num-batched-tokens", "4096", "--dtype", "bfloat16"]
+         "--kv-cache-memory-bytes", str(2 * 2**30), "--max-num-batched-tokens", "4096"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,6 +36,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy", default="chunked", help="our policy (default: chunked)")
     p.add_argument("--attention-backend", default="sdpa", help="our attention backend (default: sdpa)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of (ours, vLLM)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="every engine's dtype (default: bfloat16, the issue's trace; float32 on CPUs without native "
+                   "bf16, where bf16 is emulated; checked by the exact rule)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.command = " ".join(["python benchmarks/vllm_peer.py"] + (argv if argv is not None else sys.argv[1:]))
@@ -49,10 +53,11 @@ def main(argv=None) -> dict:
         for i in range(args.rounds):
             policies = [args.policy, "vllm", "hf_generate_batch"]
             out = Path(tmp) / f"round{i}.json"
-            minibatch_main(["compare", *TRACE, "--policies", ",".join(policies), "--attention-backend",
-                            args.attention_backend, *peer, "--no-progress", "--figures-dir", "", "--json", str(out)])
+            minibatch_main(["compare", *TRACE, "--dtype", args.dtype, "--policies", ",".join(policies),
+                            "--attention-backend", args.attention_backend, *peer, "--no-progress", "--figures-dir", "",
+                            "--json", str(out)])
             rounds.append(json.loads(out.read_text()))
-    summary = {"policy": args.policy, "attention_backend": args.attention_backend, "rounds": []}
+    summary = {"policy": args.policy, "attention_backend": args.attention_backend, "dtype": args.dtype, "rounds": []}
     for r in rounds:
         rows = r["policies"]
         ours = rows[args.policy]["output_throughput_tok_s"]
