@@ -230,10 +230,11 @@ def run_compare(cfg: CompareConfig) -> dict:
     from minibatch.models import load_model
     from minibatch.precision import dtype_name
     from minibatch.reference import default_cache_dir, reference_outputs
-    from minibatch.runner import ModelRunner
     from minibatch.runner.kv_owner import check_kv_fits
+    from minibatch.runner.model_runner import ModelRunner, start_kernel_builds
 
     load_before = machine_load()  # other busy processes slow a wall-clock run: recorded before and after
+    builds = start_kernel_builds(cfg.device, cfg.dtype, cfg.attention_backend)  # compiled while the model loads
     t0 = time.perf_counter()
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     print(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params in "
@@ -276,6 +277,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     if cfg.check_reference:
         print(f"reference: HF generate on each request alone, {time.perf_counter() - t_ref:.1f} s"
               + (f" (cache {cache})" if cache else "") + f"; rule: {rule}")
+    builds.join()  # the runner's C++ kernels: a compiler still running would slow the timed runs
     warm_up(runner, draft_runner, cfg.policies)  # after the reference: its attention switch has first-call costs too
     runs = run_policies(cfg, requests, runner, lambda: make_compare_clock(cfg, runner.device),
                         draft_runner=draft_runner, model=model, refs=refs, rule=rule)

@@ -11,6 +11,7 @@ import hashlib
 import os
 import platform
 import shutil
+import threading
 
 import torch
 
@@ -69,18 +70,21 @@ class CppExtension:
         self.extra_sources, self.extra_cflags = tuple(extra_sources), tuple(extra_cflags)
         self.module = None
         self.error: str | None = None
+        self._lock = threading.Lock()  # one build at a time: a caller arriving during a build waits for its module
 
     def load(self):
-        """The compiled module (built the first time on this machine).
+        """The compiled module (built the first time on this machine; a call from another thread during that build
+        waits for it).
 
         Raises:
             RuntimeError: it could not be built (no compiler, no OpenMP, ...); the message gives the first line of
                 why."""
-        if self.module is None and self.error is None:
-            try:
-                self.module = build(self.source, self.extra_cflags, self.extra_sources)
-            except Exception as e:  # noqa: BLE001 - any build failure makes the kernel unavailable, with its reason
-                self.error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        with self._lock:
+            if self.module is None and self.error is None:
+                try:
+                    self.module = build(self.source, self.extra_cflags, self.extra_sources)
+                except Exception as e:  # noqa: BLE001 - any build failure makes the kernel unavailable, with its reason
+                    self.error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
         if self.module is None:
             raise RuntimeError(f"{self.what} could not be built: {self.error}")
         return self.module
@@ -92,3 +96,17 @@ class CppExtension:
             return True
         except RuntimeError:
             return False
+
+
+def build_in_background(extensions: list[CppExtension]) -> threading.Thread:
+    """Start building ``extensions`` (one after another) on a daemon thread and return it. The compiler runs as a
+    subprocess, so the caller goes on meanwhile (on a fresh machine ``compare`` loads the model and computes its
+    reference outputs during the builds, which take tens of seconds each); whoever loads an extension later waits
+    for its build if it is still running. A build that fails is recorded on its extension, as :meth:`load` does."""
+    def run():
+        for ext in extensions:
+            ext.available()
+
+    thread = threading.Thread(target=run, name="minibatch-kernel-builds", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,60 @@
+"""Building the C++ kernels: one build per extension whichever thread asks first, and compare's background builds
+(``runner.model_runner.start_kernel_builds``) name the kernels the runner will load. No compiler is run here: the
+build itself is replaced by a stand-in."""
+
+import threading
+import time
+
+import torch
+
+from minibatch.kernels import cpp_build, cpu_decode, cpu_decode_layer, cpu_linear
+from minibatch.kernels.cpp_build import CppExtension, build_in_background
+from minibatch.runner.model_runner import start_kernel_builds
+
+
+def test_a_load_during_a_background_build_waits_for_it_and_builds_once(monkeypatch):
+    calls = []
+
+    def slow_build(source, extra_cflags=(), extra_sources=()):
+        calls.append(source)
+        time.sleep(0.2)
+        return f"module of {source}"
+
+    monkeypatch.setattr(cpp_build, "build", slow_build)
+    ext = CppExtension("k.cpp", "a kernel")
+    thread = build_in_background([ext])
+    time.sleep(0.05)  # the build is running
+    assert ext.load() == "module of k.cpp"  # waited for the background build, did not start another
+    thread.join()
+    assert calls == ["k.cpp"] and ext.available()
+
+
+def test_a_failed_background_build_is_kept_with_its_reason(monkeypatch):
+    def failing_build(source, extra_cflags=(), extra_sources=()):
+        raise OSError("no compiler\nmore lines")
+
+    monkeypatch.setattr(cpp_build, "build", failing_build)
+    ext = CppExtension("k.cpp", "a kernel")
+    build_in_background([ext]).join()
+    assert not ext.available() and ext.error == "OSError: no compiler"
+
+
+def test_start_kernel_builds_names_what_the_runner_loads(monkeypatch):
+    started = []
+
+    def capture(extensions):
+        started.append(list(extensions))
+        thread = threading.Thread(target=lambda: None)
+        thread.start()
+        return thread
+
+    monkeypatch.setattr(cpp_build, "build_in_background", capture)
+    monkeypatch.setattr(cpp_build, "compiler_available", lambda: True)
+    for device, dtype, backend in [("cpu", "float32", "torch"), ("cpu", torch.float32, "cpp"),
+                                   ("cpu", "bfloat16", "cpp"), ("cpu", "bfloat16", "sdpa"), ("cuda", "float32", "cpp")]:
+        start_kernel_builds(device, dtype, backend).join()
+    assert started == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, cpu_decode.KERNEL, cpu_decode_layer.KERNEL],
+                       [cpu_decode.KERNEL], [], []]
+    monkeypatch.setattr(cpp_build, "compiler_available", lambda: False)  # nothing to build with: nothing started
+    start_kernel_builds("cpu", "float32", "cpp").join()
+    assert started[-1] == []
