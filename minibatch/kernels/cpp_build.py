@@ -100,9 +100,10 @@ class CppExtension:
 
 def build_in_background(extensions: list[CppExtension]) -> threading.Thread:
     """Start building ``extensions`` (one after another) on a daemon thread and return it. The compiler runs as a
-    subprocess, so the caller goes on meanwhile (on a fresh machine ``compare`` loads the model and computes its
-    reference outputs during the builds, which take tens of seconds each); whoever loads an extension later waits
-    for its build if it is still running. A build that fails is recorded on its extension, as :meth:`load` does."""
+    subprocess, so the caller goes on meanwhile (on a fresh machine ``compare`` converts and loads the model during
+    the builds, which take tens of seconds each); whoever loads an extension later (there: the ModelRunner, built
+    before the reference outputs) waits for its build if it is still running. A build that fails is recorded on its
+    extension, as :meth:`load` does."""
     def run():
         for ext in extensions:
             ext.available()
