@@ -24,6 +24,8 @@ from pathlib import Path
 
 from minibatch.report import environment, machine_load, write_json
 
+ROW_FIELDS = ("output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "goodput_req_s")
+
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,6 +59,8 @@ def main(argv=None) -> dict:
                "environment": environment(load_before), "total_s": round(total, 1), "parts": parts,
                "policy_run_time_s": policies, "dtype": result["config"]["dtype"],
                "matches_reference": {p: row.get("matches_reference") for p, row in result["policies"].items()},
+               "num_requests": result["num_requests"], "num_output_tokens": result["num_output_tokens"],
+               "policy_rows": {p: {k: row[k] for k in ROW_FIELDS} for p, row in result["policies"].items()},
                "contended": result["contended"]}
     write_json(summary, args.json_path)
     return summary

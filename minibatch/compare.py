@@ -54,7 +54,7 @@ class CompareConfig(ModelConfig):
     """
 
     policies: tuple[str, ...] = option(DEFAULT_POLICIES, "comma-separated policies, or 'all'", "list")
-    num_requests: int = option(24, "requests in the generated trace", "int", low=1, high=MAX_NUM_REQUESTS)
+    num_requests: int = option(12, "requests in the generated trace", "int", low=1, high=MAX_NUM_REQUESTS)
     rate: float = option(4.0, "arrival rate, requests/s", "real", low=MIN_RATE, high=MAX_RATE)
     arrival: str = option("poisson", "arrival process", "choice", choices=ARRIVALS)
     trace: str | None = option(None, "a trace JSON (workload.save_trace) instead of a generated one", "path",

@@ -1,8 +1,8 @@
 """HF ``generate`` reference outputs -- the ground truth of ``matches_reference`` -- cached on disk.
 
 :func:`reference_outputs` runs HF ``generate`` on each greedy request alone. With ``cache_dir`` the outputs are
-kept there, so a run on the same model and trace skips the generate calls (32 of them for a default
-``compare`` trace, a minute or two on CPU).
+kept there, so a run on the same model and trace skips the generate calls (12 of them for a default
+``compare`` trace, about half a minute on a 2-core CPU).
 
 **Cache layout.** One JSON file per *model key* (:func:`model_key`): everything outside the requests that can
 change the outputs -- the model's fingerprint (:func:`model_fingerprint`: its files' sha256, or its tensors'
@@ -221,32 +221,6 @@ def write_cache(path: str | Path, key: dict, outputs: dict[str, list[int]]) -> b
 
 # ----------------------------------------------------------------------------- references
 
-def _generate_alone(model, requests: list[Request], progress: bool, logprobs: int = 0) -> list:
-    """HF ``generate`` on each request alone (batch of one, no padding): per request its output token ids, or
-    with ``logprobs`` > 0 a cache entry {"token_ids", "logprobs"}: at each position the ``logprobs`` most likely
-    tokens and the chosen one with their logprobs (``runner.sampler.token_logprobs`` of generate's raw logits)."""
-    from tqdm.auto import tqdm
-
-    from minibatch.baselines import plain_generation
-    from minibatch.models import attention_implementation
-    from minibatch.runner.sampler import token_logprobs
-
-    outputs = []
-    with attention_implementation(model, REFERENCE_ATTENTION):
-        for r in tqdm(requests, desc="reference", disable=not progress, leave=False):
-            ids = torch.tensor([r.prompt_token_ids], device=model.device)
-            with plain_generation(model, _generation_config(model, r)) as cfg:
-                cfg.output_logits, cfg.return_dict_in_generate = logprobs > 0, True
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
-            tokens = out.sequences[0, ids.shape[1]:].tolist()
-            if logprobs:
-                top = token_logprobs(torch.cat(out.logits), tokens, [logprobs] * len(tokens))
-                outputs.append({"token_ids": tokens, "logprobs": [[[t, lp] for t, lp in p.items()] for p in top]})
-            else:
-                outputs.append(tokens)
-    return outputs
-
-
 @torch.inference_mode()
 def reference_outputs(model, requests: list[Request], progress: bool = False, cache_dir: str | Path | None = None,
                       model_name: str | None = None, logprobs: int = 0) -> dict:
@@ -280,7 +254,10 @@ def reference_outputs(model, requests: list[Request], progress: bool = False, ca
         path = cache_path(cache_dir, key)
         cached = read_cache(path, key)
         todo = [(fp, r) for fp, r in todo if fp not in cached]
-    new = dict(zip([fp for fp, _ in todo], _generate_alone(model, [r for _, r in todo], progress, logprobs)))
+    from minibatch.baselines.alone import generate_alone
+
+    new = dict(zip([fp for fp, _ in todo], generate_alone(model, [r for _, r in todo], _generation_config, progress,
+                                                          logprobs, REFERENCE_ATTENTION)))
     if new and path is not None:
         write_cache(path, key, new)
     outputs = {**cached, **new}
