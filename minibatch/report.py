@@ -32,6 +32,25 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# Vector instruction sets our kernels and torch's pick their code by (x86 and Arm names, as /proc/cpuinfo spells them)
+SIMD_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "asimdhp", "sve", "sve2", "bf16")
+
+
+def cpu_isa() -> str:
+    """This CPU's vector instruction sets among SIMD_FLAGS, space-separated in that order (Linux: the ``flags`` or
+    ``Features`` line of /proc/cpuinfo); "" where unknown. Two machines can share a cpu_model string and differ
+    here (a 2-core "AMD EPYC" with AVX-512 and bf16, and one with AVX2 only), which changes what a step costs and
+    which code ``-march=native`` may emit."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+    have = set(line.split(":", 1)[1].split()) if ":" in line else set()
+    return " ".join(flag for flag in SIMD_FLAGS if flag in have)
+
+
 def environment(load_before: dict | None = None) -> dict:
     """Versions and machine, stored with every result so numbers can be compared honestly; with
     ``load_before`` (:func:`machine_load` at the start of the run) also ``load_before`` and ``load_after``."""
@@ -44,7 +63,7 @@ def environment(load_before: dict | None = None) -> dict:
 
     env = {"minibatch": __version__, "python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__,
-           "machine": platform.machine(), "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+           "machine": platform.machine(), "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
            "torch_threads": torch.get_num_threads()}
     if hasattr(os, "getloadavg"):  # other processes on the machine slow every step: record how busy it was
         env["load_average_1m"] = round(os.getloadavg()[0], 2)
@@ -168,7 +187,8 @@ def save_figures(runs: dict, figures_dir: str) -> list[str]:
     return [str(p) for p in paths]
 
 
-MACHINE_KEYS = ("cpu_model", "cpu_count", "machine", "gpu", "torch", "minibatch")  # what a step's speed depends on
+MACHINE_KEYS = ("cpu_model", "cpu_isa", "cpu_count", "machine", "gpu", "torch", "minibatch")  # what a step's speed
+# depends on; cpu_isa is compared only where the profile recorded it (profiles made before it was recorded say nothing)
 
 
 def machine_differences(recorded: dict, current: dict) -> list[str]:
@@ -180,7 +200,8 @@ def machine_differences(recorded: dict, current: dict) -> list[str]:
         if key not in current and key not in recorded:
             continue
         if key not in recorded:
-            out.append(f"{key} not recorded")
+            if key != "cpu_isa":
+                out.append(f"{key} not recorded")
         elif recorded[key] != current.get(key):
             out.append(f"{key}: {recorded[key]} -> {current.get(key)}")
     return out

@@ -58,3 +58,28 @@ def test_start_kernel_builds_names_what_the_runner_loads(monkeypatch):
     monkeypatch.setattr(cpp_build, "compiler_available", lambda: False)  # nothing to build with: nothing started
     start_kernel_builds("cpu", "float32", "cpp").join()
     assert started[-1] == []
+
+
+def test_another_instruction_set_builds_its_own_kernel(monkeypatch):
+    """``-march=native`` code from a CPU with AVX-512 must not load on one without, even when both report the same
+    model string: the build's name covers the vector instruction sets."""
+    from minibatch import report
+
+    monkeypatch.setattr(report, "cpu_model", lambda: "AMD EPYC")
+    names = set()
+    for isa in ("avx avx2 fma f16c", "avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16"):
+        monkeypatch.setattr(report, "cpu_isa", lambda isa=isa: isa)
+        names.add(cpp_build.build_name(cpu_linear.KERNEL.source))
+        assert cpp_build.build_name(cpu_linear.KERNEL.source) in names  # the same machine: the same name
+    assert len(names) == 2
+
+
+def test_machine_differences_name_the_instruction_sets():
+    from minibatch.report import cpu_isa, environment, machine_differences
+
+    here = environment()
+    assert here["cpu_isa"] == cpu_isa() and machine_differences(here, environment()) == []
+    assert machine_differences(here | {"cpu_isa": "avx2 fma"}, here | {"cpu_isa": "avx2 fma avx512f"}) == [
+        "cpu_isa: avx2 fma -> avx2 fma avx512f"]
+    older = {k: v for k, v in here.items() if k != "cpu_isa"}  # recorded before cpu_isa was: no line for it
+    assert machine_differences(older, here) == []

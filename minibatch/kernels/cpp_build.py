@@ -20,14 +20,6 @@ import torch
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
-
-
 def compiler_available() -> bool:
     """Whether the C++ compiler torch's extension builder calls (``$CXX``, else ``c++``) is on this machine: where it
     is, a kernel that does not build is a bug (tests fail on it rather than skip)."""
@@ -36,15 +28,18 @@ def compiler_available() -> bool:
 
 def build_name(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[str, ...] = ()) -> str:
     """The extension's name: ``minibatch_`` + the source's file name + a hash of the sources, the headers beside
-    them, flags, torch version and CPU model (``-march=native`` code is only valid on the CPU it was built for, so
-    another CPU sharing the cache builds its own)."""
+    them, flags, torch version, CPU model and vector instruction sets (``-march=native`` code is only valid on the
+    CPU it was built for, so another CPU sharing the cache builds its own, also one with the same model string)."""
+    from minibatch.report import cpu_isa, cpu_model
+
     folder = os.path.dirname(os.path.abspath(source))
     headers = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".h"))
     key = b""
     for path in [source, *extra_sources, *headers]:
         with open(path, "rb") as f:
             key += f.read()
-    key += " ".join(CFLAGS + list(extra_cflags) + [torch.__version__, platform.machine(), _cpu_model()]).encode()
+    machine = [torch.__version__, platform.machine(), cpu_model(), cpu_isa()]
+    key += " ".join(CFLAGS + list(extra_cflags) + machine).encode()
     stem = os.path.splitext(os.path.basename(source))[0]
     return f"minibatch_{stem}_" + hashlib.sha256(key).hexdigest()[:12]
 
