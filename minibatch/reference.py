@@ -242,6 +242,8 @@ def reference_outputs(model, requests: list[Request], progress: bool = False, ca
     Raises:
         ValueError: ``cache_dir`` is not a path.
     """
+    from minibatch.baselines.alone import generate_alone
+
     if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not str(cache_dir).strip()):
         raise ValueError(f"cache_dir must be a folder path or None, got {cache_dir!r}")
     greedy = [r for r in requests if r.sampling.is_greedy]
@@ -254,8 +256,6 @@ def reference_outputs(model, requests: list[Request], progress: bool = False, ca
         path = cache_path(cache_dir, key)
         cached = read_cache(path, key)
         todo = [(fp, r) for fp, r in todo if fp not in cached]
-    from minibatch.baselines.alone import generate_alone
-
     new = dict(zip([fp for fp, _ in todo], generate_alone(model, [r for _, r in todo], _generation_config, progress,
                                                           logprobs, REFERENCE_ATTENTION)))
     if new and path is not None:
