@@ -40,7 +40,7 @@ from minibatch.files import read_json
 from minibatch.sim.cost_model import Profile
 from minibatch.sim.validate import compare_runs, measure_policy, simulate_measured
 
-# name -> CompareConfig overrides; the defaults are the main job's (32 requests, 4 req/s, seed 0)
+# name -> CompareConfig overrides of the main job's trace (ShareGPT lengths, Poisson arrivals at 4 req/s, seed 0)
 TRACES = {
     "default-rate4-seed0": dict(num_requests=32, rate=4.0, seed=0),
     "rate8-seed1": dict(num_requests=32, rate=8.0, seed=1),

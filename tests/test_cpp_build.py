@@ -63,12 +63,12 @@ def test_start_kernel_builds_names_what_the_runner_loads(monkeypatch):
 def test_another_instruction_set_builds_its_own_kernel(monkeypatch):
     """``-march=native`` code from a CPU with AVX-512 must not load on one without, even when both report the same
     model string: the build's name covers the vector instruction sets."""
-    from minibatch import report
+    from minibatch import machine
 
-    monkeypatch.setattr(report, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setattr(machine, "cpu_model", lambda: "AMD EPYC")
     names = set()
     for isa in ("avx avx2 fma f16c", "avx avx2 fma f16c avx512f avx512bw avx512vl avx512_bf16"):
-        monkeypatch.setattr(report, "cpu_isa", lambda isa=isa: isa)
+        monkeypatch.setattr(machine, "cpu_isa", lambda isa=isa: isa)
         names.add(cpp_build.build_name(cpu_linear.KERNEL.source))
         assert cpp_build.build_name(cpu_linear.KERNEL.source) in names  # the same machine: the same name
     assert len(names) == 2

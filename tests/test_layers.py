@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # the package ("__init__" is minibatch/__init__.py); a name covers its submodules, the longest matching name wins.
 LAYERS = {
     # request types, argument checks and configs, atomic files; prompt text, trace files and workload build
-    # Requests from these only; the published numbers with their sources (claims)
-    "base": "request checks files config prompts trace_io workload claims cluster.multiturn",
+    # Requests from these only; the published numbers with their sources (claims); the CPU model and instruction
+    # sets (machine)
+    "base": "request checks files config prompts trace_io workload claims cluster.multiturn machine",
     "kv": "kv",  # block manager: free list, prefix hashing
     "scheduler": "scheduler",  # plans (SchedulerOutput) and results (StepResult); no tensors
     # clocks and step shapes; execute a plan on a model; speculation; Triton kernels; model loading (models, the

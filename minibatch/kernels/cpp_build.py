@@ -30,7 +30,7 @@ def build_name(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: t
     """The extension's name: ``minibatch_`` + the source's file name + a hash of the sources, the headers beside
     them, flags, torch version, CPU model and vector instruction sets (``-march=native`` code is only valid on the
     CPU it was built for, so another CPU sharing the cache builds its own, also one with the same model string)."""
-    from minibatch.report import cpu_isa, cpu_model
+    from minibatch.machine import cpu_isa, cpu_model
 
     folder = os.path.dirname(os.path.abspath(source))
     headers = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".h"))
