@@ -157,13 +157,14 @@ def save_figures(runs: dict, figures_dir: str) -> list[str]:
 
 
 MACHINE_KEYS = ("cpu_model", "cpu_isa", "cpu_count", "machine", "gpu", "torch", "minibatch")  # what a step's speed
-# depends on; cpu_isa is compared only where the profile recorded it (profiles made before it was recorded say nothing)
+# depends on
 
 
 def machine_differences(recorded: dict, current: dict) -> list[str]:
     """How the machine and engine a profile was measured on (its ``environment``) differ from ``current``
     (``environment()``): one "key: recorded -> current" per MACHINE_KEYS entry that differs, and one line per
-    entry the profile did not record (older profiles lack cpu_model and minibatch)."""
+    entry the profile did not record (older profiles lack cpu_model and minibatch), except ``cpu_isa``, which
+    profiles record only since it was added."""
     out = []
     for key in MACHINE_KEYS:
         if key not in current and key not in recorded:
