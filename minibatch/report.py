@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from minibatch.machine import cpu_isa, cpu_model  # noqa: F401  (cpu_model: also imported from here)
+from minibatch.machine import cpu_isa, cpu_model
 
 
 def write_json(result: dict, path: str | Path | None) -> None:

@@ -78,8 +78,7 @@ def generate_alone(model, requests: list[Request], generation_config, progress: 
                 outputs[i] = _generate_one(model, r, generation_config, logprobs)
                 bar.update()
             return outputs
-        copies = [copy.copy(model) for _ in range(workers)]  # shares parameters, buffers and submodules
-        free = list(copies)
+        free = [copy.copy(model) for _ in range(workers)]  # shares parameters, buffers and submodules
 
         def work(i):
             m = free.pop()  # list.pop is atomic: each running task holds its own copy
