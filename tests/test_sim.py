@@ -136,6 +136,19 @@ def test_profile_round_trip(tmp_path):
         Profile.load(tmp_path / "bad.json")
 
 
+def test_repeat_spread_is_each_step_against_its_own_shapes_median():
+    """Hand-computed: a shape measured at 1.0 and 1.2 s lies 0.1 / 1.1 from its median both times; a shape measured
+    at 2, 2 and 2.6 s: 0, 0 and 0.3; shapes measured once, or equal in every feature but the layout, are no repeat."""
+    from minibatch.sim.cost_model import repeat_spread
+
+    a, b = StepShape(num_tokens=4, logits=4), StepShape(num_tokens=8, logits=1, decode_attention=64)
+    shapes = [a, a, b, b, b, StepShape(num_tokens=4, logits=4, padded=True), StepShape(num_tokens=5, logits=5)]
+    out = repeat_spread(shapes, [1.0, 1.2, 2.0, 2.0, 2.6, 9.0, 9.0])
+    dev = np.array([0.1 / 1.1, 0.1 / 1.1, 0.0, 0.0, 0.3])
+    assert out == {"median": pytest.approx(np.median(dev)), "p90": pytest.approx(np.quantile(dev, 0.9)), "steps": 5}
+    assert repeat_spread([a, b], [1.0, 2.0]) == {"median": None, "p90": None, "steps": 0}
+
+
 # ---------------------------------------------------------------------- calibrate and simulate
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory, one_thread):
@@ -159,6 +172,7 @@ def test_calibrate_writes_a_profile_that_fits_its_samples(tiny_profile):
         total = np.sum([s["time_s"] for s in rows])
         assert abs(pred.sum() - total) / total < 0.25  # a tiny model's steps are noisy (~1 ms)
         assert p.meta["fit_error"][layout]["median"] < 0.5
+        assert p.meta["repeat_spread"][layout]["steps"] > 0  # the decode scenarios repeat their shapes
 
 
 def test_quick_calibration_covers_every_axis_with_fewer_steps(tmp_path, one_thread):

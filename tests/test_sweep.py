@@ -50,6 +50,24 @@ def test_in_process_sweep_and_a_rerun_that_computes_nothing(tmp_path, capsys):
     assert code_version() in first["code_version"] and first["code_version"].startswith("0.")
 
 
+def test_a_profile_changed_in_place_is_computed_again(tmp_path):
+    """The cache key covers the content of the files a configuration names: recalibrating a profile in place (same
+    path, same options, same code) must not return the old profile's rows."""
+    profile = tmp_path / "profile.json"
+    data = json.loads(Path(PROFILE).read_text())
+    profile.write_text(json.dumps(data))
+    grid = tmp_path / "g.json"
+    base = {**BASE, "profile": str(profile)}
+    grid.write_text(json.dumps({"command": "simulate", "base": base, "grid": {"rate": [4]}}))
+    first = run_sweep(str(grid), progress=False)
+    assert run_sweep(str(grid), progress=False)["cached"] == 1
+    data["layouts"]["packed"]["curve_s"] = [2 * t for t in data["layouts"]["packed"]["curve_s"]]  # a slower machine
+    profile.write_text(json.dumps(data))
+    again = run_sweep(str(grid), progress=False)
+    assert again["cached"] == 0 and again["computed"] == 1
+    assert again["rows"][0]["tpot_p50_s"] > first["rows"][0]["tpot_p50_s"]
+
+
 def test_a_failing_configuration_is_reported_and_the_rest_survive(tmp_path):
     grid = write_grid(tmp_path / "g.json", {"rate": [2, 4]}, configs=[{"router": "nowhere"}])
     result = run_sweep(str(grid), progress=False)

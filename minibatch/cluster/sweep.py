@@ -15,8 +15,8 @@ with ``--ray-address ADDR`` (every node needs minibatch installed). A task decla
 simulation; a wall-clock ``compare`` declares its ``threads`` (default 1) and runs with that many torch threads, so
 Ray never packs two on a core. Rows stream into the table as tasks finish (tqdm). A task that fails (an error, or
 a worker that dies) is reported with its configuration and does not lose the other rows. Every finished
-configuration is stored under ``--cache`` keyed by its configuration and the code version (package version, git
-commit, dirty flag), so a rerun computes only what is missing.
+configuration is stored under ``--cache`` keyed by its configuration, the content of the files it names (a profile,
+a trace) and the code version (package version, git commit, dirty flag), so a rerun computes only what is missing.
 """
 
 from __future__ import annotations
@@ -82,7 +82,12 @@ def code_version() -> str:
 
 
 def config_key(command: str, config: dict, version: str) -> str:
-    text = json.dumps({"command": command, "config": config, "code": version}, sort_keys=True, default=str)
+    """The cache key of one configuration: its options, the code version and the content of every file an option
+    names (a profile recalibrated in place, or a trace rewritten, is a new configuration)."""
+    files = {k: hashlib.sha256(Path(v).read_bytes()).hexdigest() for k, v in sorted(config.items())
+             if isinstance(v, str) and Path(v).is_file()}
+    text = json.dumps({"command": command, "config": config, "code": version, "files": files}, sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

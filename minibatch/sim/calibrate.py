@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 from minibatch.clock import StepShape
-from minibatch.sim.cost_model import LAYOUTS, Profile, fit_layout, relative_errors
+from minibatch.sim.cost_model import LAYOUTS, Profile, fit_layout, relative_errors, repeat_spread
 from minibatch.sim.workloads import FULL, QUICK, Scenario, draft_scenarios, scenarios
 
 def measure(runner, scenario_list: list[Scenario], progress: bool = True) -> list[dict]:
@@ -68,10 +68,11 @@ def fit_draft(samples: list[dict]):
 
 def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Profile:
     """A Profile fit on ``samples`` (from :func:`measure`), one model per layout present; the fit
-    errors (relative, per layout) and the samples go into ``meta``."""
+    errors (relative, per layout), the repeat spread (per layout: :func:`~minibatch.sim.cost_model.repeat_spread`,
+    the machine's noise the fit errors should be read against) and the samples go into ``meta``."""
     from minibatch.sim.cost_model import StepShape
 
-    layouts, errors = {}, {}
+    layouts, errors, spread = {}, {}, {}
     for layout in LAYOUTS:
         rows = [x for x in samples if x["layout"] == layout]
         if not rows:
@@ -80,7 +81,9 @@ def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Pr
         times = [x["time_s"] for x in rows]
         layouts[layout] = fit_layout(shapes, times, weights=scenario_weights(rows))
         errors[layout] = relative_errors(layouts[layout].predict(shapes), times)
-    return Profile(model=model, layouts=layouts, meta={**(meta or {}), "fit_error": errors, "samples": samples})
+        spread[layout] = repeat_spread(shapes, times)
+    return Profile(model=model, layouts=layouts,
+                   meta={**(meta or {}), "fit_error": errors, "repeat_spread": spread, "samples": samples})
 
 
 def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, scale: float = 1.0,
@@ -138,6 +141,10 @@ def print_profile(profile: Profile) -> None:
         err = profile.meta.get("fit_error", {}).get(layout, {})
         print(f"{layout}: {sum(x['layout'] == layout for x in profile.meta.get('samples', []))} steps, "
               f"relative error median {err.get('median', float('nan')):.1%}, p90 {err.get('p90', float('nan')):.1%}")
+        spread = profile.meta.get("repeat_spread", {}).get(layout, {})
+        if spread.get("median") is not None:
+            print(f"  repeat spread (the machine's noise: {spread['steps']} steps of a shape measured more than once,"
+                  f" from their shape's median): median {spread['median']:.1%}, p90 {spread['p90']:.1%}")
         print("  curve(N) ms: " + ", ".join(f"N={k}: {v * 1e3:.1f}" for k, v in zip(m.knots, m.curve_s)))
         print("  " + ", ".join(f"{name} {v * 1e6:.2f} us" for name, v in m.coef_s.items()))
     if profile.draft:
@@ -155,7 +162,7 @@ def refit(profile: Profile) -> Profile:
     if not profile.meta.get("samples"):
         raise ValueError(f"{profile.source or 'profile'}: no stored 'samples' to refit: "
                          "re-run python -m minibatch calibrate")
-    meta = {k: v for k, v in profile.meta.items() if k not in ("fit_error", "samples")}
+    meta = {k: v for k, v in profile.meta.items() if k not in ("fit_error", "repeat_spread", "samples")}
     new = fit_profile(profile.model, profile.meta["samples"], meta)
     if profile.meta.get("draft_samples"):
         new.draft, new.meta["draft_fit_error"] = fit_draft(profile.meta["draft_samples"])

@@ -247,3 +247,21 @@ def relative_errors(predicted, measured) -> dict[str, float]:
     rel = np.abs(p - m) / m
     return {"median": float(np.median(rel)), "p90": float(np.quantile(rel, 0.9)),
             "total": float(abs(p.sum() - m.sum()) / m.sum())}
+
+
+def repeat_spread(shapes: list[StepShape], times_s: list[float]) -> dict:
+    """How far steps of one shape (equal :func:`features` and layout) lie from their shape's median time: the
+    machine's own noise while it was measured, which no cost model can fit away. A fit error well above it is the
+    model's; one near it is the machine's.
+
+    Returns {"median", "p90"} of |time - its shape's median| / that median over every step whose shape was measured
+    at least twice, and "steps", how many those are (medians None when no shape repeats).
+    """
+    groups: dict[tuple, list[float]] = {}
+    for shape, t in zip(shapes, times_s):
+        groups.setdefault((shape.padded, *features(shape)), []).append(float(t))
+    dev = [abs(t - m) / m for ts in groups.values() if len(ts) > 1 for m in [float(np.median(ts))] for t in ts]
+    if not dev:
+        return {"median": None, "p90": None, "steps": 0}
+    return {"median": float(np.median(dev)), "p90": float(np.quantile(dev, 0.9)), "steps": len(dev)}
+
