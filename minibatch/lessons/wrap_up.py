@@ -135,7 +135,8 @@ def sustained_rate(rows: list[dict], setup: str, fraction: float = 0.9) -> float
     return max((r["rate"] for r in ok), default=None)
 
 
-@exercise.check(hint="which policy's batch is limited by the KV memory it reserves, and which runs so close to the 90% line that a bigger batch (longer steps) can tip it?")
+@exercise.check(hint="which policy's batch is limited by the KV memory it reserves, and which runs so close to the "
+                     "90% line that a bigger batch (longer steps) can tip it?")
 def check_more_memory(prediction, profile: Profile, rows: list[dict], slo: SLO, n_slots: int = 4096) -> str:
     """The exercise check: ``prediction`` (names of SETUPS) must be exactly the setups whose sustained rate
     (:func:`sustained_rate`, >= 90% good, over the rates of ``rows``) changes when the sweep reruns with
