@@ -172,7 +172,7 @@ def test_calibrate_writes_a_profile_that_fits_its_samples(tiny_profile):
         total = np.sum([s["time_s"] for s in rows])
         assert abs(pred.sum() - total) / total < 0.25  # a tiny model's steps are noisy (~1 ms)
         assert p.meta["fit_error"][layout]["median"] < 0.5
-        assert p.meta["repeat_spread"][layout]["steps"] > 0  # the decode scenarios repeat their shapes
+        assert p.meta["repeat_spread"][layout]["steps"] > 0  # some scenarios measure a shape more than once
 
 
 def test_quick_calibration_covers_every_axis_with_fewer_steps(tmp_path, one_thread):

@@ -264,4 +264,3 @@ def repeat_spread(shapes: list[StepShape], times_s: list[float]) -> dict:
     if not dev:
         return {"median": None, "p90": None, "steps": 0}
     return {"median": float(np.median(dev)), "p90": float(np.quantile(dev, 0.9)), "steps": len(dev)}
-
