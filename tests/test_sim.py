@@ -388,7 +388,8 @@ def test_step_figure_and_widget():
 
 def test_validate_policy_measures_and_simulates(tiny_profile):
     """minibatch.sim.validate on a tiny model: a measured run and its simulation, the replay of
-    the measured steps, and for n-gram speculation the measured proposal and acceptance rates."""
+    the measured steps (n-gram speculation's too), and for n-gram speculation the measured proposal and acceptance
+    rates."""
     from minibatch.compare import CompareConfig, build_trace
     from minibatch.models import load_model
     from minibatch.runner import ModelRunner
@@ -411,8 +412,9 @@ def test_validate_policy_measures_and_simulates(tiny_profile):
             assert set(row["error_at_measured_speed"]) == set(METRICS)
             mechanics = row["mechanics_error"]  # measured step times: the measured timeline, up to us rounding
             assert mechanics["diverged_at_step"] is None and abs(mechanics["ttft_p50_s"]) < 1e-3
-        else:
-            assert row["replay_error"] is None and 0 <= row["proposal_rate"] <= 1
+        else:  # n-gram lookup: its target steps are replayed (no draft forwards to price); the schedule differs
+            assert np.isfinite(row["replay_error"]) and 0 <= row["proposal_rate"] <= 1
+            assert set(row["replay_error_by_kind"]) == {"prefill", "mixed", "decode"}
             assert row["error_at_measured_speed"] is None and row["mechanics_error"] is None
 
 

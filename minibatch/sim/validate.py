@@ -168,9 +168,12 @@ def simulate_measured(row: dict, cfg, requests, profile: Profile) -> dict:
     """The simulated half, for a row of :func:`measure_policy`: the same requests on ``profile``'s
     clock; adds "simulated", "error", "replay_error" and "replay_error_by_kind", and
     "error_at_measured_speed" and "mechanics_error" (with "diverged_at_step") to a copy of the row
-    (see the module docstring). The replays and the last two are None for spec policies: the
-    records keep no draft forwards' shapes and the acceptance draws differ from the real ones."""
-    spec = bool(get_policy(row["policy"]).proposer)
+    (see the module docstring). The last two are None for spec policies (the simulated acceptance draws differ
+    from the real ones, so the schedules do), and the replays too for a draft-model proposer (the records keep no
+    draft forwards' shapes); an n-gram run's replay prices its target steps, which is all the simulator charges it
+    (the n-gram lookup itself costs nothing on the simulated clock)."""
+    proposer = get_policy(row["policy"]).proposer
+    spec, draft = proposer is not None, proposer == "draft"
     sim = simulate_row(row, cfg, requests, lambda: SimClock(profile, profile))
     simulated = sim.summary.to_dict()
     shapes = [StepShape(*s[:-1], padded=row["padded"]) for s in row["steps"]]
@@ -178,8 +181,8 @@ def simulate_measured(row: dict, cfg, requests, profile: Profile) -> dict:
     replay = float(profile.predict(shapes).sum() - measured_busy) / measured_busy
     out = {**row, "simulated": {m: simulated[m] for m in METRICS} | {"num_steps": len(sim.engine.trace),
                                                                      "duration_s": simulated["duration_s"]},
-           "error": compare_runs(row["measured"], simulated), "replay_error": None if spec else replay,
-           "replay_error_by_kind": None if spec else replay_by_kind(row, profile),
+           "error": compare_runs(row["measured"], simulated), "replay_error": None if draft else replay,
+           "replay_error_by_kind": None if draft else replay_by_kind(row, profile),
            "error_at_measured_speed": None, "mechanics_error": None}
     if not spec:
         scaled = ScaledCost(profile, 1 / (1 + replay))
