@@ -5,10 +5,15 @@ cached tokens each, two ModelRunners on one model that differ only in ``fuse_dec
 between them; medians.
 
     python benchmarks/fused_layers.py --json data/cpu/fused_layers.json
+
+``--against-rev REV`` adds a third way, "fused_REV": the fused layers with the kernel built from the C++ sources at
+git revision REV (an A/B of a kernel change in one process; the Python side is today's for both).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import torch
@@ -16,9 +21,45 @@ import torch
 from fused_projections import parser, step_times
 
 
+def kernel_at(rev: str):
+    """The fused layer's extension built from the kernel sources (every file of minibatch/kernels/ the build reads)
+    at git revision ``rev``, in build/fused_<rev>/."""
+    from minibatch.kernels import cpp_build, cpu_decode_layer
+
+    here = os.path.dirname(cpu_decode_layer.SOURCE)
+    folder = os.path.join("build", f"fused_{rev}")
+    os.makedirs(folder, exist_ok=True)
+    names = [f for f in os.listdir(here) if f.endswith((".cpp", ".h"))]
+    for name in names:
+        shown = subprocess.run(["git", "show", f"{rev}:minibatch/kernels/{name}"], capture_output=True)
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(shown.stdout if shown.returncode == 0 else b"")
+    layer = cpu_decode_layer.KERNEL
+    return cpp_build.build(os.path.join(folder, os.path.basename(layer.source)),
+                           layer.extra_cflags, tuple(os.path.join(folder, os.path.basename(x))
+                                                     for x in layer.extra_sources))
+
+
+def with_kernel(runner, module):
+    """``runner``'s packed forward calls ``module``'s fused layer (swapped in around each call)."""
+    from minibatch.kernels import cpu_decode_layer
+
+    forward = runner.forward_packed
+
+    def swapped(*args, **kwargs):
+        today, cpu_decode_layer.KERNEL.module = cpu_decode_layer.KERNEL.load(), module
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            cpu_decode_layer.KERNEL.module = today
+
+    runner.forward_packed = swapped
+
+
 def main(argv=None) -> dict:
     p = parser(__doc__)
     p.set_defaults(batches="1,8,32,64")
+    p.add_argument("--against-rev", default=None, help="also time the fused layers with the kernel at this git rev")
     args = p.parse_args(argv)
     from minibatch.models import load_model
     from minibatch.report import environment, machine_load, write_json
@@ -31,10 +72,15 @@ def main(argv=None) -> dict:
                for name, fuse in (("modules", False), ("fused", True))}
     if runners["fused"].fused_decoder is None:
         sys.exit("fused decode layers are not available here (no C++ compiler to build them)")
+    if args.against_rev:
+        runners[f"fused_{args.against_rev}"] = ModelRunner(model, tokenizer, attention_backend="cpp")
+        with_kernel(runners[f"fused_{args.against_rev}"], kernel_at(args.against_rev))
     rows = []
     for n in (int(b) for b in args.batches.split(",")):
         steps = step_times(runners, n, args.steps)
-        rows.append({"batch": n, "decode_step_ms": steps, "step_speedup": round(steps["modules"] / steps["fused"], 2)})
+        rows.append({"batch": n, "decode_step_ms": steps, "step_speedup": round(steps["modules"] / steps["fused"], 2)}
+                    | ({"speedup_over_rev": round(steps[f"fused_{args.against_rev}"] / steps["fused"], 2)}
+                       if args.against_rev else {}))
         print(rows[-1])
     result = {"command": "python benchmarks/fused_layers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "environment": environment(load_before), "model": "smollm2-135m", "dtype": "float32",

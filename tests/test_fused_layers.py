@@ -179,3 +179,22 @@ def test_the_kernel_checks_its_inputs():
     assert torch.equal(runner.kv_cache, cache_before)
     with pytest.raises(RuntimeError, match="cos and sin"):
         cpu_decode_layer.decode_layer(x, **(args | dict(cos=torch.ones(3, dims[4]))))
+
+
+def test_the_layers_silu_matches_torch_at_every_magnitude():
+    """SiLU(g) * u as the fused layer computes it (e^-g on vector lanes where the CPU has them) is torch's within
+    float32 rounding from tiny to overflowing gates, keeps NaN, gives torch's NaN at -inf and -0 where e^-g
+    overflows, and is the same for an element whatever its position (a slice's tail runs through the lanes too)."""
+    kernel = cpu_decode_layer.KERNEL.load()
+    g = torch.cat([torch.randn(1000) * 10, torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 87.0, -87.0,
+                                                          88.5, -88.5, 89.0, -89.0, 100.0, -100.0, 1e30, -1e30,
+                                                          float("inf"), float("-inf"), float("nan")])])
+    u = torch.rand(g.shape) + 0.5
+    got, want = kernel.silu_mul(g, u), torch.nn.functional.silu(g) * u
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-37, equal_nan=True)
+    overflowing = (g < -100) & g.isfinite()
+    assert torch.equal(torch.signbit(got[overflowing]), torch.signbit(want[overflowing]))
+    for n in (1, 7, 9, 13, 1001):
+        assert torch.equal(kernel.silu_mul(g[:n], u[:n]), got[:n])
+    with pytest.raises(RuntimeError, match="one shape"):
+        kernel.silu_mul(g, u[:-1])

@@ -17,9 +17,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -175,124 +173,12 @@ void decode_task(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   for (int64_t i = 0; i < heads * head_dim; ++i) out[h0 * group * head_dim + i] = static_cast<scalar_t>(acc[i]);
 }
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define MINIBATCH_SIMD 1
-// The vector path for head_dim 64 and 128 (HD), written once over `Simd`: W fp32 lanes (AVX-512: 16; AVX2 with
-// FMA: 8, which most laptop CPUs without AVX-512 have). Tokens in chunks of W, each chunk's rows of one KV head
-// converted to fp32 once and shared by the `group` query heads that read them.
-#if defined(__AVX512F__)
-struct Simd {
-  using V = __m512;
-  static constexpr int W = 16;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  // W values of a row as fp32 lanes (bf16: zero-extend and shift into the top half; fp16: the hardware conversion)
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  // for the softmax: lane-wise max (b when either is NaN), sum, round to nearest, 2^k of integer-valued k,
-  // zero where x < limit (NaN kept)
-  static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static V pow2(V k) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23));
-  }
-  static V zero_below(V x, float limit, V value) {
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_NLT_UQ), value);
-  }
-  static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
-  static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
-  static V load(const at::BFloat16* p) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-  }
-  static V load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  // W dot products' partial sums in, their W totals out: lane j of the result is the sum of v[j]'s lanes. A
-  // transposing tree (pairs within 128-bit lanes, then across them): 45 shuffles and adds for 16 sums instead of a
-  // full horizontal reduction per sum.
-  static V sum(const V* v) {
-    __m512 t[8], u[4];
-    for (int k = 0; k < 8; ++k)
-      t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; ++k) {
-      const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
-      u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
-  }
-};
-#else
-struct Simd {
-  using V = __m256;
-  static constexpr int W = 8;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static V pow2(V k) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
-  }
-  static V zero_below(V x, float limit, V value) {
-    return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_NLT_UQ), value);
-  }
-  static float reduce_max(V v) {
-    float lanes[8];
-    _mm256_storeu_ps(lanes, v);
-    return *std::max_element(lanes, lanes + 8);
-  }
-  static float reduce_add(V v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-  }
-  static V load(const at::BFloat16* p) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-  }
-  static V load(const at::Half* p) {
-#if defined(__F16C__)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-    float narrow[8];
-    for (int j = 0; j < 8; ++j) narrow[j] = static_cast<float>(p[j]);
-    return _mm256_loadu_ps(narrow);
-#endif
-  }
-  // lane j of the result is the sum of v[j]'s 8 lanes: horizontal adds pair the lanes within 128-bit halves, then
-  // the two halves are added (14 instructions for 8 sums)
-  static V sum(const V* v) {
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-  }
-};
-#endif
-template <typename T>
-inline Simd::V load_lanes(const T* p) { return Simd::load(p); }
-inline Simd::V load_lanes(const double* p) {
-  float narrow[Simd::W];
-  for (int j = 0; j < Simd::W; ++j) narrow[j] = static_cast<float>(p[j]);
-  return Simd::load(narrow);
-}
-
-// exp_nonpositive on W lanes, the same steps (scalar compilers do not vectorize its rounding)
-inline Simd::V exp_nonpositive_lanes(Simd::V x) {
-  const Simd::V clamped = Simd::max(Simd::set1(-87.0f), x);  // x when x is NaN: a NaN score stays NaN
-  const Simd::V k = Simd::round(Simd::mul(clamped, Simd::set1(1.44269504088896341f)));
-  const Simd::V r = Simd::fmadd(k, Simd::set1(2.12194440e-4f), Simd::fmadd(k, Simd::set1(-0.693359375f), clamped));
-  Simd::V p = Simd::set1(1.0f / 720.0f);
-  for (float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = Simd::fmadd(p, r, Simd::set1(c));
-  return Simd::zero_below(x, -87.0f, Simd::mul(p, Simd::pow2(k)));
-}
+#if defined(MINIBATCH_SIMD)
+// The vector path for head_dim 64 and 128 (HD), written once over `Simd` (cpu_simd.h). Tokens in chunks of W, each
+// chunk's rows of one KV head converted to fp32 once and shared by the `group` query heads that read them.
+using minibatch::Simd;
+using minibatch::exp_lanes;
+using minibatch::load_lanes;
 
 // softmax_rows with W lanes at a time (the scalar exp_nonpositive for a row's last n % W scores)
 inline void softmax_rows_simd(float* scores, int64_t rows, int64_t n, int64_t stride) {
@@ -307,7 +193,7 @@ inline void softmax_rows_simd(float* scores, int64_t rows, int64_t n, int64_t st
     const Simd::V mb = Simd::set1(m);
     Simd::V tv = Simd::zero();
     for (int64_t p = 0; p < full; p += W) {
-      const Simd::V e = exp_nonpositive_lanes(Simd::fmadd(mb, Simd::set1(-1.0f), Simd::load(s + p)));
+      const Simd::V e = exp_lanes(Simd::fmadd(mb, Simd::set1(-1.0f), Simd::load(s + p)));
       Simd::store(s + p, e);
       tv = Simd::add(tv, e);
     }
@@ -326,7 +212,9 @@ constexpr int64_t PREFETCH_AHEAD = 32;  // positions
 
 // The cache rows of context positions [c, c + m) (m <= W), KV heads [h0, h0 + width / HD): each position's
 // `width` values are contiguous in its token row; converted to fp32 into rows[W][width] (positions past m are
-// zero). The next chunks' rows are prefetched.
+// zero). The next chunks' rows are prefetched. (Reading a float32 cache's rows in place instead, without the copy,
+// was 1.4x faster with the cache in L3 but 1.15-1.25x slower from memory, as a decode step reads it: the copy reads
+// each position's row front to back.)
 template <typename scalar_t, int HD>
 inline void load_chunk(const scalar_t* cache, const int64_t* table, int64_t c, int64_t m, int64_t end, bool first,
                        int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t lo, int64_t width,
