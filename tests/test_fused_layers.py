@@ -181,6 +181,25 @@ def test_the_kernel_checks_its_inputs():
         cpu_decode_layer.decode_layer(x, **(args | dict(cos=torch.ones(3, dims[4]))))
 
 
+def test_a_new_kv_cache_drops_the_views_of_the_old_one():
+    """The fused decoder keeps each layer's K/V views of the cache between steps; allocating another cache drops
+    them first (they would keep the old cache's memory alive), and the next step takes views of the new one."""
+    model = build_tiny_model("llama")
+    runner = ModelRunner(model, attention_backend="cpp")
+    engine = make_engine("paged", runner, SimClock(), max_num_seqs=2, block_size=4, n_slots=64)
+    engine.add_request(Request("a", [5, 6, 7], 3, SamplingParams(ignore_eos=True)))
+    engine.generate([])
+    decoder = runner.fused_decoder
+    assert decoder.kv_cache is runner.kv_cache and len(decoder.kv_views) == model.config.num_hidden_layers
+    runner.allocate_kv_cache(32, 4)
+    assert decoder.kv_cache is None and decoder.kv_views == []
+    engine = make_engine("paged", runner, SimClock(), max_num_seqs=2, block_size=4, n_slots=128)
+    request = Request("b", [5, 6, 7], 3, SamplingParams(ignore_eos=True))
+    engine.add_request(request)
+    engine.generate([])
+    assert request.num_output_tokens == 3 and decoder.kv_cache is runner.kv_cache
+
+
 def test_the_layers_silu_matches_torch_at_every_magnitude():
     """SiLU(g) * u as the fused layer computes it (e^-g on vector lanes where the CPU has them) is torch's within
     float32 rounding from tiny to overflowing gates, keeps NaN, gives torch's NaN at -inf and -0 where e^-g

@@ -126,14 +126,19 @@ class FusedDecoder:
                 if name != "act_fn":
                     self.slots += [(module._parameters, p, module._parameters.get(p)) for p in ("weight", "bias")]
         self.weights = [(lin, lin.weight) for spec in self.layers for lin in spec["parts"][:7]]
-        # each layer's parameters for the kernel, read once (a module's parameter read costs about a microsecond:
-        # with the per-layer cache views, 0.5 ms a step of 30 layers); current() vouches for them. The panels and
-        # epsilons are read every step (plain attributes, cheap): packing again, e.g. by a second runner, makes new
-        # panels.
+        # each layer's parameters for the kernel, read once (through nn.Module.__getattr__ they cost more than the
+        # plain attributes; with the per-layer cache views below, a few tenths of a ms a step); current() vouches
+        # for them. The panels and epsilons are read every step (plain attributes): packing again, e.g. by a second
+        # runner, makes new panels.
         for spec in self.layers:
             *lins, norm_in, norm_post, _ = spec["parts"]
             spec["args"] = ([norm_in.weight, norm_post.weight], [lin.bias for lin in lins[:4]])
-        self.kv_cache, self.kv_views = None, []  # the cache the per-layer K and V views below were taken of
+        self.forget_cache()  # kv_cache: the cache that kv_views, each layer's (K, V) views, were taken of
+
+    def forget_cache(self) -> None:
+        """Drop the per-layer views of the KV cache (the runner calls it before allocating another: the views would
+        keep the old cache's memory alive)."""
+        self.kv_cache, self.kv_views = None, []
 
     def current(self) -> bool:
         """Whether the model is still what this decoder read: the same layers, projections, norms, activation and

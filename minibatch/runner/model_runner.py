@@ -133,6 +133,8 @@ class ModelRunner(KVOwnership):
             check_kv_fits(num_cpu_blocks * block_size, self.kv_bytes_per_token, torch.device("cpu"),
                           "CPU swap space (num_cpu_blocks x block_size)", freed_bytes=nbytes(self.cpu_kv_cache))
         if new_gpu:
+            if self.fused_decoder is not None:
+                self.fused_decoder.forget_cache()  # its per-layer views would keep the old cache alive
             self.kv_cache = None  # free the old one first
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if new_cpu:
