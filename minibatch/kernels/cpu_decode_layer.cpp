@@ -76,9 +76,9 @@ MINIBATCH_NO_CONTRACT void rotary(float* x, const float* cos, const float* sin, 
   }
 }
 
-// g = SiLU(g) * u, elementwise (torch's silu: g / (1 + exp(-g))), over the thread pool. With vector lanes, e^-g by
-// exp_lanes (cpu_simd.h: within 3e-7 of libm's expf, which torch's own vectorized silu does not match bit for bit
-// either), every element alike (a slice's last count % W through a padded copy): the same numbers at any
+// g = SiLU(g) * u, elementwise (torch's silu: g / (1 + exp(-g))), over the thread pool. With vector lanes, e^-g
+// comes from exp_lanes (cpu_simd.h, relative error below 3e-7; torch's own vectorized silu is not libm's expf bit
+// for bit either), every element alike (a slice's last count % W through a padded copy): the same numbers at any
 // batch, thread count or position. Without lanes, libm's expf.
 MINIBATCH_NO_CONTRACT void silu_mul(float* g, const float* u, int64_t count) {
   at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
