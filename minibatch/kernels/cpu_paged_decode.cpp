@@ -213,8 +213,7 @@ constexpr int64_t PREFETCH_AHEAD = 32;  // positions
 // The cache rows of context positions [c, c + m) (m <= W), KV heads [h0, h0 + width / HD): each position's
 // `width` values are contiguous in its token row; converted to fp32 into rows[W][width] (positions past m are
 // zero). The next chunks' rows are prefetched. (Reading a float32 cache's rows in place instead, without the copy,
-// was 1.4x faster with the cache in L3 but 1.15-1.25x slower from memory, as a decode step reads it: the copy reads
-// each position's row front to back.)
+// was faster with the cache in L3 but slower from memory, as a decode step reads it, in a scratch A/B.)
 template <typename scalar_t, int HD>
 inline void load_chunk(const scalar_t* cache, const int64_t* table, int64_t c, int64_t m, int64_t end, bool first,
                        int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t lo, int64_t width,
