@@ -84,12 +84,14 @@ def step_kind(step) -> str:
     return ("mixed" if decode_attention > 0 else "prefill") if has_prefill else "decode"
 
 
-def replay_by_kind(row: dict, profile) -> dict[str, float | None]:
+def replay_by_kind(row: dict, profile, predicted=None) -> dict[str, float | None]:
     """(predicted - measured) / measured of the summed time of each STEP_KINDS kind of the
     measured steps of ``row`` (a :func:`measure_policy` row), priced by ``profile``; None for a
-    kind the run has none of."""
-    shapes = [StepShape(*s[:-1], padded=row["padded"]) for s in row["steps"]]
-    predicted = profile.predict(shapes) if shapes else []
+    kind the run has none of. ``predicted``: ``profile``'s seconds for each of the row's steps, where the
+    caller has them already (else priced here)."""
+    if predicted is None:
+        shapes = [StepShape(*s[:-1], padded=row["padded"]) for s in row["steps"]]
+        predicted = profile.predict(shapes) if shapes else []
     out = {}
     for kind in STEP_KINDS:
         idx = [i for i, s in enumerate(row["steps"]) if step_kind(s) == kind]
@@ -178,11 +180,12 @@ def simulate_measured(row: dict, cfg, requests, profile: Profile) -> dict:
     simulated = sim.summary.to_dict()
     shapes = [StepShape(*s[:-1], padded=row["padded"]) for s in row["steps"]]
     measured_busy = sum(s[-1] for s in row["steps"]) / 1e6
-    replay = float(profile.predict(shapes).sum() - measured_busy) / measured_busy
+    predicted = profile.predict(shapes)
+    replay = float(predicted.sum() - measured_busy) / measured_busy
     out = {**row, "simulated": {m: simulated[m] for m in METRICS} | {"num_steps": len(sim.engine.trace),
                                                                      "duration_s": simulated["duration_s"]},
            "error": compare_runs(row["measured"], simulated), "replay_error": None if draft else replay,
-           "replay_error_by_kind": None if draft else replay_by_kind(row, profile),
+           "replay_error_by_kind": None if draft else replay_by_kind(row, profile, predicted),
            "error_at_measured_speed": None, "mechanics_error": None}
     if not spec:
         scaled = ScaledCost(profile, 1 / (1 + replay))
