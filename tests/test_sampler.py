@@ -37,3 +37,28 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     assert a == b
     g = Sampler().sample_batch(["a", "b", "c"], logits, [SamplingParams()] * 3)
     assert list(g.values()) == logits.argmax(-1).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 5), st.sampled_from([7, 1024, 4095, 4096, 5000, 32000, 49152]),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.integers(0, 2**31 - 1),
+       st.sampled_from(["none", "ties", "nan", "inf", "-inf", "flat"]))
+def test_greedy_tokens_is_argmax(rows, vocab, dtype, seed, special):
+    """The sampler's two-pass greedy argmax returns torch.argmax's indices: the first of tied maxima (also across and
+    at chunk edges, and in the last, shorter chunk), the first NaN, +inf, rows all -inf or all equal."""
+    from minibatch.runner.sampler import ARGMAX_CHUNK, greedy_tokens
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g).to(dtype)
+    spots = torch.randint(0, vocab, (rows, 3), generator=g).tolist()
+    for r, cols in enumerate(spots):
+        cols += [c for c in (ARGMAX_CHUNK - 1, ARGMAX_CHUNK, vocab - 1) if c < vocab]  # chunk edges, the last entry
+        if special == "ties":
+            logits[r, cols] = 9.0
+        elif special in ("nan", "inf"):
+            logits[r, cols[:2]] = float(special)
+        elif special == "-inf":
+            logits[r] = float("-inf")
+        elif special == "flat":
+            logits[r] = 0.5
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))

@@ -79,6 +79,33 @@ def step_logprobs(logits: torch.Tensor, rows: dict[str, tuple[int, tuple[int, ..
     return {rid: tuple(next(flat) for _ in rows[rid][1]) for rid in wanted}
 
 
+
+ARGMAX_CHUNK = 1024  # vocabulary entries per chunk in :func:`greedy_tokens`
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of (rows, vocab_size) logits, the same indices (ties: the first; a NaN counts as the
+    largest, as in ``torch.argmax``) in two short passes: the max of every chunk of ``ARGMAX_CHUNK`` entries (a
+    vectorized reduction), then the argmax of the chunk maxima and, in the winning chunk, of its entries. On a CPU
+    only, from 4 rows: torch's CPU argmax over a whole row is a scalar loop (data/cpu/greedy_argmax.json: at 32
+    rows of a 49152-entry vocabulary 0.28 ms against 1.00 ms). Returns (rows,) int64."""
+    rows, vocab = logits.shape
+    main = vocab - vocab % ARGMAX_CHUNK
+    # a GPU's argmax is one fast kernel already; a row or two, or a short vocabulary, are quick either way
+    if rows < 4 or main < 4 * ARGMAX_CHUNK or logits.device.type != "cpu":
+        return logits.argmax(-1)
+    chunks = logits[:, :main].reshape(rows, main // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    maxima = chunks.amax(-1)
+    if main < vocab:  # the last vocab % ARGMAX_CHUNK entries, one more chunk
+        maxima = torch.cat([maxima, logits[:, main:].amax(-1, keepdim=True)], dim=1)
+    best = maxima.argmax(-1)  # the first chunk holding the row's max (amax keeps a NaN)
+    rows_at = torch.arange(rows, device=logits.device)
+    last = best == main // ARGMAX_CHUNK
+    within = chunks[rows_at, best.clamp(max=main // ARGMAX_CHUNK - 1)].argmax(-1)
+    if bool(last.any()):
+        within = torch.where(last, logits[:, main:].argmax(-1), within)
+    return best * ARGMAX_CHUNK + within
+
 class Sampler:
     """Keeps one generator per request (by request_id) until ``free`` is called."""
 
@@ -105,8 +132,8 @@ class Sampler:
 
     def sample_batch(self, request_ids: list[str], logits: torch.Tensor,
                      params: list[SamplingParams]) -> dict[str, int]:
-        """logits: (num_requests, vocab_size). Greedy rows share one argmax call."""
-        greedy = logits.argmax(-1).tolist()
+        """logits: (num_requests, vocab_size). Greedy rows share one argmax (:func:`greedy_tokens`)."""
+        greedy = greedy_tokens(logits).tolist()
         return {
             rid: greedy[i] if p.is_greedy else self.sample(rid, logits[i], p)
             for i, (rid, p) in enumerate(zip(request_ids, params))
