@@ -11,12 +11,11 @@ Both ways give the same tensor (checked); times are medians of ``--repeats`` cal
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
+from minibatch.experiment import alternating_ms
 from minibatch.report import environment, machine_load, write_json
 from minibatch.runner.backends.sdpa import SdpaAttentionData, decode_attention, gather_blocks
 
@@ -51,17 +50,10 @@ def main(argv=None) -> dict:
     assert all(torch.equal(a, b) for a, b in zip(indexed(), selected()))
     ways = {"indexed_4d_ms": indexed, "index_select_ms": selected,
             "decode_attention_ms": lambda: decode_attention(q, k_cache, v_cache, data, d ** -0.5)}
-    times = {name: [] for name in ways}
-    for fn in ways.values():
-        fn()  # warm-up
-    for _ in range(args.repeats):
-        for name, fn in ways.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
+    times = alternating_ms(ways, args.repeats)
     result = {"command": "python benchmarks/gather_blocks.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "environment": environment(load_before), "requests": n, "context": args.context, "threads": args.threads,
-              "block_size": block, **{name: round(statistics.median(t), 3) for name, t in times.items()}}
+              "block_size": block, **{name: round(t, 3) for name, t in times.items()}}
     print({k: v for k, v in result.items() if k.endswith("_ms")})
     write_json(result, args.json_path)
     return result

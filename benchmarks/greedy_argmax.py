@@ -11,12 +11,11 @@ Both ways give the same indices (checked on every shape); times are medians of `
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
+from minibatch.experiment import alternating_ms
 from minibatch.report import environment, machine_load, write_json
 from minibatch.runner.sampler import greedy_tokens
 
@@ -38,15 +37,8 @@ def main(argv=None) -> dict:
             logits = torch.randn(rows, vocab, generator=g)
             assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
             ways = {"argmax_ms": lambda: logits.argmax(-1), "greedy_tokens_ms": lambda: greedy_tokens(logits)}
-            times = {name: [] for name in ways}
-            for fn in ways.values():
-                fn()  # warm-up
-            for _ in range(args.repeats):
-                for name, fn in ways.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-            row = {"rows": rows, "vocab_size": vocab, **{k: round(statistics.median(t), 4) for k, t in times.items()}}
+            times = alternating_ms(ways, args.repeats)
+            row = {"rows": rows, "vocab_size": vocab, **{k: round(t, 4) for k, t in times.items()}}
             row["speedup"] = round(row["argmax_ms"] / row["greedy_tokens_ms"], 2)
             print(row)
             shapes.append(row)

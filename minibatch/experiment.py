@@ -244,20 +244,26 @@ def decoding_engine(runner, lengths: list[int], max_new_tokens: int, seed: int =
     return engine
 
 
-def alternating_step_ms(engines: dict, steps: int) -> dict:
-    """Median milliseconds of a step of each engine (name -> Engine), ``steps`` steps each, the engines taking
-    turns step by step (on a shared machine, a slow minute then costs them all alike)."""
+def alternating_ms(calls: dict, repeats: int) -> dict:
+    """Median milliseconds of each call (name -> a function of no arguments), after one warm-up call each, the calls
+    taking turns ``repeats`` times (on a shared machine, a slow minute then costs them all alike)."""
     import statistics
 
-    for engine in engines.values():
-        engine.step()  # the first step after the prefills pays for warm-up
-    times = {name: [] for name in engines}
-    for _ in range(steps):
-        for name, engine in engines.items():
+    for call in calls.values():
+        call()  # warm-up: first-call costs (allocations, kernel builds, caches) are not timed
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
             t0 = time.perf_counter()
-            engine.step()
+            call()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: round(statistics.median(t), 1) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def alternating_step_ms(engines: dict, steps: int) -> dict:
+    """Median milliseconds of a step of each engine (name -> Engine), ``steps`` steps each, the engines taking
+    turns step by step (:func:`alternating_ms`; the first step after the prefills is the warm-up)."""
+    return {name: round(ms, 1) for name, ms in alternating_ms({n: e.step for n, e in engines.items()}, steps).items()}
 
 
 def default_draft(model: str) -> str:
