@@ -79,7 +79,6 @@ def step_logprobs(logits: torch.Tensor, rows: dict[str, tuple[int, tuple[int, ..
     return {rid: tuple(next(flat) for _ in rows[rid][1]) for rid in wanted}
 
 
-
 ARGMAX_CHUNK = 1024  # vocabulary entries per chunk in :func:`greedy_tokens`
 
 
@@ -105,6 +104,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     if bool(last.any()):
         within = torch.where(last, logits[:, main:].argmax(-1), within)
     return best * ARGMAX_CHUNK + within
+
 
 class Sampler:
     """Keeps one generator per request (by request_id) until ``free`` is called."""
