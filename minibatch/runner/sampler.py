@@ -93,16 +93,16 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     # a GPU's argmax is one fast kernel already; a row or two, or a short vocabulary, are quick either way
     if rows < 4 or main < 4 * ARGMAX_CHUNK or logits.device.type != "cpu":
         return logits.argmax(-1)
-    chunks = logits[:, :main].reshape(rows, main // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    n_chunks = main // ARGMAX_CHUNK
+    chunks = logits[:, :main].reshape(rows, n_chunks, ARGMAX_CHUNK)
+    tail = logits[:, main:]  # the last vocab % ARGMAX_CHUNK entries (maybe none), one more chunk
     maxima = chunks.amax(-1)
-    if main < vocab:  # the last vocab % ARGMAX_CHUNK entries, one more chunk
-        maxima = torch.cat([maxima, logits[:, main:].amax(-1, keepdim=True)], dim=1)
+    if tail.shape[1]:
+        maxima = torch.cat([maxima, tail.amax(-1, keepdim=True)], dim=1)
     best = maxima.argmax(-1)  # the first chunk holding the row's max (amax keeps a NaN)
-    rows_at = torch.arange(rows, device=logits.device)
-    last = best == main // ARGMAX_CHUNK
-    within = chunks[rows_at, best.clamp(max=main // ARGMAX_CHUNK - 1)].argmax(-1)
-    if bool(last.any()):
-        within = torch.where(last, logits[:, main:].argmax(-1), within)
+    within = chunks[torch.arange(rows, device=logits.device), best.clamp(max=n_chunks - 1)].argmax(-1)
+    if tail.shape[1]:
+        within = torch.where(best == n_chunks, tail.argmax(-1), within)
     return best * ARGMAX_CHUNK + within
 
 
