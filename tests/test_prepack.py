@@ -133,8 +133,9 @@ def test_packed_linear_matches_a_float64_product_for_any_shape_and_is_batch_inva
 
 def test_packed_linear_portable_lanes_give_the_same_numbers_as_the_vector_ones():
     """The kernel's plain C++ lanes (what CPUs without AVX2 + FMA build, e.g. ARM laptops; forced here with
-    -DMINIBATCH_PORTABLE) and its AVX2 lanes sum the same products in the same order with one rounding per fused
-    multiply-add: bit-identical outputs."""
+    -DMINIBATCH_PORTABLE) and its vector lanes (AVX2: 6-row blocks of two 8-lane registers; AVX-512: 12-row blocks
+    of one 16-lane register) sum the same products in the same order with one rounding per fused multiply-add:
+    bit-identical outputs, for row counts on both sides of either block size."""
     from minibatch.kernels import cpu_linear
     from minibatch.kernels.cpp_build import build
 
@@ -147,7 +148,7 @@ def test_packed_linear_portable_lanes_give_the_same_numbers_as_the_vector_ones()
     w, b = torch.randn(40, 70, generator=g), torch.randn(40, generator=g)
     panels = cpu_linear.pack_weight(w)
     assert torch.equal(portable.pack_weight(w), panels)
-    for rows in (1, 6, 11):
+    for rows in (1, 6, 11, 12, 13, 25):
         x = torch.randn(rows, 70, generator=g)
         for bias in (None, b):
             ours = cpu_linear.packed_linear(x, panels, 40, bias)

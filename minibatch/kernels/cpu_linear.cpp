@@ -6,8 +6,9 @@
 // one small block of the output in registers). Here the reused operand is the weight: a decode step multiplies a few
 // rows by every weight once, so the weight is packed once per model, not per call. Panel j holds output features
 // [16 j, 16 j + 16) as (k, 16): for each input feature, the 16 features' weights side by side (zeros past n). The
-// micro-kernel keeps a 6 x 16 block of the output in twelve 8-lane registers and, for each input feature, loads the
-// panel's 16 weights once and multiplies them by 6 rows' inputs (fused multiply-adds). Threads share the panels
+// micro-kernel keeps a block of the output in registers (AVX2: 6 rows x 16 features in twelve 8-lane registers;
+// AVX-512: 12 x 16 in twelve 16-lane ones) and, for each input feature, loads the panel's 16 weights once and
+// multiplies them by each row's input (fused multiply-adds). Threads share the panels
 // (ATen's thread pool, torch's thread count); each panel is read from memory once per call, whatever the rows.
 //
 // Numbers: every output is bias + (x[i, 0] w[j, 0] + x[i, 1] w[j, 1] + ...) summed in that order with fused
@@ -26,34 +27,52 @@
 #include <cstring>
 
 // MINIBATCH_PORTABLE (a -D flag): the plain C++ lanes even where AVX2 is available (tests compare the two builds)
-#if defined(__AVX2__) && defined(__FMA__) && !defined(MINIBATCH_PORTABLE)
+#if defined(__AVX512F__) && !defined(MINIBATCH_PORTABLE)
+#define MINIBATCH_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(MINIBATCH_PORTABLE)
 #define MINIBATCH_AVX2 1
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int64_t PANEL = 16;  // output features per panel: two 8-lane vectors
-constexpr int ROWS = 6;        // rows per micro-kernel call: 12 accumulators + 2 weights + 1 input in 16 registers
+constexpr int64_t PANEL = 16;  // output features per panel: one 16-lane vector or two 8-lane ones
 
-#if defined(MINIBATCH_AVX2)
-struct Vec8 {  // 8 float32 lanes in one AVX register
+#if defined(MINIBATCH_AVX512)
+constexpr int ROWS = 12;  // rows per micro-kernel call: 12 accumulators + 1 weight of 32 registers
+struct Vec {  // 16 float32 lanes in one AVX-512 register
+  static constexpr int W = 16;
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec broadcast(const float* p) { return {_mm512_set1_ps(*p)}; }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+#elif defined(MINIBATCH_AVX2)
+constexpr int ROWS = 6;  // rows per micro-kernel call: 12 accumulators + 2 weights + 1 input in 16 registers
+struct Vec {  // 8 float32 lanes in one AVX register
+  static constexpr int W = 8;
   __m256 v;
-  static Vec8 zero() { return {_mm256_setzero_ps()}; }
-  static Vec8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
-  static Vec8 broadcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
-  static Vec8 fmadd(Vec8 a, Vec8 b, Vec8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-  static Vec8 add(Vec8 a, Vec8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec broadcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
+  static Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
 };
 #else
-struct Vec8 {  // the same operations lane by lane (std::fma: one rounding, so the same numbers), for other CPUs
+constexpr int ROWS = 6;
+struct Vec {  // the same operations lane by lane (std::fma: one rounding, so the same numbers), for other CPUs
+  static constexpr int W = 8;
   float v[8];
-  static Vec8 zero() { return {}; }
-  static Vec8 load(const float* p) { Vec8 r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
-  static Vec8 broadcast(const float* p) { Vec8 r; for (float& x : r.v) x = *p; return r; }
-  static Vec8 fmadd(Vec8 a, Vec8 b, Vec8 c) { for (int l = 0; l < 8; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]); return c; }
-  static Vec8 add(Vec8 a, Vec8 b) { for (int l = 0; l < 8; ++l) a.v[l] += b.v[l]; return a; }
+  static Vec zero() { return {}; }
+  static Vec load(const float* p) { Vec r; std::memcpy(r.v, p, sizeof(r.v)); return r; }
+  static Vec broadcast(const float* p) { Vec r; for (float& x : r.v) x = *p; return r; }
+  static Vec fmadd(Vec a, Vec b, Vec c) { for (int l = 0; l < 8; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]); return c; }
+  static Vec add(Vec a, Vec b) { for (int l = 0; l < 8; ++l) a.v[l] += b.v[l]; return a; }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
 };
 #endif
@@ -65,33 +84,30 @@ struct Vec8 {  // the same operations lane by lane (std::fma: one rounding, so t
 template <int R>
 inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t k, const float* bias, float* out,
                          int64_t ldo, int64_t cols, const float* next) {
-  Vec8 acc[R][2];
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec8::zero();
+  constexpr int V = PANEL / Vec::W;  // vectors per panel row
+  Vec acc[R][V];
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+    _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) acc[r][v] = Vec::zero();
+  }
   for (int64_t d = 0; d < k; ++d) {
 #if defined(__GNUC__) || defined(__clang__)
     if (next != nullptr) __builtin_prefetch(next + d * PANEL);
 #endif
-    const Vec8 w0 = Vec8::load(panel + d * PANEL), w1 = Vec8::load(panel + d * PANEL + 8);
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-      const Vec8 a = Vec8::broadcast(x + r * ldx + d);
-      acc[r][0] = Vec8::fmadd(a, w0, acc[r][0]);
-      acc[r][1] = Vec8::fmadd(a, w1, acc[r][1]);
+    Vec w[V];
+    _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) w[v] = Vec::load(panel + d * PANEL + v * Vec::W);
+    _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+      const Vec a = Vec::broadcast(x + r * ldx + d);
+      _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) acc[r][v] = Vec::fmadd(a, w[v], acc[r][v]);
     }
   }
-  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
-    if (bias != nullptr) {
-      acc[r][0] = Vec8::add(acc[r][0], Vec8::load(bias));
-      acc[r][1] = Vec8::add(acc[r][1], Vec8::load(bias + 8));
+  _Pragma("GCC unroll 16") for (int r = 0; r < R; ++r) {
+    float tmp[PANEL];
+    float* dst = cols == PANEL ? out + r * ldo : tmp;  // tmp: the last panel of a layer whose n is not a multiple of 16
+    _Pragma("GCC unroll 2") for (int v = 0; v < V; ++v) {
+      if (bias != nullptr) acc[r][v] = Vec::add(acc[r][v], Vec::load(bias + v * Vec::W));
+      acc[r][v].store(dst + v * Vec::W);
     }
-    if (cols == PANEL) {
-      acc[r][0].store(out + r * ldo);
-      acc[r][1].store(out + r * ldo + 8);
-    } else {  // the last panel of a layer whose n is not a multiple of 16
-      float tmp[PANEL];
-      acc[r][0].store(tmp);
-      acc[r][1].store(tmp + 8);
-      std::memcpy(out + r * ldo, tmp, cols * sizeof(float));
-    }
+    if (cols < PANEL) std::memcpy(out + r * ldo, tmp, cols * sizeof(float));
   }
 }
 
