@@ -1,10 +1,11 @@
 """Fused decode layers (``minibatch/runner/fused_layers.py``, ``minibatch/kernels/cpu_decode_layer.cpp``: one C++
-call per decoder layer in an all-decode float32 step) against the model's own forward (the same packed linears and
-``cpp`` attention kernel, called module by module), on SmolLM2-135M: whole decode steps of B requests with 256
-cached tokens each, two ModelRunners on one model that differ only in ``fuse_decode_layers``, steps alternating
-between them; medians.
+call per decoder layer in an all-decode step) against the model's own forward (the same packed linears, or in bf16
+the same oneDNN products, and ``cpp`` attention kernel, called module by module), on SmolLM2-135M: whole decode
+steps of B requests with 256 cached tokens each, two ModelRunners on one model that differ only in
+``fuse_decode_layers``, steps alternating between them; medians.
 
     python benchmarks/fused_layers.py --json data/cpu/fused_layers.json
+    python benchmarks/fused_layers.py --dtype bfloat16 --json data/cpu/fused_layers_bfloat16.json
 
 ``--against-rev REV`` adds a third way, "fused_REV": the fused layers with the kernel built from the C++ sources at
 git revision REV (an A/B of a kernel change in one process; the Python side is today's for both).
@@ -60,6 +61,8 @@ def main(argv=None) -> dict:
     p = parser(__doc__)
     p.set_defaults(batches="1,8,32,64")
     p.add_argument("--against-rev", default=None, help="also time the fused layers with the kernel at this git rev")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the model's dtype (bfloat16: decode_layer_prepacked on oneDNN's prepacked products)")
     args = p.parse_args(argv)
     from minibatch.models import load_model
     from minibatch.report import environment, machine_load, write_json
@@ -67,7 +70,7 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     load_before = machine_load()
-    model, tokenizer = load_model("smollm2-135m", dtype="float32")
+    model, tokenizer = load_model("smollm2-135m", dtype=args.dtype)
     runners = {name: ModelRunner(model, tokenizer, attention_backend="cpp", fuse_decode_layers=fuse)
                for name, fuse in (("modules", False), ("fused", True))}
     if runners["fused"].fused_decoder is None:
@@ -83,7 +86,7 @@ def main(argv=None) -> dict:
                        if args.against_rev else {}))
         print(rows[-1])
     result = {"command": "python benchmarks/fused_layers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "environment": environment(load_before), "model": "smollm2-135m", "dtype": "float32",
+              "environment": environment(load_before), "model": "smollm2-135m", "dtype": args.dtype,
               "attention_backend": "cpp", "threads": args.threads, "rows": rows}
     write_json(result, args.json_path)
     return result

@@ -54,7 +54,7 @@ def test_start_kernel_builds_names_what_the_runner_loads(monkeypatch):
                                    ("cpu", "bfloat16", "cpp"), ("cpu", "bfloat16", "sdpa"), ("cuda", "float32", "cpp")]:
         start_kernel_builds(device, dtype, backend).join()
     assert started == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, cpu_decode.KERNEL, cpu_decode_layer.KERNEL],
-                       [cpu_decode.KERNEL], [], []]
+                       [cpu_decode.KERNEL, cpu_decode_layer.KERNEL], [], []]
     monkeypatch.setattr(cpp_build, "compiler_available", lambda: False)  # nothing to build with: nothing started
     start_kernel_builds("cpu", "float32", "cpp").join()
     assert started[-1] == []

@@ -1,7 +1,7 @@
 """Fused decode layers (minibatch/runner/fused_layers.py, kernels/cpu_decode_layer.cpp): an all-decode step of a
 float32 Llama-family model as one C++ call per layer gives the modules' logits up to float32 rounding and HF
-generate's greedy tokens; every step it does not apply to runs the model's own forward; it is refused, with the
-reason, where it would not be the same computation."""
+generate's greedy tokens, and of a bf16 one the modules' logits bit for bit; every step it does not apply to runs
+the model's own forward; it is refused, with the reason, where it would not be the same computation."""
 
 import pytest
 import torch
@@ -13,22 +13,23 @@ from minibatch.kernels.cpp_build import compiler_available
 from minibatch.models import load_model
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
-from minibatch.runner import ModelRunner, fused_layers
+from minibatch.runner import ModelRunner, fused_layers, prepack
 
 pytestmark = pytest.mark.skipif(not compiler_available(), reason="no C++ compiler to build the fused decode layer")
 
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The number of fused layer calls so far (the kernel wrapped)."""
+    """The number of fused layer calls so far (both kernels wrapped: float32's and bf16's)."""
     count = [0]
-    original = cpu_decode_layer.decode_layer
+    for name in ("decode_layer", "decode_layer_prepacked"):
+        original = getattr(cpu_decode_layer, name)
 
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return original(*args, **kwargs)
+        def counted(*args, original=original, **kwargs):
+            count[0] += 1
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(cpu_decode_layer, "decode_layer", counted)
+        monkeypatch.setattr(cpu_decode_layer, name, counted)
     return count
 
 
@@ -73,6 +74,24 @@ def test_fused_decode_steps_give_the_modules_logits(model_type, calls):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_fused_bf16_decode_steps_give_the_modules_logits_bit_for_bit(model_type, calls):
+    """In bf16 the fused layer runs the modules' operators in their order and dtype on the same prepacked oneDNN
+    products (q/k/v, gate/up grouped; Qwen2's q/k/v biases; Mistral's window shorter than the contexts): every
+    step's logits equal the modules' exactly, and both runners pick the same tokens."""
+    if not prepack.can_prepack(build_tiny_model(model_type).to(torch.bfloat16)):
+        pytest.skip("no oneDNN bf16 here: linears are not prepacked, so bf16 layers are not fused")
+    model = build_tiny_model(model_type).to(torch.bfloat16)
+    fused, plain = decoding_pair(model)
+    assert fused.executor.fused_decoder is not None and plain.executor.fused_decoder is None
+    for engine in (fused, plain):
+        engine.generate([])
+    assert len(fused.executor.logged) == len(plain.executor.logged) >= 12
+    for (a, ids_a), (b, ids_b) in zip(fused.executor.logged, plain.executor.logged):
+        assert ids_a == ids_b and torch.equal(a, b)
+    assert calls[0] >= 11 * model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
 def test_fused_engine_matches_hf_generate(model_type, calls):
     """paged (every decode fused), chunked (decodes fused, chunks not) and spec_ngram (verification not fused):
     HF generate's greedy tokens."""
@@ -96,6 +115,25 @@ def test_smollm2_fused_decodes_match_hf_generate(calls):
     assert calls[0] >= 30 * 10  # 30 layers, every decode step
 
 
+def test_smollm2_bf16_fused_decodes_give_the_modules_logits(calls):
+    model, _ = load_model("smollm2-135m", dtype="bfloat16")
+    if not prepack.can_prepack(model):
+        pytest.skip("no oneDNN bf16 here: linears are not prepacked, so bf16 layers are not fused")
+    fused, plain = decoding_pair(model, n=4)
+    for engine in (fused, plain):
+        engine.generate([])
+    for (a, ids_a), (b, ids_b) in zip(fused.executor.logged, plain.executor.logged, strict=True):
+        assert ids_a == ids_b and torch.equal(a, b)
+    assert calls[0] >= 30 * 10
+    x = torch.zeros(2, 5, dtype=torch.bfloat16)  # not (n, hidden)
+    spec, layer = fused.executor.fused_decoder.layers[0], model.model.layers[0]
+    with pytest.raises(RuntimeError, match="x \\(n, hidden\\)"):
+        cpu_decode_layer.decode_layer_prepacked(
+            x, [layer.input_layernorm.weight] * 2, [1e-5] * 2, *spec["prepacked"], fused.executor.fused_decoder.dims,
+            torch.ones(2, 64), torch.ones(2, 64), fused.executor.kv_cache[0, 0], fused.executor.kv_cache[0, 1],
+            torch.tensor([0, 1]), torch.tensor([[0], [1]]), torch.tensor([1, 1]), 0.125, None)
+
+
 def test_where_fused_layers_are_refused_and_why():
     fp32, _ = load_model("tiny-random-llama", dtype="float32")
     ModelRunner(fp32, attention_backend="cpp")  # packs the linears
@@ -103,7 +141,15 @@ def test_where_fused_layers_are_refused_and_why():
     assert "attention backend 'torch'" in fused_layers.unsupported(fp32, "torch")
     assert ModelRunner(fp32, attention_backend="torch").fused_decoder is None
     bf16, _ = load_model("tiny-random-llama", dtype="bfloat16")
-    assert fused_layers.unsupported(bf16, "cpp") == "not a float32 model on a CPU"
+    assert "not prepacked for oneDNN" in fused_layers.unsupported(bf16, "cpp")
+    if prepack.can_prepack(bf16):
+        ungrouped, _ = load_model("tiny-random-llama", dtype="bfloat16")
+        prepack.prepack_linears(ungrouped, fuse=False)  # q/k/v and gate/up not one product each: not the layer's
+        assert "with q/k/v and gate/up grouped" in fused_layers.unsupported(ungrouped, "cpp")
+        ModelRunner(bf16, attention_backend="cpp")  # prepacks and groups the linears
+        assert fused_layers.unsupported(bf16, "cpp") is None
+    fp16, _ = load_model("tiny-random-llama", dtype="float16")
+    assert fused_layers.unsupported(fp16, "cpp") == "not a float32 or bf16 model on a CPU"
     assert "model Qwen3ForCausalLM is not one of" in fused_layers.unsupported(build_tiny_model("qwen3"), "cpp")
 
     class ScaledLlama(type(fp32)):  # a subclass may do more than transformers' forward (scale embeddings, ...)

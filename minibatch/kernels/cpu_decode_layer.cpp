@@ -1,4 +1,5 @@
-// One decoder layer of a Llama-family model for a decode step, float32 on a CPU, in one call.
+// One decoder layer of a Llama-family model for a decode step on a CPU, in one call: float32 (decode_layer), or bf16
+// on oneDNN's prepacked products (decode_layer_prepacked, at the end).
 //
 // A decode step of a small model runs ~40 small operators per layer (two RMSNorms, rotary embedding, residual adds,
 // SiLU, views), each a few microseconds of dispatch and Python on a few thousand numbers: at 32 requests of
@@ -212,8 +213,104 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
   return out;
 }
 
+// The same layer in bf16 (or any dtype oneDNN's prepacked matmul takes), as ATen operators called from C++: the
+// operators transformers' modules run, in their order and dtypes (RMSNorm upcast to float32 and back, rotary and
+// residuals in the model's dtype, SiLU then the product), so the outputs are bit for bit the unfused step's; only the
+// Python between them is gone. The products run oneDNN's matmul on weights prepacked once (runner/prepack.py:
+// mkldnn::_linear_pointwise, what the modules call), q/k/v and gate/up each as one product. x: (n, hidden);
+// weights: {qkv, o, gate_up, down}, each prepacked by mkldnn::_reorder_linear_weight; biases: qkv's and o's (or
+// None); the rest as decode_layer's, caches in x's dtype.
+namespace {
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), c10::IValue("none"),
+                          c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string())};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+torch::Tensor rms_norm_like_modules(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  auto h = x.to(torch::kFloat32);
+  auto variance = h.pow(2).mean(-1, true);
+  h = h * torch::rsqrt(variance + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+torch::Tensor rotary_like_modules(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t half = t.size(-1) / 2;  // t (n, heads, hd); cos, sin (n, 1, hd)
+  auto rotated = torch::cat({-t.narrow(-1, half, t.size(-1) - half), t.narrow(-1, 0, half)}, -1);
+  return t * cos + rotated * sin;
+}
+
+}  // namespace
+
+torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor> norms, std::vector<double> eps,
+                                     std::vector<torch::Tensor> weights, c10::optional<torch::Tensor> b_qkv,
+                                     c10::optional<torch::Tensor> b_o, std::vector<int64_t> dims, torch::Tensor cos,
+                                     torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor slot_mapping, torch::Tensor tables, torch::Tensor seq_lens,
+                                     double scale, int64_t window) {
+  RECORD_FUNCTION("minibatch::decode_layer", std::vector<c10::IValue>());
+  TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 4 && dims.size() == 5,
+              "decode_layer_prepacked: 2 norms, 2 epsilons, 4 prepacked weights and 5 dims");
+  const int64_t hidden = dims[0], heads = dims[2], kv_heads = dims[3], hd = dims[4];
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.device().is_cpu() && k_cache.scalar_type() == x.scalar_type() &&
+                  k_cache.dim() == 4 && k_cache.size(2) == kv_heads && k_cache.size(3) == hd &&
+                  v_cache.sizes() == k_cache.sizes() && cos.dim() == 2 && cos.size(0) == x.size(0),
+              "decode_layer_prepacked: x (n, hidden), caches (num_blocks, block_size, num_kv_heads, head_dim) in x's "
+              "dtype, cos and sin (n, head_dim)");
+  const int64_t n = x.size(0);
+  torch::Tensor h, q, k, v, attn;
+  {
+    RECORD_FUNCTION("minibatch::norms", std::vector<c10::IValue>());
+    h = rms_norm_like_modules(x, norms[0], eps[0]);
+  }
+  {
+    RECORD_FUNCTION("minibatch::qkv_proj", std::vector<c10::IValue>());
+    auto qkv = onednn_linear(h, weights[0], b_qkv).split({heads * hd, kv_heads * hd, kv_heads * hd}, -1);
+    q = qkv[0].view({n, heads, hd});
+    k = qkv[1].view({n, kv_heads, hd});
+    v = qkv[2].view({n, kv_heads, hd});
+  }
+  {
+    RECORD_FUNCTION("minibatch::rotary_and_reshapes", std::vector<c10::IValue>());
+    auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+    q = rotary_like_modules(q, c, s);
+    k = rotary_like_modules(k, c, s);
+  }
+  {
+    RECORD_FUNCTION("minibatch::kv_write", std::vector<c10::IValue>());
+    auto keep = slot_mapping.ge(0);
+    auto slots = slot_mapping.index({keep});
+    k_cache.view({-1, kv_heads, hd}).index_copy_(0, slots, k.index({keep}));
+    v_cache.view({-1, kv_heads, hd}).index_copy_(0, slots, v.index({keep}));
+  }
+  {
+    RECORD_FUNCTION("minibatch::attention", std::vector<c10::IValue>());
+    attn = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, window);
+  }
+  torch::Tensor out;
+  {
+    RECORD_FUNCTION("minibatch::o_proj", std::vector<c10::IValue>());
+    out = x + onednn_linear(attn.reshape({n, heads * hd}).contiguous(), weights[1], b_o);
+  }
+  {
+    RECORD_FUNCTION("minibatch::norms", std::vector<c10::IValue>());
+    h = rms_norm_like_modules(out, norms[1], eps[1]);
+  }
+  {
+    RECORD_FUNCTION("minibatch::mlp", std::vector<c10::IValue>());
+    auto gu = onednn_linear(h, weights[2], c10::nullopt).chunk(2, -1);
+    out = out + onednn_linear(torch::silu(gu[0]) * gu[1], weights[3], c10::nullopt);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer", &decode_layer, "a Llama-family decoder layer's decode path, float32, in one call");
+  m.def("decode_layer_prepacked", &decode_layer_prepacked,
+        "the same layer as ATen operators on oneDNN-prepacked weights (bf16), bit for bit the modules' outputs");
   m.def("silu_mul", [](torch::Tensor g, torch::Tensor u) {  // the layer's SiLU(g) * u, for tests: g, u float32
     TORCH_CHECK(g.scalar_type() == torch::kFloat32 && u.sizes() == g.sizes() && u.scalar_type() == torch::kFloat32,
                 "silu_mul: g and u must be float32 tensors of one shape");

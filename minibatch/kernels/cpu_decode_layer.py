@@ -1,4 +1,5 @@
-"""A Llama-family decoder layer's decode path in one C++ call (``cpu_decode_layer.cpp``), float32 on a CPU.
+"""A Llama-family decoder layer's decode path in one C++ call (``cpu_decode_layer.cpp``) on a CPU: float32 on our
+packed kernels (:func:`decode_layer`), bf16 on oneDNN's prepacked products (:func:`decode_layer_prepacked`).
 
 A decode step of a small model spends much of its time outside the matrix products and attention: ~40 small
 operators per layer (RMSNorm's six, rotary embedding's dozen, residual adds, SiLU, views), each microseconds of
@@ -48,3 +49,19 @@ def decode_layer(x: torch.Tensor, norms: list, eps: list, panels: list, biases: 
             message)."""
     return KERNEL.load().decode_layer(x, norms, eps, panels, *biases, dims, cos, sin, k_cache, v_cache, slot_mapping,
                                       tables, seq_lens, float(scale), int(window or 0))
+
+
+def decode_layer_prepacked(x: torch.Tensor, norms: list, eps: list, weights: list, biases: list, dims: list,
+                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           window: int | None) -> torch.Tensor:
+    """:func:`decode_layer` for a bf16 model whose linears are prepacked for oneDNN (``runner.prepack``): the
+    operators transformers' modules run, in their order and dtype, called from C++ (outputs bit for bit the
+    modules'). x: (n, hidden) bf16; weights: the fused q/k/v product's, o_proj's, the fused gate/up product's and
+    down_proj's prepacked weights; biases: the q/k/v product's and o_proj's, or None; cos, sin: (n, head_dim) in x's
+    dtype; caches in x's dtype; the rest as :func:`decode_layer`'s. Returns (n, hidden) in x's dtype.
+
+    Raises:
+        RuntimeError: the kernel could not be built, or the shapes/dtypes break the contract."""
+    return KERNEL.load().decode_layer_prepacked(x, norms, eps, weights, *biases, dims, cos, sin, k_cache, v_cache,
+                                                slot_mapping, tables, seq_lens, float(scale), int(window or 0))

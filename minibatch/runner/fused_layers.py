@@ -7,16 +7,21 @@ the few rows of a decode step each small operator costs microseconds of dispatch
 remove that overhead with their own model code and CUDA graphs; here :class:`FusedDecoder` reads transformers' own
 modules once and, for a step whose every request decodes one token, runs each layer as
 ``kernels.cpu_decode_layer.decode_layer`` (the same packed matrix product and paged decode kernel the modules would
-call, and the small operators in the same float32 order). Embedding, the rotary module's cos/sin, the final norm
-and the LM head stay the model's own modules.
+call, and the small operators in the same float32 order). In bf16 each layer is
+``kernels.cpu_decode_layer.decode_layer_prepacked``: the operators the modules run, in their order and dtype, on
+the same oneDNN-prepacked products (q/k/v and gate/up each one product, ``runner.prepack``), called from C++, so
+the logits are bit for bit the modules'. Embedding, the rotary module's cos/sin, the final norm and the LM head
+stay the model's own modules.
 
 It applies only where the result is the same computation: a float32 model on a CPU whose linears are packed
-(``runner.prepack.pack_linears``), the ``cpp`` attention backend, and a model, model body and decoder layers whose
-classes are exactly transformers' Llama, Mistral or Qwen2 ones, with a SiLU MLP (:func:`unsupported` says why not).
-Every other step (one with a row of several tokens: a prefill, a chunk, a speculative verification; the support
-probe; a module replaced or a weight edited after packing) runs the model's own forward. Outputs are float32 sums in
-another order than the modules' in the last bits (the mean of squares, like the packed products); the engine's
-float32 tokens stay exact against Hugging Face ``generate`` (tests/test_fused_layers.py).
+(``runner.prepack.pack_linears``) or a bf16 one whose linears are prepacked and grouped
+(``runner.prepack.prepack_linears``), the ``cpp`` attention backend, and a model, model body and decoder layers
+whose classes are exactly transformers' Llama, Mistral or Qwen2 ones, with a SiLU MLP (:func:`unsupported` says why
+not). Every other step (one with a row of several tokens: a prefill, a chunk, a speculative verification; the
+support probe; a module replaced or a weight edited after packing) runs the model's own forward. float32 outputs
+are float32 sums in another order than the modules' in the last bits (the mean of squares, like the packed
+products); the engine's float32 tokens stay exact against Hugging Face ``generate``, and bf16 steps give the
+modules' logits exactly (tests/test_fused_layers.py).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from minibatch.kernels import cpu_decode_layer
-from minibatch.runner.prepack import PANEL_MAX_ROWS, PanelLinear
+from minibatch.runner.prepack import PANEL_MAX_ROWS, GroupedLinear, PanelLinear, PrepackedLinear
 
 # transformers' models whose forward decode_layer reproduces: module -> (causal LM, model, decoder layer, attention,
 # MLP, RMSNorm), each class exactly (a subclass, or another model around these layers, may do more: scale the
@@ -68,8 +73,8 @@ def parts(layer) -> list[tuple]:
 def unsupported(model, attention_backend: str) -> str | None:
     """Why :class:`FusedDecoder` cannot run ``model``'s decode steps, or None when it can."""
     p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype != torch.float32:
-        return "not a float32 model on a CPU"
+    if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+        return "not a float32 or bf16 model on a CPU"
     if attention_backend != "cpp":
         return f"attention backend {attention_backend!r} (the fused layers call the 'cpp' backend's kernel)"
     names = SUPPORTED.get(type(model).__module__)
@@ -93,14 +98,47 @@ def unsupported(model, attention_backend: str) -> str | None:
         act = layer.mlp.act_fn
         if not (type(act) is torch.nn.SiLU or _exact_class(act, "transformers.activations", "SiLUActivation")):
             return "the MLP's activation is not SiLU"
-        for sub in PROJECTIONS:
-            if type(layer.get_submodule(sub)) is not PanelLinear:
-                return f"{sub} is not packed (runner.prepack.pack_linears)"
+        why = _not_packed(layer, p.dtype)
+        if why:
+            return why
         if any(layer.get_submodule(sub).bias is not None for sub in PROJECTIONS[4:]):
             return "an MLP projection has a bias"
     if not cpu_decode_layer.available():
         return f"the kernel does not build here: {cpu_decode_layer.KERNEL.error}"
     return None
+
+
+def _not_packed(layer, dtype) -> str | None:
+    """Why ``layer``'s projections are not laid out for a fused call: float32, each on our panels
+    (``prepack.pack_linears``); bf16, prepacked for oneDNN with q/k/v and gate/up each one product
+    (``prepack.prepack_linears``: :func:`prepacked_weights`)."""
+    if dtype == torch.float32:
+        for sub in PROJECTIONS:
+            if type(layer.get_submodule(sub)) is not PanelLinear:
+                return f"{sub} is not packed (runner.prepack.pack_linears)"
+        return None
+    if prepacked_weights(layer) is None:
+        return "the projections are not prepacked for oneDNN with q/k/v and gate/up grouped (runner.prepack)"
+    return None
+
+
+def prepacked_weights(layer) -> tuple[list, list] | None:
+    """A bf16 layer's prepacked weights for ``decode_layer_prepacked`` ([q/k/v product, o_proj, gate/up product,
+    down_proj] and [the q/k/v product's bias, o_proj's]), or None unless q/k/v and gate/up are each one oneDNN group in
+    that order and o/down_proj are prepacked alone."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = []
+    for members in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        group = getattr(members[0], "group", None)
+        if not (all(type(m) is GroupedLinear and m.group is group and m.index == i for i, m in enumerate(members))
+                and group.layout == "onednn"):
+            return None
+        groups.append(group)
+    alone = (attn.o_proj, mlp.down_proj)
+    if not all(type(m) is PrepackedLinear and hasattr(m, "packed_weight") for m in alone):
+        return None
+    (qkv, gate_up), (o, down) = groups, alone
+    return [qkv.packed, o.packed_weight, gate_up.packed, down.packed_weight], [qkv.bias, o.bias]
 
 
 class FusedDecoder:
@@ -125,7 +163,9 @@ class FusedDecoder:
                 self.slots.append((registry, name, module))
                 if name != "act_fn":
                     self.slots += [(module._parameters, p, module._parameters.get(p)) for p in ("weight", "bias")]
+        self.prepacked = next(model.parameters()).dtype != torch.float32  # bf16: decode_layer_prepacked
         self.weights = [(lin, lin.weight) for spec in self.layers for lin in spec["parts"][:7]]
+
         # each layer's parameters for the kernel, read once (through nn.Module.__getattr__ they cost more than the
         # plain attributes; with the per-layer cache views below, a few tenths of a ms a step); current() vouches
         # for them. The panels and epsilons are read every step (plain attributes): packing again, e.g. by a second
@@ -143,8 +183,16 @@ class FusedDecoder:
     def current(self) -> bool:
         """Whether the model is still what this decoder read: the same layers, projections, norms, activation and
         parameters (none replaced since), every projection's panels packed from its weight as it is now."""
-        return len(self.base.layers) == len(self.layers) and all(d.get(k) is o for d, k, o in self.slots) and all(
-            type(lin) is PanelLinear and w._version == getattr(lin, "packed_version", None) for lin, w in self.weights)
+        if not (len(self.base.layers) == len(self.layers) and all(d.get(k) is o for d, k, o in self.slots)):
+            return False
+        if self.prepacked:  # still grouped and prepacked; the weights are read every step (prepacking again, e.g.
+            # by a second runner, makes new ones)
+            weights = [prepacked_weights(layer) for layer in self.base.layers]
+            for spec, w in zip(self.layers, weights):
+                spec["prepacked"] = w
+            return all(w is not None for w in weights)
+        return all(type(lin) is PanelLinear and w._version == getattr(lin, "packed_version", None)
+                   for lin, w in self.weights)
 
     def hidden_states(self, batch, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """The final norm's output at ``batch.logits_indices`` ((num_logits, hidden) float32), or None when this
@@ -167,6 +215,11 @@ class FusedDecoder:
             norms, biases = spec["args"]
             *lins, norm_in, norm_post, _ = spec["parts"]
             eps = [float(norm_in.variance_epsilon), float(norm_post.variance_epsilon)]
+            if self.prepacked:
+                x = cpu_decode_layer.decode_layer_prepacked(x, norms, eps, *spec["prepacked"], self.dims, cos, sin,
+                                                            k_cache, v_cache, m.slot_mapping, data.decode_tables,
+                                                            data.decode_lens, spec["scale"], spec["window"])
+                continue
             x = cpu_decode_layer.decode_layer(x, norms, eps, [lin.panels for lin in lins], biases, self.dims, cos,
                                               sin, k_cache, v_cache, m.slot_mapping, data.decode_tables,
                                               data.decode_lens, spec["scale"], spec["window"])

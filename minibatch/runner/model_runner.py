@@ -50,8 +50,9 @@ class ModelRunner(KVOwnership):
             runner's steps only). Changes the model's Linear modules in place: the HF reference and baselines run
             on the same model object, with the bit-identical bf16 layers and with stock ``F.linear`` in float32.
         fuse_decode_layers: run all-decode packed steps with one C++ call per decoder layer
-            (``runner.fused_layers``) where the model, dtype and attention backend allow it (float32 on a CPU,
-            packed linears, the ``cpp`` backend, Llama/Mistral/Qwen2 layers); ``fused_decoder`` is None elsewhere,
+            (``runner.fused_layers``) where the model, dtype and attention backend allow it (float32 or bf16 on a
+            CPU, packed or prepacked linears, the ``cpp`` backend, Llama/Mistral/Qwen2 layers); ``fused_decoder`` is
+            None elsewhere,
             and ``fused_unsupported`` says why.
 
     Raises:
@@ -259,8 +260,8 @@ def start_kernel_builds(device, dtype, attention_backend: str):
     """Start building, on a background thread (``kernels.cpp_build.build_in_background``), the C++ kernels a
     ModelRunner on ``device`` with ``attention_backend`` may build on first use for a model in ``dtype`` (a torch
     dtype or a ``--dtype`` name, "auto" included), in the order it loads them: the packed linears' for float32 on a
-    CPU, then the ``cpp`` backend's decode kernel and, in float32, the fused decode layer's (none on a GPU, or
-    without a C++ compiler). Returns the thread, to ``join()`` before anything is timed."""
+    CPU, then the ``cpp`` backend's decode kernel and the fused decode layer's (none on a GPU, or without a C++
+    compiler). Returns the thread, to ``join()`` before anything is timed."""
     from minibatch.kernels import cpu_decode, cpu_decode_layer, cpu_linear
     from minibatch.kernels.cpp_build import build_in_background, compiler_available
     from minibatch.precision import resolve_dtype
@@ -269,4 +270,4 @@ def start_kernel_builds(device, dtype, attention_backend: str):
     float32 = on_cpu and resolve_dtype(dtype, device) == torch.float32
     cpp = on_cpu and attention_backend == "cpp"
     return build_in_background(([cpu_linear.KERNEL] if float32 else []) + ([cpu_decode.KERNEL] if cpp else [])
-                               + ([cpu_decode_layer.KERNEL] if cpp and float32 else []))
+                               + ([cpu_decode_layer.KERNEL] if cpp else []))
