@@ -237,10 +237,30 @@ torch::Tensor rms_norm_like_modules(const torch::Tensor& x, const torch::Tensor&
   return weight * h.to(x.scalar_type());
 }
 
+// transformers' q * cos + rotate_half(q) * sin on t (n, heads, hd) with cos, sin (n, hd), all bf16: each operator
+// computes in float32 and rounds to bf16 (as torch's bf16 kernels do), so these loops give its numbers exactly.
 torch::Tensor rotary_like_modules(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const int64_t half = t.size(-1) / 2;  // t (n, heads, hd); cos, sin (n, 1, hd)
-  auto rotated = torch::cat({-t.narrow(-1, half, t.size(-1) - half), t.narrow(-1, 0, half)}, -1);
-  return t * cos + rotated * sin;
+  using bf16 = at::BFloat16;
+  auto src = t.contiguous();
+  auto out = torch::empty_like(src);
+  const int64_t n = src.size(0), heads = src.size(1), hd = src.size(2), half = hd / 2;
+  const bf16* x = src.data_ptr<bf16>();
+  bf16* o = out.data_ptr<bf16>();
+  for (int64_t r = 0; r < n; ++r) {
+    const bf16* c = cos.data_ptr<bf16>() + r * hd;
+    const bf16* s = sin.data_ptr<bf16>() + r * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      const bf16* v = x + (r * heads + h) * hd;
+      bf16* w = o + (r * heads + h) * hd;
+      for (int64_t i = 0; i < hd; ++i) {
+        const float rotated = i < half ? -static_cast<float>(v[i + half]) : static_cast<float>(v[i - half]);
+        const bf16 a = static_cast<float>(v[i]) * static_cast<float>(c[i]);
+        const bf16 b = static_cast<float>(bf16(rotated)) * static_cast<float>(s[i]);
+        w[i] = static_cast<float>(a) + static_cast<float>(b);
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -261,6 +281,15 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
               "decode_layer_prepacked: x (n, hidden), caches (num_blocks, block_size, num_kv_heads, head_dim) in x's "
               "dtype, cos and sin (n, head_dim)");
   const int64_t n = x.size(0);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
+                  sin.sizes() == cos.sizes() && sin.scalar_type() == x.scalar_type() && cos.size(1) == hd,
+              "decode_layer_prepacked: contiguous caches; cos and sin (n, head_dim) in x's dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == n && slot_mapping.scalar_type() == torch::kLong &&
+                  slot_mapping.is_contiguous(),
+              "decode_layer_prepacked: slot_mapping must be (n,) int64, contiguous");
+  for (int64_t t = 0; t < n; ++t)  // all checked before anything is written: a refused call leaves the cache as is
+    TORCH_CHECK(slot_mapping.data_ptr<int64_t>()[t] < k_cache.size(0) * k_cache.size(1),
+                "decode_layer_prepacked: slot ", slot_mapping.data_ptr<int64_t>()[t], " outside the cache");
   torch::Tensor h, q, k, v, attn;
   {
     RECORD_FUNCTION("minibatch::norms", std::vector<c10::IValue>());
@@ -275,16 +304,28 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   }
   {
     RECORD_FUNCTION("minibatch::rotary_and_reshapes", std::vector<c10::IValue>());
-    auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-    q = rotary_like_modules(q, c, s);
-    k = rotary_like_modules(k, c, s);
+    if (x.scalar_type() == torch::kBFloat16) {
+      q = rotary_like_modules(q, cos.contiguous(), sin.contiguous());
+      k = rotary_like_modules(k, cos.contiguous(), sin.contiguous());
+    } else {  // another dtype: the modules' operators themselves
+      auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+      const int64_t half = hd / 2;
+      q = q * c + torch::cat({-q.narrow(-1, half, hd - half), q.narrow(-1, 0, half)}, -1) * s;
+      k = k * c + torch::cat({-k.narrow(-1, half, hd - half), k.narrow(-1, 0, half)}, -1) * s;
+    }
   }
   {
-    RECORD_FUNCTION("minibatch::kv_write", std::vector<c10::IValue>());
-    auto keep = slot_mapping.ge(0);
-    auto slots = slot_mapping.index({keep});
-    k_cache.view({-1, kv_heads, hd}).index_copy_(0, slots, k.index({keep}));
-    v_cache.view({-1, kv_heads, hd}).index_copy_(0, slots, v.index({keep}));
+    RECORD_FUNCTION("minibatch::kv_write", std::vector<c10::IValue>());  // copies: the same bits as index_copy_
+    const int64_t row = kv_heads * hd * k_cache.element_size();
+    auto kc = k.contiguous(), vc = v.contiguous();
+    const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+    char* kd = static_cast<char*>(k_cache.data_ptr());
+    char* vd = static_cast<char*>(v_cache.data_ptr());
+    for (int64_t t = 0; t < n; ++t) {
+      if (slot[t] < 0) continue;
+      std::memcpy(kd + slot[t] * row, static_cast<const char*>(kc.data_ptr()) + t * row, row);
+      std::memcpy(vd + slot[t] * row, static_cast<const char*>(vc.data_ptr()) + t * row, row);
+    }
   }
   {
     RECORD_FUNCTION("minibatch::attention", std::vector<c10::IValue>());
