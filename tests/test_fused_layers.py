@@ -125,13 +125,24 @@ def test_smollm2_bf16_fused_decodes_give_the_modules_logits(calls):
     for (a, ids_a), (b, ids_b) in zip(fused.executor.logged, plain.executor.logged, strict=True):
         assert ids_a == ids_b and torch.equal(a, b)
     assert calls[0] >= 30 * 10
-    x = torch.zeros(2, 5, dtype=torch.bfloat16)  # not (n, hidden)
-    spec, layer = fused.executor.fused_decoder.layers[0], model.model.layers[0]
+    decoder, layer, cache = fused.executor.fused_decoder, model.model.layers[0], fused.executor.kv_cache
+
+    def call(x, slots=(0, 1), cos=torch.ones(2, 64, dtype=torch.bfloat16)):
+        return cpu_decode_layer.decode_layer_prepacked(
+            x, [layer.input_layernorm.weight] * 2, [1e-5] * 2, *decoder.layers[0]["prepacked"], decoder.dims, cos,
+            cos, cache[0, 0], cache[0, 1], torch.tensor(slots), torch.tensor([[0], [1]]), torch.tensor([1, 1]),
+            0.125, None)
+
+    x = torch.randn(2, decoder.dims[0]).to(torch.bfloat16)
+    assert call(x).shape == x.shape
     with pytest.raises(RuntimeError, match="x \\(n, hidden\\)"):
-        cpu_decode_layer.decode_layer_prepacked(
-            x, [layer.input_layernorm.weight] * 2, [1e-5] * 2, *spec["prepacked"], fused.executor.fused_decoder.dims,
-            torch.ones(2, 64), torch.ones(2, 64), fused.executor.kv_cache[0, 0], fused.executor.kv_cache[0, 1],
-            torch.tensor([0, 1]), torch.tensor([[0], [1]]), torch.tensor([1, 1]), 0.125, None)
+        call(x[:, :-1])
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        call(x, cos=torch.ones(2, 64))  # float32, not x's dtype
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="outside the cache"):  # checked before row 0's K/V is written
+        call(x, slots=(2, 10 ** 9))
+    assert torch.equal(cache, before)
 
 
 def test_where_fused_layers_are_refused_and_why():
