@@ -119,8 +119,8 @@ def test_smollm2_bf16_fused_decodes_give_the_modules_logits(calls):
 
     def call(x, slots=(0, 1), cos=torch.ones(2, 64, dtype=torch.bfloat16)):
         return cpu_decode_layer.decode_layer_prepacked(
-            x, [layer.input_layernorm.weight] * 2, [1e-5] * 2, *decoder.layers[0]["prepacked"], decoder.dims, cos,
-            cos, cache[0, 0], cache[0, 1], torch.tensor(slots), torch.tensor([[0], [1]]), torch.tensor([1, 1]),
+            x, [layer.input_layernorm.weight] * 2, [1e-5] * 2, *fused_layers.prepacked_weights(layer), decoder.dims,
+            cos, cos, cache[0, 0], cache[0, 1], torch.tensor(slots), torch.tensor([[0], [1]]), torch.tensor([1, 1]),
             0.125, None)
 
     x = torch.randn(2, decoder.dims[0]).to(torch.bfloat16)

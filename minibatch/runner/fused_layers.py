@@ -165,7 +165,6 @@ class FusedDecoder:
                     self.slots += [(module._parameters, p, module._parameters.get(p)) for p in ("weight", "bias")]
         self.prepacked = next(model.parameters()).dtype != torch.float32  # bf16: decode_layer_prepacked
         self.weights = [(lin, lin.weight) for spec in self.layers for lin in spec["parts"][:7]]
-
         # each layer's parameters for the kernel, read once (through nn.Module.__getattr__ they cost more than the
         # plain attributes; with the per-layer cache views below, a few tenths of a ms a step); current() vouches
         # for them. The panels and epsilons are read every step (plain attributes): packing again, e.g. by a second
@@ -185,18 +184,12 @@ class FusedDecoder:
         parameters (none replaced since), every projection's panels packed from its weight as it is now."""
         if not (len(self.base.layers) == len(self.layers) and all(d.get(k) is o for d, k, o in self.slots)):
             return False
-        if self.prepacked:  # still grouped and prepacked; the weights are read every step (prepacking again, e.g.
-            # by a second runner, makes new ones)
-            weights = [prepacked_weights(layer) for layer in self.base.layers]
-            for spec, w in zip(self.layers, weights):
-                spec["prepacked"] = w
-            return all(w is not None for w in weights)
-        return all(type(lin) is PanelLinear and w._version == getattr(lin, "packed_version", None)
-                   for lin, w in self.weights)
+        return self.prepacked or all(type(lin) is PanelLinear and w._version == getattr(lin, "packed_version", None)
+                                     for lin, w in self.weights)
 
     def hidden_states(self, batch, kv_cache: torch.Tensor) -> torch.Tensor | None:
-        """The final norm's output at ``batch.logits_indices`` ((num_logits, hidden) float32), or None when this
-        step is not for the fused layers (a row of several tokens: a prefill, a chunk or a speculative
+        """The final norm's output at ``batch.logits_indices`` ((num_logits, hidden) in the model's dtype), or None
+        when this step is not for the fused layers (a row of several tokens: a prefill, a chunk or a speculative
         verification; the support probe; more rows than the packed linears take; a module replaced or a weight
         edited since): then the caller runs the model's own forward. kv_cache: (num_layers, 2, num_blocks,
         block_size, num_kv_heads, head_dim)."""
@@ -205,18 +198,23 @@ class FusedDecoder:
         if m.prefill_indices or m.probe_calls is not None or len(m.decode_indices) != n or n > PANEL_MAX_ROWS \
                 or getattr(m.data, "decode_lens", None) is None or not self.current():
             return None
+        # bf16: each layer's prepacked products, read every step (prepacking again, e.g. by a second runner, makes
+        # new ones); a layer no longer grouped and prepacked runs the model's own forward
+        prepacked = [prepacked_weights(layer) for layer in self.base.layers] if self.prepacked else None
+        if prepacked is not None and any(p is None for p in prepacked):
+            return None
         x = self.base.embed_tokens(batch.input_ids)  # (n, hidden)
         cos, sin = self.base.rotary_emb(x[None], batch.positions[None])  # (1, n, head_dim) each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         data = m.data
         if kv_cache is not self.kv_cache:
             self.kv_cache, self.kv_views = kv_cache, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(len(self.layers))]
-        for spec, (k_cache, v_cache) in zip(self.layers, self.kv_views):
+        for i, (spec, (k_cache, v_cache)) in enumerate(zip(self.layers, self.kv_views)):
             norms, biases = spec["args"]
             *lins, norm_in, norm_post, _ = spec["parts"]
             eps = [float(norm_in.variance_epsilon), float(norm_post.variance_epsilon)]
-            if self.prepacked:
-                x = cpu_decode_layer.decode_layer_prepacked(x, norms, eps, *spec["prepacked"], self.dims, cos, sin,
+            if prepacked is not None:
+                x = cpu_decode_layer.decode_layer_prepacked(x, norms, eps, *prepacked[i], self.dims, cos, sin,
                                                             k_cache, v_cache, m.slot_mapping, data.decode_tables,
                                                             data.decode_lens, spec["scale"], spec["window"])
                 continue
