@@ -110,6 +110,29 @@ void add_into(float* x, const float* y, int64_t count) {
   for (int64_t i = 0; i < count; ++i) x[i] += y[i];
 }
 
+// Every token's slot (n of them) below the cache's slot count, all checked before anything is written: a refused
+// call leaves the cache as is. `who`: the calling function, for the message.
+void check_slots(const int64_t* slot, int64_t n, const torch::Tensor& k_cache, const char* who) {
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(slot[t] < slots, who, ": slot ", slot[t], " outside the cache");
+}
+
+// Token t's K and V rows (k, v: (n, num_kv_heads, head_dim), contiguous, the caches' dtype) copied into the caches
+// at slot[t] (-1: not written): the same bits an index_copy_ writes.
+void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache, torch::Tensor& v_cache,
+              const int64_t* slot, int64_t n) {
+  const int64_t row = k.numel() / std::max<int64_t>(n, 1) * k.element_size();
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  char* kd = static_cast<char*>(k_cache.data_ptr());
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < n; ++t) {
+    if (slot[t] < 0) continue;
+    std::memcpy(kd + slot[t] * row, ks + t * row, row);
+    std::memcpy(vd + slot[t] * row, vs + t * row, row);
+  }
+}
+
 }  // namespace
 
 // x: (n, hidden) float32, the residual stream of n one-token decodes; returns the layer's output (n, hidden).
@@ -154,10 +177,8 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
   cos = cos.contiguous();
   sin = sin.contiguous();
   slot_mapping = slot_mapping.contiguous();
-  const int64_t slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t)  // all checked before anything is written: a refused call leaves the cache as is
-    TORCH_CHECK(slot[t] < slots, "decode_layer: slot ", slot[t], " outside the cache");
+  check_slots(slot, n, k_cache, "decode_layer");
   // the ranges are named after `python -m minibatch profile`'s components (minibatch/experiments/step_profile.py)
   auto h = torch::empty_like(x);
   {
@@ -178,14 +199,7 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
   }
   {
     RECORD_FUNCTION("minibatch::kv_write", std::vector<c10::IValue>());
-    const int64_t row = kv_heads * hd;
-    float* kc = k_cache.data_ptr<float>();
-    float* vc = v_cache.data_ptr<float>();
-    for (int64_t t = 0; t < n; ++t) {
-      if (slot[t] < 0) continue;
-      std::memcpy(kc + slot[t] * row, k.data_ptr<float>() + t * row, row * sizeof(float));
-      std::memcpy(vc + slot[t] * row, v.data_ptr<float>() + t * row, row * sizeof(float));
-    }
+    write_kv(k, v, k_cache, v_cache, slot, n);
   }
   torch::Tensor attn, o;
   {
@@ -213,7 +227,7 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
   return out;
 }
 
-// The same layer in bf16 (or any dtype oneDNN's prepacked matmul takes), as ATen operators called from C++: the
+// The same layer in bf16, as ATen operators called from C++: the
 // operators transformers' modules run, in their order and dtypes (RMSNorm upcast to float32 and back, rotary and
 // residuals in the model's dtype, SiLU then the product), so the outputs are bit for bit the unfused step's; only the
 // Python between them is gone. The products run oneDNN's matmul on weights prepacked once (runner/prepack.py:
@@ -275,11 +289,12 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 4 && dims.size() == 5,
               "decode_layer_prepacked: 2 norms, 2 epsilons, 4 prepacked weights and 5 dims");
   const int64_t hidden = dims[0], heads = dims[2], kv_heads = dims[3], hd = dims[4];
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.device().is_cpu() && k_cache.scalar_type() == x.scalar_type() &&
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 &&
+                  k_cache.scalar_type() == x.scalar_type() &&
                   k_cache.dim() == 4 && k_cache.size(2) == kv_heads && k_cache.size(3) == hd &&
                   v_cache.sizes() == k_cache.sizes() && cos.dim() == 2 && cos.size(0) == x.size(0),
-              "decode_layer_prepacked: x (n, hidden), caches (num_blocks, block_size, num_kv_heads, head_dim) in x's "
-              "dtype, cos and sin (n, head_dim)");
+              "decode_layer_prepacked: x (n, hidden) bf16, caches (num_blocks, block_size, num_kv_heads, head_dim) in "
+              "x's dtype, cos and sin (n, head_dim)");
   const int64_t n = x.size(0);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
                   sin.sizes() == cos.sizes() && sin.scalar_type() == x.scalar_type() && cos.size(1) == hd,
@@ -287,9 +302,10 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == n && slot_mapping.scalar_type() == torch::kLong &&
                   slot_mapping.is_contiguous(),
               "decode_layer_prepacked: slot_mapping must be (n,) int64, contiguous");
-  for (int64_t t = 0; t < n; ++t)  // all checked before anything is written: a refused call leaves the cache as is
-    TORCH_CHECK(slot_mapping.data_ptr<int64_t>()[t] < k_cache.size(0) * k_cache.size(1),
-                "decode_layer_prepacked: slot ", slot_mapping.data_ptr<int64_t>()[t], " outside the cache");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  check_slots(slot, n, k_cache, "decode_layer_prepacked");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
   torch::Tensor h, q, k, v, attn;
   {
     RECORD_FUNCTION("minibatch::norms", std::vector<c10::IValue>());
@@ -304,28 +320,12 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   }
   {
     RECORD_FUNCTION("minibatch::rotary_and_reshapes", std::vector<c10::IValue>());
-    if (x.scalar_type() == torch::kBFloat16) {
-      q = rotary_like_modules(q, cos.contiguous(), sin.contiguous());
-      k = rotary_like_modules(k, cos.contiguous(), sin.contiguous());
-    } else {  // another dtype: the modules' operators themselves
-      auto c = cos.unsqueeze(1), s = sin.unsqueeze(1);
-      const int64_t half = hd / 2;
-      q = q * c + torch::cat({-q.narrow(-1, half, hd - half), q.narrow(-1, 0, half)}, -1) * s;
-      k = k * c + torch::cat({-k.narrow(-1, half, hd - half), k.narrow(-1, 0, half)}, -1) * s;
-    }
+    q = rotary_like_modules(q, cos, sin);
+    k = rotary_like_modules(k, cos, sin);
   }
   {
-    RECORD_FUNCTION("minibatch::kv_write", std::vector<c10::IValue>());  // copies: the same bits as index_copy_
-    const int64_t row = kv_heads * hd * k_cache.element_size();
-    auto kc = k.contiguous(), vc = v.contiguous();
-    const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-    char* kd = static_cast<char*>(k_cache.data_ptr());
-    char* vd = static_cast<char*>(v_cache.data_ptr());
-    for (int64_t t = 0; t < n; ++t) {
-      if (slot[t] < 0) continue;
-      std::memcpy(kd + slot[t] * row, static_cast<const char*>(kc.data_ptr()) + t * row, row);
-      std::memcpy(vd + slot[t] * row, static_cast<const char*>(vc.data_ptr()) + t * row, row);
-    }
+    RECORD_FUNCTION("minibatch::kv_write", std::vector<c10::IValue>());
+    write_kv(k, v.contiguous(), k_cache, v_cache, slot, n);  // k: the rotary's new, contiguous tensor
   }
   {
     RECORD_FUNCTION("minibatch::attention", std::vector<c10::IValue>());

@@ -52,8 +52,7 @@ class ModelRunner(KVOwnership):
         fuse_decode_layers: run all-decode packed steps with one C++ call per decoder layer
             (``runner.fused_layers``) where the model, dtype and attention backend allow it (float32 or bf16 on a
             CPU, packed or prepacked linears, the ``cpp`` backend, Llama/Mistral/Qwen2 layers); ``fused_decoder`` is
-            None elsewhere,
-            and ``fused_unsupported`` says why.
+            None elsewhere, and ``fused_unsupported`` says why.
 
     Raises:
         ValueError: an unknown attention_backend, or one that does not support the model's device or dtype.
