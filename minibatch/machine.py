@@ -1,9 +1,13 @@
-"""What machine this is: the CPU model and its vector instruction sets, read from /proc/cpuinfo.
+"""What machine this is: the CPU model and its vector instruction sets, read from /proc/cpuinfo; and how its C
+allocator treats the memory a step frees (``keep_freed_memory``).
 
-Results record both (``report.environment``); the C++ kernels' build name covers both (``kernels.cpp_build``).
+Results record all three (``report.environment``); the C++ kernels' build name covers the first two
+(``kernels.cpp_build``).
 """
 
 from __future__ import annotations
+
+import os
 
 
 def cpu_model() -> str:
@@ -37,3 +41,53 @@ def cpu_isa() -> str:
         return ""
     have = set(line.split(":", 1)[1].split()) if ":" in line else set()
     return " ".join(flag for flag in SIMD_FLAGS if flag in have)
+
+
+# glibc malloc settings that keep freed memory for reuse: blocks up to MMAP_THRESHOLD_BYTES come from the heap (the
+# largest glibc accepts on 64-bit: half its 64 MiB heap size), and free memory at the heap's top is returned to the
+# system only beyond TRIM_THRESHOLD_BYTES. The same two settings as environment variables, for a child process.
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 2**31 - 1
+KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+                         "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}
+_malloc_state = "default"
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep the memory a step frees for the next step; True where applied.
+
+    A prefill step's activations are megabytes each ((tokens, hidden) and (tokens, intermediate) per layer). By
+    default glibc gives blocks over its mmap threshold (128 KiB at first, raised as such blocks are freed) fresh
+    pages from the kernel and returns them when freed, so a step pays a page fault for every 4 KiB it writes
+    there. With the thresholds above the pages stay mapped and are reused (the process keeps its peak heap).
+    ``benchmarks/keep_freed_memory.py`` measures it on the saturated trace (``data/cpu/keep_freed_memory.json``).
+    vLLM's CPU platform preloads tcmalloc for the same reason, where its build bundles it; its processes get these
+    settings from ours (``baselines.vllm_peer.run_worker``).
+
+    Applies once per process, with ``mallopt`` (glibc only: elsewhere, e.g. macOS or musl, nothing changes and it
+    returns False). ``MINIBATCH_KEEP_FREED_MEMORY=0`` in the environment turns it off, for A/B runs. Called by
+    every CPU ``ModelRunner``; ``malloc_state()`` says what holds now (results record it)."""
+    global _malloc_state
+    if _malloc_state == "kept freed memory":
+        return True
+    if os.environ.get("MINIBATCH_KEEP_FREED_MEMORY", "1") == "0":
+        _malloc_state = "default (MINIBATCH_KEEP_FREED_MEMORY=0)"
+        return False
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+    if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1 or libc.mallopt(M_TRIM_THRESHOLD,
+                                                                                 TRIM_THRESHOLD_BYTES) != 1:
+        return False
+    _malloc_state = "kept freed memory"
+    return True
+
+
+def malloc_state() -> str:
+    """"kept freed memory" once ``keep_freed_memory`` applied in this process, else "default" (with why, when the
+    environment turned it off)."""
+    return _malloc_state

@@ -1,9 +1,16 @@
 """Building the C++ kernels: one build per extension whichever thread asks first, and compare's background builds
 (``runner.model_runner.start_kernel_builds``) name the kernels the runner will load. No compiler is run here: the
-build itself is replaced by a stand-in."""
+build itself is replaced by a stand-in. Also what results record about the machine: its instruction sets and its
+C allocator's settings (``machine.keep_freed_memory``)."""
 
+import os
+import platform
+import subprocess
+import sys
 import threading
 import time
+
+import pytest
 
 import torch
 
@@ -83,3 +90,44 @@ def test_machine_differences_name_the_instruction_sets():
         "cpu_isa: avx2 fma -> avx2 fma avx512f"]
     older = {k: v for k, v in here.items() if k != "cpu_isa"}  # recorded before cpu_isa was: no line for it
     assert machine_differences(older, here) == []
+
+
+KEEP = """
+import ctypes, json, sys
+from minibatch.machine import keep_freed_memory, malloc_state
+before = malloc_state()
+applied = keep_freed_memory()
+again = keep_freed_memory()
+buf = [bytearray(8 << 20) for _ in range(4)]  # 8 MiB blocks: from the heap now, under the 32 MiB threshold
+del buf
+json.dump([before, applied, again, malloc_state()], sys.stdout)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_keep_freed_memory_applies_once_per_process_unless_turned_off():
+    """In a fresh interpreter each time: the setting is process-wide. Where it applies, results record it
+    (``report.environment()["malloc"]``); MINIBATCH_KEEP_FREED_MEMORY=0 leaves glibc's defaults."""
+    import json
+
+    def run(**env):
+        out = subprocess.run([sys.executable, "-c", KEEP], capture_output=True, text=True, check=True,
+                             env=os.environ | env)
+        return json.loads(out.stdout)
+
+    assert run() == ["default", True, True, "kept freed memory"]
+    assert run(MINIBATCH_KEEP_FREED_MEMORY="0") == ["default", False, False,
+                                                    "default (MINIBATCH_KEEP_FREED_MEMORY=0)"]
+
+
+def test_a_cpu_runner_keeps_freed_memory_and_results_say_so(monkeypatch):
+    from minibatch import machine
+    from minibatch.models import load_model
+    from minibatch.report import environment
+    from minibatch.runner import ModelRunner
+
+    calls = []
+    monkeypatch.setattr("minibatch.runner.model_runner.keep_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(machine, "_malloc_state", "kept freed memory")
+    ModelRunner(*load_model("tiny-random-llama", dtype="float32"))
+    assert calls == [1] and environment()["malloc"] == "kept freed memory"

@@ -116,3 +116,25 @@ def test_vllm_step_times_per_shape(tiny, tmp_path):
     assert [r["vllm_step_s"] for r in rows] == pytest.approx([0.02, 0.02, 0.3])
     assert rows[0]["vllm_over_bound"] == 2.0 and peer["version"] == "fake"
     assert peer["settings"]["max_num_seqs"] == 4 and peer["settings"]["enable_prefix_caching"] is False
+
+
+ENV_WORKER = '''#!{python}
+import json, os, sys
+json.dump({{k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}, open(sys.argv[3], "w"))
+'''
+
+
+@pytest.mark.parametrize("state", ["kept freed memory", "default (MINIBATCH_KEEP_FREED_MEMORY=0)"])
+def test_vllm_runs_with_our_allocator_settings(tmp_path, monkeypatch, state):
+    """Both engines reuse freed memory alike: vLLM's processes get, as environment variables, the glibc malloc
+    settings our process runs with (``machine.keep_freed_memory``), and none when ours has glibc's defaults."""
+    from minibatch import machine
+
+    for key in machine.KEEP_FREED_MEMORY_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(machine, "_malloc_state", state)
+    path = tmp_path / "env-python"
+    path.write_text(ENV_WORKER.format(python=sys.executable))
+    path.chmod(0o755)
+    got = vllm_peer.run_worker(str(path), {"engine": {}}, tmp_path)
+    assert got == (machine.KEEP_FREED_MEMORY_ENV if state == "kept freed memory" else {})

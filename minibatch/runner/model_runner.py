@@ -17,6 +17,7 @@ import inspect
 
 import torch
 
+from minibatch.machine import keep_freed_memory
 from minibatch.models import eos_token_ids, pad_token_id, set_attention
 from minibatch.request import Request
 from minibatch.runner import attention
@@ -54,6 +55,9 @@ class ModelRunner(KVOwnership):
             CPU, packed or prepacked linears, the ``cpp`` backend, Llama/Mistral/Qwen2 layers); ``fused_decoder`` is
             None elsewhere, and ``fused_unsupported`` says why.
 
+    On a CPU it also makes the C allocator keep freed memory for the next step (``machine.keep_freed_memory``:
+    without it every prefill step faults its activations' pages in afresh), for the whole process.
+
     Raises:
         ValueError: an unknown attention_backend, or one that does not support the model's device or dtype.
         NotImplementedError: the model does not run the packed attention exactly (its attention
@@ -79,6 +83,8 @@ class ModelRunner(KVOwnership):
         cfg = model.config.get_text_config()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if self.device.type == "cpu":  # a step's freed activations reused, not faulted in afresh each step
+            keep_freed_memory()
         self.num_layers = config_int(model, cfg, "num_hidden_layers")
         self.num_heads = config_int(model, cfg, "num_attention_heads")
         self.num_kv_heads = config_int(model, cfg, "num_key_value_heads", self.num_heads)
