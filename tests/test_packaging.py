@@ -38,3 +38,14 @@ def test_the_results_changing_dependencies_have_upper_bounds():
 
 def test_one_version_number():
     assert PROJECT["version"] == minibatch.__version__
+
+
+def test_the_kernels_sources_and_headers_are_package_data():
+    """A non-editable install builds the C++ kernels from the installed package: every source and header they
+    include must be shipped."""
+    import fnmatch
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["minibatch"]
+    kernels = [p.relative_to(ROOT / "minibatch").as_posix() for p in (ROOT / "minibatch" / "kernels").iterdir()
+               if p.suffix in (".cpp", ".h")]
+    assert kernels and all(any(fnmatch.fnmatch(k, pat) for pat in patterns) for k in kernels), kernels

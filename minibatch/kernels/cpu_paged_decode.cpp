@@ -2,9 +2,11 @@
 //
 // vLLM's PagedAttention decode (Kwon et al., SOSP'23, section 4.1) as a plain C++ loop nest, built at first use by
 // torch.utils.cpp_extension (minibatch/kernels/cpu_decode.py). One task per request (or per (request, KV head)
-// when there are few requests): the `group` query heads that share a KV head read each key and value once. Scores, softmax and the weighted sum are fp32 whatever
-// the cache dtype; the output is in the query's dtype. Parallel over tasks with ATen's thread pool (torch's
-// thread count).
+// when there are few requests): the `group` query heads that share a KV head read each key and value once. Scores,
+// softmax and the weighted sum are fp32 whatever the cache dtype; with a bf16 cache on a CPU with AVX512-BF16 the
+// scores and the weighted sum multiply bf16 pairs exactly into fp32 sums instead (cpu_paged_bf16.h: the rows are read
+// as stored, and the softmax's weights are rounded to bf16 for the sum, as torch's CPU flash attention does). The
+// output is in the query's dtype. Parallel over tasks with ATen's thread pool (torch's thread count).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -15,8 +17,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "cpu_paged_bf16.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -228,13 +232,9 @@ inline void load_chunk(const scalar_t* cache, const int64_t* table, int64_t c, i
   }
   for (int64_t j = m; j < W; ++j)
     for (int64_t e = 0; e < width; e += W) Simd::store(rows + j * width + e, Simd::zero());
-#if defined(__GNUC__) || defined(__clang__)
   // the positions PREFETCH_AHEAD on (at the first chunk, all of those up to there), below `end`
-  for (int64_t pos = first ? c + W : c + PREFETCH_AHEAD; pos < std::min(end, c + PREFETCH_AHEAD + W); ++pos) {
-    const char* next = reinterpret_cast<const char*>(row_of(pos));
-    for (int64_t e = 0; e < width * static_cast<int64_t>(sizeof(scalar_t)); e += 64) __builtin_prefetch(next + e);
-  }
-#endif
+  minibatch::prefetch_positions(row_of, first ? c + W : c + PREFETCH_AHEAD, std::min(end, c + PREFETCH_AHEAD + W),
+                                width * static_cast<int64_t>(sizeof(scalar_t)));
 }
 
 // decode_task's contract (below), for head_dim == HD in {64, 128}. Two passes over the context, W positions at a
@@ -262,6 +262,12 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
                              width, rows);
     return m;
   };
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && HD % 32 == 0) {  // the keys read as bf16, no conversion
+    minibatch::bf16_scores<HD>(q + h0 * group * HD, k_cache, table, start, n_pos, n_pad, heads, group, block_size,
+                               block_stride, token_stride, lo, width, scale, scores, PREFETCH_AHEAD);
+  } else
+#endif
   for (int64_t c = 0; c < n_pos; c += W) {  // scores: q . k of W positions at a time, scaled
     chunk(k_cache, c);
     for (int64_t hq = 0; hq < heads; ++hq) {
@@ -277,19 +283,27 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
     }
   }
   softmax_rows_simd(scores, heads, n_pos, n_pad);  // along the context, fp32
-  std::fill(acc, acc + heads * HD, 0.0f);
-  for (int64_t c = 0; c < n_pos; c += W) {  // weighted sum of the values; a head's sums in registers per chunk
-    const int64_t m = chunk(v_cache, c);
-    for (int64_t hq = 0; hq < heads; ++hq) {
-      const float* vh = rows + (hq / group) * HD;
-      const float* w = scores + hq * n_pad + c;
-      V r[NV];
-      for (int v = 0; v < NV; ++v) r[v] = Simd::load(acc + hq * HD + v * W);
-      for (int64_t j = 0; j < m; ++j) {
-        const V wj = Simd::set1(w[j]);
-        for (int v = 0; v < NV; ++v) r[v] = Simd::fmadd(wj, Simd::load(vh + j * width + v * W), r[v]);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && HD % 32 == 0) {
+    minibatch::bf16_weighted_sum<HD>(v_cache, table, start, n_pos, n_pad, heads, group, block_size, block_stride,
+                                     token_stride, lo, width, scores, acc, rows, PREFETCH_AHEAD);
+  } else
+#endif
+  {
+    std::fill(acc, acc + heads * HD, 0.0f);
+    for (int64_t c = 0; c < n_pos; c += W) {  // weighted sum of the values; a head's sums in registers per chunk
+      const int64_t m = chunk(v_cache, c);
+      for (int64_t hq = 0; hq < heads; ++hq) {
+        const float* vh = rows + (hq / group) * HD;
+        const float* w = scores + hq * n_pad + c;
+        V r[NV];
+        for (int v = 0; v < NV; ++v) r[v] = Simd::load(acc + hq * HD + v * W);
+        for (int64_t j = 0; j < m; ++j) {
+          const V wj = Simd::set1(w[j]);
+          for (int v = 0; v < NV; ++v) r[v] = Simd::fmadd(wj, Simd::load(vh + j * width + v * W), r[v]);
+        }
+        for (int v = 0; v < NV; ++v) Simd::store(acc + hq * HD + v * W, r[v]);
       }
-      for (int v = 0; v < NV; ++v) Simd::store(acc + hq * HD + v * W, r[v]);
     }
   }
   for (int64_t i = 0; i < heads * HD; ++i) out[h0 * group * HD + i] = static_cast<scalar_t>(acc[i]);

@@ -147,4 +147,16 @@ inline Simd::V exp_lanes(Simd::V x) {
 }
 #endif
 
+// Ask for the rows of context positions [from, to) (`bytes` each; row_of(pos) points at the first) before they are
+// read: a block table scatters them, so the hardware prefetcher cannot guess the next one.
+template <typename RowOf>
+inline void prefetch_positions(RowOf row_of, int64_t from, int64_t to, int64_t bytes) {
+#if defined(__GNUC__) || defined(__clang__)
+  for (int64_t pos = from; pos < to; ++pos) {
+    const char* next = reinterpret_cast<const char*>(row_of(pos));
+    for (int64_t e = 0; e < bytes; e += 64) __builtin_prefetch(next + e);
+  }
+#endif
+}
+
 }  // namespace minibatch

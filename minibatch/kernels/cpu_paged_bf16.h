@@ -1,0 +1,126 @@
+// The paged decode kernel's bf16 paths on CPUs with AVX512-BF16 (cpu_paged_decode.cpp's decode_task_simd calls
+// them for a bf16 cache and head_dim a multiple of 32): q . k and the weighted sum of the values by `vdpbf16ps`,
+// which multiplies bf16 pairs exactly and adds them into fp32 lanes, so the cache's rows are read as they are
+// stored, never converted to fp32 first. `ahead`: how many positions ahead the next rows are prefetched.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_simd.h"
+
+#if defined(__AVX512BF16__)
+namespace minibatch {
+
+// The scores of a bf16 cache on CPUs with AVX512-BF16: q . k for W = 16 positions at a time straight from the cache
+// rows, by `vdpbf16ps` (each fp32 lane adds two exact bf16 products), so the keys are never converted to fp32. The
+// sums round in another order than the fp32 path's (pairs first), within its bf16 tolerance. q and the rows stay bf16
+// bits; `scale` is applied to the sums, as on the fp32 path.
+template <int HD>
+inline void bf16_scores(const at::BFloat16* q_rows, const at::BFloat16* k_cache, const int64_t* table, int64_t start,
+                        int64_t n_pos, int64_t n_pad, int64_t heads, int64_t group, int64_t block_size,
+                        int64_t block_stride, int64_t token_stride, int64_t lo, int64_t width, float scale,
+                        float* scores, int64_t ahead) {
+  constexpr int W = 16, NV = HD / 32;  // 32 bf16 values per register
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(q_rows);
+  const uint16_t* cache = reinterpret_cast<const uint16_t*>(k_cache);
+  auto row_of = [&](int64_t pos) {
+    return cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + lo;
+  };
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t c = 0; c < n_pos; c += W) {
+    const int64_t m = std::min<int64_t>(W, n_pos - c);
+    const uint16_t* rows[W];
+    for (int64_t j = 0; j < m; ++j) rows[j] = row_of(start + c + j);
+    prefetch_positions(row_of, c == 0 ? start + W : start + c + ahead, std::min(start + n_pos, start + c + ahead + W),
+                       width * 2);
+    for (int64_t hq = 0; hq < heads; ++hq) {
+      const int64_t kh = (hq / group) * HD;
+      __m512bh qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(q + hq * HD + v * 32);
+      __m512 part[W];
+      for (int j = 0; j < W; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < m)  // the chunk's positions past the context score 0 (their weights are never used)
+          for (int v = 0; v < NV; ++v)
+            a = _mm512_dpbf16_ps(a, qv[v], (__m512bh)_mm512_loadu_si512(rows[j] + kh + v * 32));
+        part[j] = a;
+      }
+      _mm512_storeu_ps(scores + hq * n_pad + c, _mm512_mul_ps(Simd::sum(part), sv));
+    }
+  }
+}
+
+// The weighted sum of a bf16 cache's values on CPUs with AVX512-BF16, by `vdpbf16ps` on pairs of positions: the
+// weights (fp32 probabilities) are rounded to bf16 once, as torch's CPU flash attention does before its P x V
+// product, and each fp32 lane adds w[j] v[j][d] + w[j+1] v[j+1][d], exact products. Two positions' rows are
+// interleaved once per chunk (into `buffer`, at least 8 x width floats) and shared by the `group` query heads of
+// their KV head. acc (heads x HD) ends in head-dim order.
+template <int HD>
+inline void bf16_weighted_sum(const at::BFloat16* v_cache, const int64_t* table, int64_t start, int64_t n_pos,
+                              int64_t n_pad, int64_t heads, int64_t group, int64_t block_size, int64_t block_stride,
+                              int64_t token_stride, int64_t lo, int64_t width, float* scores, float* acc, float* buffer,
+                              int64_t ahead) {
+  constexpr int W = 16, NH = HD / 32, NR = 2 * NH;  // a head's row in NH registers of 32 values; NR sums
+  const uint16_t* cache = reinterpret_cast<const uint16_t*>(v_cache);
+  uint16_t* pairs = reinterpret_cast<uint16_t*>(buffer);
+  auto row_of = [&](int64_t pos) {
+    return cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + lo;
+  };
+  for (int64_t hq = 0; hq < heads; ++hq) {  // each row's weights to bf16, in place at the start of its fp32 row
+    float* s = scores + hq * n_pad;
+    for (int64_t p = 0; p < n_pad; p += W) {
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + p));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(s) + p), b);
+    }
+  }
+  std::fill(acc, acc + heads * HD, 0.0f);
+  const int64_t kv_heads = width / HD;
+  for (int64_t c = 0; c < n_pos; c += W) {
+    const int64_t m = std::min<int64_t>(W, n_pos - c);
+    for (int64_t jp = 0; jp < (m + 1) / 2; ++jp) {  // positions c + 2jp and c + 2jp + 1 interleaved value by value
+      const uint16_t* a = row_of(start + c + 2 * jp);
+      const uint16_t* b = 2 * jp + 1 < m ? row_of(start + c + 2 * jp + 1) : nullptr;
+      for (int64_t kv = 0; kv < kv_heads; ++kv)
+        for (int h = 0; h < NH; ++h) {
+          const __m512i ra = _mm512_loadu_si512(a + kv * HD + h * 32);
+          const __m512i rb = b ? _mm512_loadu_si512(b + kv * HD + h * 32) : _mm512_setzero_si512();
+          uint16_t* dst = pairs + ((kv * (W / 2) + jp) * NH + h) * 64;
+          _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(ra, rb));
+          _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi16(ra, rb));
+        }
+    }
+    prefetch_positions(row_of, c == 0 ? start + W : start + c + ahead, std::min(start + n_pos, start + c + ahead + W),
+                       width * 2);
+    for (int64_t hq = 0; hq < heads; ++hq) {
+      const uint16_t* pk = pairs + (hq / group) * (W / 2) * NH * 64;
+      const uint16_t* wb = reinterpret_cast<const uint16_t*>(scores + hq * n_pad) + c;
+      __m512 r[NR];
+      for (int k = 0; k < NR; ++k) r[k] = _mm512_loadu_ps(acc + hq * HD + k * 16);
+      for (int64_t jp = 0; jp < (m + 1) / 2; ++jp) {
+        uint32_t wpair;
+        std::memcpy(&wpair, wb + 2 * jp, sizeof(wpair));
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wpair));
+        for (int k = 0; k < NR; ++k)
+          r[k] = _mm512_dpbf16_ps(r[k], (__m512bh)_mm512_loadu_si512(pk + (jp * NH) * 64 + k * 32), w);
+      }
+      for (int k = 0; k < NR; ++k) _mm512_storeu_ps(acc + hq * HD + k * 16, r[k]);
+    }
+  }
+  // unpacklo/hi work within 128-bit lanes: a half's low sums hold dims 8L..8L+3 of lane L, its high sums 8L+4..8L+7
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t hq = 0; hq < heads; ++hq)
+    for (int h = 0; h < NH; ++h) {
+      float* a = acc + hq * HD + h * 32;
+      const __m512 low = _mm512_loadu_ps(a), high = _mm512_loadu_ps(a + 16);
+      _mm512_storeu_ps(a, _mm512_permutex2var_ps(low, first, high));
+      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(low, second, high));
+    }
+}
+
+}  // namespace minibatch
+#endif
