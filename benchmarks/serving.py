@@ -10,7 +10,8 @@ Every server is a child process on 127.0.0.1 (started, measured at each rate, st
 ``--threads`` torch threads. The same ShareGPT requests (seeded) go to every server, greedy, with
 max_tokens from the ShareGPT reply (clipped to --max-output-len), stopping at EOS: ``transformers
 serve`` does not know vLLM's ignore_eos, so neither side uses it. A peer that cannot run here (no
-``transformers`` executable, no converted model folder) is listed under "skipped" in the JSON, with why.
+``transformers`` executable, no converted model folder) is listed under "skipped" in the JSON, with why. Peers run
+with our servers' C allocator settings (``minibatch.machine.peer_malloc_env``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import tempfile
 
 from minibatch.files import write_json
+from minibatch.machine import peer_malloc_env
 from minibatch.metrics import SLO
 from minibatch.report import environment, machine_load
 from minibatch.serving.bench import bench, load_tokenizer, sample_requests
@@ -81,7 +83,7 @@ def vllm_serve(args) -> tuple[dict | None, str | None]:
                         "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory-bytes", str(kv_bytes),
                         "--max-model-len", "2048", "--no-enable-prefix-caching", "--host", "127.0.0.1",
                         "--port", "{port}"],
-            "model": args.model, "env": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+            "model": args.model, "env": {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"} | peer_malloc_env(),
             "start_timeout_s": 900.0}, None
 
 
@@ -99,7 +101,8 @@ def transformers_serve(model: str, dtype: str, exe: str | None = None) -> tuple[
     if not folder.exists():
         return None, f"model folder {folder} is missing (load_model('smollm2-135m') converts it once)"
     return {"command": [exe, "serve", str(folder), "--continuous-batching", "--device", "cpu", "--dtype", dtype,
-                        "--host", "127.0.0.1", "--port", "{port}"], "model": str(folder)}, None
+                        "--host", "127.0.0.1", "--port", "{port}"],
+            "model": str(folder), "env": peer_malloc_env()}, None
 
 
 def main() -> int:

@@ -87,6 +87,17 @@ def keep_freed_memory() -> bool:
     return True
 
 
+def peer_malloc_env() -> dict[str, str]:
+    """The environment variables that give another engine's processes (vLLM, ``transformers serve``) the allocator
+    settings our engine runs with: ``KEEP_FREED_MEMORY_ENV`` on glibc unless ``MINIBATCH_KEEP_FREED_MEMORY=0``,
+    else none. Peers compared with us run under the same allocator as we do."""
+    import platform
+
+    if os.environ.get("MINIBATCH_KEEP_FREED_MEMORY", "1") == "0" or platform.libc_ver()[0] != "glibc":
+        return {}
+    return dict(KEEP_FREED_MEMORY_ENV)
+
+
 def malloc_state() -> str:
     """"kept freed memory" once ``keep_freed_memory`` applied in this process, else "default" (with why, when the
     environment turned it off)."""

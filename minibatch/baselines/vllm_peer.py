@@ -129,17 +129,16 @@ def vllm_job(model, requests: list[Request], config: VllmConfig, model_dir: str)
 
 def run_worker(python: str, job: dict, scratch: Path) -> dict:
     """Run ``job`` (see ``vllm_worker.py``) with ``python`` (an interpreter with vLLM), files in ``scratch``;
-    returns its result. vLLM's processes get the C allocator settings this process has
-    (``machine.keep_freed_memory``, as environment variables), so both engines reuse freed memory alike.
+    returns its result. vLLM's processes get our engine's C allocator settings (``machine.peer_malloc_env``), so
+    both engines reuse freed memory alike.
 
     Raises:
         RuntimeError: vLLM failed (the last lines of its output)."""
-    from minibatch.machine import KEEP_FREED_MEMORY_ENV, malloc_state
+    from minibatch.machine import peer_malloc_env
 
     (scratch / "job.json").write_text(json.dumps(job))
-    same_malloc = KEEP_FREED_MEMORY_ENV if malloc_state() == "kept freed memory" else {}  # as our engine's
     proc = subprocess.run([python, str(WORKER), str(scratch / "job.json"), str(scratch / "result.json")],
-                          capture_output=True, text=True, env=os.environ | same_malloc)
+                          capture_output=True, text=True, env=os.environ | peer_malloc_env())
     if proc.returncode != 0 or not (scratch / "result.json").is_file():
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
         raise RuntimeError(f"vllm exited with status {proc.returncode}:\n{tail}")
