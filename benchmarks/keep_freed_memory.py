@@ -72,7 +72,8 @@ def main(argv=None) -> dict:
     medians = {k: statistics.median(pair["kept_over_default"][k] for pair in pairs)
                for k in pairs[0]["kept_over_default"]}
     print("median kept / default: " + ", ".join(f"{k} {v:.2f}x" for k, v in medians.items()))
-    result = {"command": command, "environment": environment(load_before), "policy": args.policy,
+    env = environment(load_before) | {"malloc": "per run: pairs[i][way].malloc"}  # this process runs no engine
+    result = {"command": command, "environment": env, "policy": args.policy,
               "attention_backend": args.attention_backend, "dtype": args.dtype, "trace": TRACE, "pairs": pairs,
               "median_kept_over_default": medians}
     write_json(result, args.json_path)

@@ -7,6 +7,7 @@ Results record all three (``report.environment``); the C++ kernels' build name c
 
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -61,8 +62,8 @@ def keep_freed_memory() -> bool:
     pages from the kernel and returns them when freed, so a step pays a page fault for every 4 KiB it writes
     there. With the thresholds above the pages stay mapped and are reused (the process keeps its peak heap).
     ``benchmarks/keep_freed_memory.py`` measures it on the saturated trace (``data/cpu/keep_freed_memory.json``).
-    vLLM's CPU platform preloads tcmalloc for the same reason, where its build bundles it; its processes get these
-    settings from ours (``baselines.vllm_peer.run_worker``).
+    vLLM's CPU platform preloads tcmalloc for the same reason, where its build bundles it; peers compared with us get
+    these settings as environment variables (``peer_malloc_env``).
 
     Applies once per process, with ``mallopt`` (glibc only: elsewhere, e.g. macOS or musl, nothing changes and it
     returns False). ``MINIBATCH_KEEP_FREED_MEMORY=0`` in the environment turns it off, for A/B runs. Called by
@@ -70,35 +71,45 @@ def keep_freed_memory() -> bool:
     global _malloc_state
     if _malloc_state == "kept freed memory":
         return True
-    if os.environ.get("MINIBATCH_KEEP_FREED_MEMORY", "1") == "0":
-        _malloc_state = "default (MINIBATCH_KEEP_FREED_MEMORY=0)"
+    why_not = _why_not_kept()
+    if why_not:
+        _malloc_state = f"default ({why_not})"
         return False
     import ctypes
-    import platform
 
-    if platform.libc_ver()[0] != "glibc":
-        return False
     libc = ctypes.CDLL(None)
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
     if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1 or libc.mallopt(M_TRIM_THRESHOLD,
                                                                                  TRIM_THRESHOLD_BYTES) != 1:
+        _malloc_state = "default (mallopt refused the settings)"
         return False
     _malloc_state = "kept freed memory"
     return True
+
+
+@functools.cache
+def _is_glibc() -> bool:
+    import platform
+
+    return platform.libc_ver()[0] == "glibc"  # reads the interpreter's binary: once per process
+
+
+def _why_not_kept() -> str | None:
+    """Why freed memory is not kept in this process (the environment turned it off, or the C library is not glibc);
+    None where it is to be kept."""
+    if os.environ.get("MINIBATCH_KEEP_FREED_MEMORY", "1") == "0":
+        return "MINIBATCH_KEEP_FREED_MEMORY=0"
+    return None if _is_glibc() else "not glibc"
 
 
 def peer_malloc_env() -> dict[str, str]:
     """The environment variables that give another engine's processes (vLLM, ``transformers serve``) the allocator
     settings our engine runs with: ``KEEP_FREED_MEMORY_ENV`` on glibc unless ``MINIBATCH_KEEP_FREED_MEMORY=0``,
     else none. Peers compared with us run under the same allocator as we do."""
-    import platform
-
-    if os.environ.get("MINIBATCH_KEEP_FREED_MEMORY", "1") == "0" or platform.libc_ver()[0] != "glibc":
-        return {}
-    return dict(KEEP_FREED_MEMORY_ENV)
+    return {} if _why_not_kept() else dict(KEEP_FREED_MEMORY_ENV)
 
 
 def malloc_state() -> str:
-    """"kept freed memory" once ``keep_freed_memory`` applied in this process, else "default" (with why, when the
-    environment turned it off)."""
+    """"kept freed memory" once ``keep_freed_memory`` applied in this process, else "default" (with why, once it was
+    asked and did not apply)."""
     return _malloc_state
