@@ -255,7 +255,13 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
   float* acc = scores + heads * n_pad;
   float* rows = acc + heads * HD;
   float* qf = rows + W * width;
-  for (int64_t i = 0; i < heads * HD; ++i) qf[i] = static_cast<float>(q[h0 * group * HD + i]);
+#if defined(__AVX512BF16__)
+  constexpr bool bf16_pairs = std::is_same_v<scalar_t, at::BFloat16> && HD % 32 == 0;  // cpu_paged_bf16.h's paths
+#else
+  constexpr bool bf16_pairs = false;
+#endif
+  if constexpr (!bf16_pairs)  // those read q as it is
+    for (int64_t i = 0; i < heads * HD; ++i) qf[i] = static_cast<float>(q[h0 * group * HD + i]);
   auto chunk = [&](const scalar_t* cache, int64_t c) {  // loads the chunk at c; returns how many positions it holds
     const int64_t m = std::min<int64_t>(W, n_pos - c);
     load_chunk<scalar_t, HD>(cache, table, start + c, m, seq_len, c == 0, block_size, block_stride, token_stride, lo,
@@ -263,7 +269,7 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
     return m;
   };
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && HD % 32 == 0) {  // the keys read as bf16, no conversion
+  if constexpr (bf16_pairs) {  // the keys read as bf16, no conversion
     minibatch::bf16_scores<HD>(q + h0 * group * HD, k_cache, table, start, n_pos, n_pad, heads, group, block_size,
                                block_stride, token_stride, lo, width, scale, scores, PREFETCH_AHEAD);
   } else
@@ -284,7 +290,7 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
   }
   softmax_rows_simd(scores, heads, n_pos, n_pad);  // along the context, fp32
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && HD % 32 == 0) {
+  if constexpr (bf16_pairs) {
     minibatch::bf16_weighted_sum<HD>(v_cache, table, start, n_pos, n_pad, heads, group, block_size, block_stride,
                                      token_stride, lo, width, scores, acc, rows, PREFETCH_AHEAD);
   } else
