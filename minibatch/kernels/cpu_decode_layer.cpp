@@ -230,13 +230,17 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
 // The same layer in bf16, as ATen operators called from C++: the
 // operators transformers' modules run, in their order and dtypes (RMSNorm upcast to float32 and back, rotary and
 // residuals in the model's dtype, SiLU then the product), so the outputs are bit for bit the unfused step's; only the
-// Python between them is gone. The products run oneDNN's matmul on weights prepacked once (runner/prepack.py:
-// mkldnn::_linear_pointwise, what the modules call), q/k/v and gate/up each as one product. x: (n, hidden);
-// weights: {qkv, o, gate_up, down}, each prepacked by mkldnn::_reorder_linear_weight; biases: qkv's and o's (or
-// None); the rest as decode_layer's, caches in x's dtype.
+// Python between them is gone. The products run on weights prepacked once (runner/prepack.py), as the modules' do:
+// oneDNN's matmul (mkldnn::_linear_pointwise), or our AMX kernel on the same bytes for at most amx_rows rows; q/k/v
+// and gate/up each as one product. x: (n, hidden); weights: {qkv, o, gate_up, down}, each prepacked by
+// mkldnn::_reorder_linear_weight; biases: qkv's and o's (or None); the rest as decode_layer's, caches in x's dtype.
 namespace {
 
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+// x (m, k) times a prepacked weight of n outputs: on AMX from the same bytes (cpu_amx_linear.cpp) for at most
+// amx_rows rows, else oneDNN's matmul (runner/prepack.py's prepacked_product, which the modules run: the same rule).
+torch::Tensor prepacked_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                const c10::optional<torch::Tensor>& bias, int64_t amx_rows) {
+  if (x.size(0) <= amx_rows) return amx_linear(x, packed, n, bias);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), c10::IValue("none"),
                           c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string())};
@@ -281,14 +285,15 @@ torch::Tensor rotary_like_modules(const torch::Tensor& t, const torch::Tensor& c
 
 torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor> norms, std::vector<double> eps,
                                      std::vector<torch::Tensor> weights, c10::optional<torch::Tensor> b_qkv,
-                                     c10::optional<torch::Tensor> b_o, std::vector<int64_t> dims, torch::Tensor cos,
+                                     c10::optional<torch::Tensor> b_o, int64_t amx_rows, std::vector<int64_t> dims,
+                                     torch::Tensor cos,
                                      torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor slot_mapping, torch::Tensor tables, torch::Tensor seq_lens,
                                      double scale, int64_t window) {
   RECORD_FUNCTION("minibatch::decode_layer", std::vector<c10::IValue>());
   TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 4 && dims.size() == 5,
               "decode_layer_prepacked: 2 norms, 2 epsilons, 4 prepacked weights and 5 dims");
-  const int64_t hidden = dims[0], heads = dims[2], kv_heads = dims[3], hd = dims[4];
+  const int64_t hidden = dims[0], inter = dims[1], heads = dims[2], kv_heads = dims[3], hd = dims[4];
   TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden && x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 &&
                   k_cache.scalar_type() == x.scalar_type() &&
                   k_cache.dim() == 4 && k_cache.size(2) == kv_heads && k_cache.size(3) == hd &&
@@ -313,7 +318,8 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   }
   {
     RECORD_FUNCTION("minibatch::qkv_proj", std::vector<c10::IValue>());
-    auto qkv = onednn_linear(h, weights[0], b_qkv).split({heads * hd, kv_heads * hd, kv_heads * hd}, -1);
+    auto qkv = prepacked_product(h, weights[0], (heads + 2 * kv_heads) * hd, b_qkv, amx_rows)
+                   .split({heads * hd, kv_heads * hd, kv_heads * hd}, -1);
     q = qkv[0].view({n, heads, hd});
     k = qkv[1].view({n, kv_heads, hd});
     v = qkv[2].view({n, kv_heads, hd});
@@ -334,7 +340,8 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   torch::Tensor out;
   {
     RECORD_FUNCTION("minibatch::o_proj", std::vector<c10::IValue>());
-    out = x + onednn_linear(attn.reshape({n, heads * hd}).contiguous(), weights[1], b_o);
+    out = x + prepacked_product(attn.reshape({n, heads * hd}).contiguous(), weights[1], hidden, b_o,
+                                amx_rows);
   }
   {
     RECORD_FUNCTION("minibatch::norms", std::vector<c10::IValue>());
@@ -342,8 +349,8 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   }
   {
     RECORD_FUNCTION("minibatch::mlp", std::vector<c10::IValue>());
-    auto gu = onednn_linear(h, weights[2], c10::nullopt).chunk(2, -1);
-    out = out + onednn_linear(torch::silu(gu[0]) * gu[1], weights[3], c10::nullopt);
+    auto gu = prepacked_product(h, weights[2], 2 * inter, c10::nullopt, amx_rows).chunk(2, -1);
+    out = out + prepacked_product(torch::silu(gu[0]) * gu[1], weights[3], hidden, c10::nullopt, amx_rows);
   }
   return out;
 }

@@ -1,5 +1,5 @@
 // The C++ CPU kernels that minibatch/kernels/cpu_decode_layer.cpp calls directly (one extension built from the
-// three sources, with -DMINIBATCH_KERNEL_LIBRARY so that only the layer's source defines a Python module).
+// four sources, with -DMINIBATCH_KERNEL_LIBRARY so that only the layer's source defines a Python module).
 #pragma once
 
 #include <torch/extension.h>
@@ -11,3 +11,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c1
 // num_kv_heads, head_dim) read through tables (n, max_blocks) int64 up to seq_lens (n,) int64; window 0 = none.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor seq_lens, double scale, int64_t window);
+
+// cpu_amx_linear.cpp: x (m, k) bf16 times a weight oneDNN prepacked (mkldnn::_reorder_linear_weight) on AMX, plus
+// bias; amx_layout_ok: whether this process runs AMX and packed holds weight in the layout amx_linear reads.
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
+bool amx_layout_ok(torch::Tensor packed, torch::Tensor weight);

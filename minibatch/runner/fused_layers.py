@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.kernels import cpu_decode_layer
+from minibatch.kernels import cpu_amx_linear, cpu_decode_layer
 from minibatch.runner.prepack import PANEL_MAX_ROWS, GroupedLinear, PanelLinear, PrepackedLinear
 
 # transformers' models whose forward decode_layer reproduces: module -> (causal LM, model, decoder layer, attention,
@@ -122,10 +122,11 @@ def _not_packed(layer, dtype) -> str | None:
     return None
 
 
-def prepacked_weights(layer) -> tuple[list, list] | None:
+def prepacked_weights(layer) -> tuple[list, list, int] | None:
     """A bf16 layer's prepacked weights for ``decode_layer_prepacked`` ([q/k/v product, o_proj, gate/up product,
-    down_proj] and [the q/k/v product's bias, o_proj's]), or None unless q/k/v and gate/up are each one oneDNN group in
-    that order and o/down_proj are prepacked alone."""
+    down_proj], [the q/k/v product's bias, o_proj's], and the most rows its products run on AMX: ``AMX_MAX_ROWS``
+    where all four weights can, else 0), or None unless q/k/v and gate/up are each one oneDNN group in that order and
+    o/down_proj are prepacked alone."""
     attn, mlp = layer.self_attn, layer.mlp
     groups = []
     for members in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
@@ -138,7 +139,8 @@ def prepacked_weights(layer) -> tuple[list, list] | None:
     if not all(type(m) is PrepackedLinear and hasattr(m, "packed_weight") for m in alone):
         return None
     (qkv, gate_up), (o, down) = groups, alone
-    return [qkv.packed, o.packed_weight, gate_up.packed, down.packed_weight], [qkv.bias, o.bias]
+    amx_rows = cpu_amx_linear.AMX_MAX_ROWS if qkv.amx and o.amx and gate_up.amx and down.amx else 0
+    return [qkv.packed, o.packed_weight, gate_up.packed, down.packed_weight], [qkv.bias, o.bias], amx_rows
 
 
 class FusedDecoder:

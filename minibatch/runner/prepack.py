@@ -34,7 +34,7 @@ import contextvars
 
 import torch
 
-from minibatch.kernels import cpu_linear
+from minibatch.kernels import cpu_amx_linear, cpu_linear
 
 
 class PrepackedLinear(torch.nn.Linear):
@@ -44,9 +44,18 @@ class PrepackedLinear(torch.nn.Linear):
         if x.dtype != self.weight.dtype or x.device.type != "cpu" or x.numel() == 0:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, "none",
-                                                 [], "")
+        out = prepacked_product(x.reshape(-1, shape[-1]), self.packed_weight, self.out_features, self.bias, self.amx)
         return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def prepacked_product(flat: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                      amx: bool) -> torch.Tensor:
+    """``flat`` (rows, in_features) times a weight prepacked for oneDNN, plus ``bias``: on AMX
+    (``kernels.cpu_amx_linear``, from the same prepacked bytes) for at most ``AMX_MAX_ROWS`` rows where ``amx`` (the
+    layout was checked at prepacking), else oneDNN's matmul."""
+    if amx and flat.shape[0] <= cpu_amx_linear.AMX_MAX_ROWS:
+        return cpu_amx_linear.amx_linear(flat, packed, out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
 
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -64,6 +73,7 @@ class FusedGroup:
         self.layout = layout
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint) if layout == "onednn"
                        else cpu_linear.pack_weight(weight) if layout == "panels" else weight)
+        self.amx = layout == "onednn" and cpu_amx_linear.layout_ok(self.packed, weight)  # prepacked_product's
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
         self.sizes = [m.out_features for m in members]
         self.kept: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
@@ -73,7 +83,7 @@ class FusedGroup:
     def product(self, flat: torch.Tensor) -> torch.Tensor | None:
         """All the members' outputs for ``flat`` (rows, in_features), or None where this layout does not run."""
         if self.layout == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            return prepacked_product(flat, self.packed, sum(self.sizes), self.bias, self.amx)
         if self.layout == "panels":
             if not (_IN_ENGINE.get() and flat.dtype == torch.float32 and flat.shape[0] <= PANEL_MAX_ROWS
                     and all(w._version == v for w, v in self.sources)):
@@ -171,6 +181,7 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
     for module in model.modules():
         if isinstance(module, PrepackedLinear):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_size_hint)
+            module.amx = cpu_amx_linear.layout_ok(module.packed_weight, module.weight)
     if fuse:
         fuse_siblings(model, batch_size_hint, "onednn")
     return changed

@@ -1,0 +1,53 @@
+"""The AMX bf16 linear (``minibatch/kernels/cpu_amx_linear.cpp``) against oneDNN's matmul on the same prepacked
+weights (``minibatch/runner/prepack.py``), on SmolLM2-135M in bf16 on a CPU with AMX: two copies of the model, both
+prepacked with q/k/v and gate/up grouped, one with the AMX kernel turned off (every product on oneDNN):
+
+* ``linears``: every linear layer of the model called once on ``rows`` random rows, in the model's order;
+* ``engine``: whole decode steps of B requests with 256 cached tokens each, on two ModelRunners (fused decode
+  layers, ``cpp`` attention) that differ only in that, steps alternating between them; medians.
+
+    python benchmarks/amx_linear.py --batches 1,8,32,64 --json data/cpu/amx_linear.json
+
+Above ``AMX_MAX_ROWS`` (32) rows both ways run oneDNN: the 64-request row shows what is left equal.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from fused_projections import parser, run_ways
+
+
+def amx_off(model) -> None:
+    """Every prepacked product of ``model`` on oneDNN (the layers' and groups' AMX flags cleared)."""
+    for module in model.modules():
+        for holder in (module, getattr(module, "group", None)):
+            if hasattr(holder, "amx"):
+                holder.amx = False
+
+
+def main(argv=None) -> dict:
+    args = parser(__doc__).parse_args(argv)
+    from minibatch.models import load_model
+    from minibatch.runner import ModelRunner
+    from minibatch.runner.prepack import can_prepack, prepack_linears
+
+    torch.set_num_threads(args.threads)
+    runners = {}
+    for name in ("onednn", "amx"):
+        model, tokenizer = load_model("smollm2-135m", dtype="bfloat16")
+        if not can_prepack(model):
+            sys.exit("no oneDNN bf16 on this CPU: bf16 weights are not prepacked here")
+        prepack_linears(model)
+        if name == "onednn":
+            amx_off(model)
+        elif not any(getattr(m, "amx", False) for m in model.modules()):
+            sys.exit("the AMX linear does not run here (no AMX on this CPU, or the kernel does not build)")
+        runners[name] = ModelRunner(model, tokenizer, attention_backend=args.attention_backend, prepack_weights=False)
+    return run_ways(runners, args, "amx_linear.py", argv, "bfloat16")
+
+
+if __name__ == "__main__":
+    main()
