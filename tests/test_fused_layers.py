@@ -264,3 +264,24 @@ def test_the_layers_silu_matches_torch_at_every_magnitude():
         assert torch.equal(kernel.silu_mul(g[:n], u[:n]), got[:n])
     with pytest.raises(RuntimeError, match="one shape"):
         kernel.silu_mul(g, u[:-1])
+
+
+def test_the_bf16_layers_rms_norm_is_the_modules_bit_for_bit():
+    """The bf16 layer's RMSNorm (torch's mean on the float32 squares, the elementwise steps as loops) gives
+    transformers' LlamaRMSNorm output bit for bit, at every magnitude, with zeros, infinities and NaN."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    kernel = cpu_decode_layer.KERNEL.load()
+    g = torch.Generator().manual_seed(0)
+    scales = torch.tensor([1e-30, 1e-6, 1.0, 3.0, 1e6, 1e18]).repeat_interleave(4)[:, None]
+    x = (torch.randn(len(scales), 576, generator=g) * scales).to(torch.bfloat16)
+    x = torch.cat([x, torch.zeros(1, 576, dtype=torch.bfloat16), x[:3].clone()])
+    x[-3, 5], x[-2, 7], x[-1, 9] = float("inf"), float("nan"), -float("inf")
+    for eps in (1e-5, 1e-6):
+        norm = LlamaRMSNorm(576, eps=eps).to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_((torch.randn(576, generator=g) * 0.5 + 1).to(torch.bfloat16))
+            want = norm(x)
+        got = kernel.rms_norm_like_modules(x, norm.weight.detach(), eps)
+        assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()  # NaN where torch's is (any payload)
+        assert torch.equal(got[~got.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))

@@ -248,11 +248,35 @@ torch::Tensor prepacked_product(const torch::Tensor& x, const torch::Tensor& pac
   return stack[0].toTensor();
 }
 
-torch::Tensor rms_norm_like_modules(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  auto h = x.to(torch::kFloat32);
-  auto variance = h.pow(2).mean(-1, true);
-  h = h * torch::rsqrt(variance + eps);
-  return weight * h.to(x.scalar_type());
+// transformers' RMSNorm on x (n, d) bf16 with weight (d,) bf16: h = x.float(); variance = h.pow(2).mean(-1);
+// weight * (h * rsqrt(variance + eps)).to(bf16). The mean is torch's own (at::mean on the same float32 squares, so
+// the same sum in the same order); the elementwise steps are loops that round as its float32 and bf16 kernels do
+// (x * x, + eps in float32, rsqrt = 1 / sqrt, bf16 round-to-nearest-even): one operator instead of eight.
+MINIBATCH_NO_CONTRACT torch::Tensor rms_norm_like_modules(const torch::Tensor& x, const torch::Tensor& weight,
+                                                          double eps) {
+  using bf16 = at::BFloat16;
+  const auto xc = x.contiguous(), w = weight.contiguous();
+  const int64_t n = xc.size(0), d = xc.size(1);
+  const bf16* xs = xc.data_ptr<bf16>();
+  const bf16* ws = w.data_ptr<bf16>();
+  auto squares = torch::empty({n, d}, xc.options().dtype(torch::kFloat32));
+  float* sq = squares.data_ptr<float>();
+  for (int64_t i = 0; i < n * d; ++i) {
+    const float v = static_cast<float>(xs[i]);
+    sq[i] = v * v;
+  }
+  const auto variance = squares.mean(-1, true);
+  const float* var = variance.data_ptr<float>();
+  auto out = torch::empty_like(xc);
+  bf16* o = out.data_ptr<bf16>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float inv = 1.0f / std::sqrt(var[r] + static_cast<float>(eps));
+    for (int64_t c = 0; c < d; ++c) {
+      const bf16 h = static_cast<float>(xs[r * d + c]) * inv;
+      o[r * d + c] = static_cast<float>(ws[c]) * static_cast<float>(h);
+    }
+  }
+  return out;
 }
 
 // transformers' q * cos + rotate_half(q) * sin on t (n, heads, hd) with cos, sin (n, hd), all bf16: each operator
@@ -307,6 +331,9 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == n && slot_mapping.scalar_type() == torch::kLong &&
                   slot_mapping.is_contiguous(),
               "decode_layer_prepacked: slot_mapping must be (n,) int64, contiguous");
+  for (const auto& w : norms)
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == hidden && w.scalar_type() == x.scalar_type(),
+                "decode_layer_prepacked: norm weights must be (hidden,) in x's dtype");
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   check_slots(slot, n, k_cache, "decode_layer_prepacked");
   cos = cos.contiguous();
@@ -367,4 +394,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     silu_mul(out.data_ptr<float>(), uc.data_ptr<float>(), out.numel());
     return out;
   }, "SiLU(g) * u as the fused layer computes it");
+  m.def("rms_norm_like_modules", &rms_norm_like_modules, "the bf16 layer's RMSNorm, for tests: x (n, d), weight (d,)");
 }
