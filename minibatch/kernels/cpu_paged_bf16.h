@@ -27,9 +27,7 @@ inline void bf16_scores(const at::BFloat16* q_rows, const at::BFloat16* k_cache,
   constexpr int W = 16, NV = HD / 32;  // 32 bf16 values per register
   const uint16_t* q = reinterpret_cast<const uint16_t*>(q_rows);
   const uint16_t* cache = reinterpret_cast<const uint16_t*>(k_cache);
-  auto row_of = [&](int64_t pos) {
-    return cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + lo;
-  };
+  const PagedRows<uint16_t> row_of{cache, table, block_size, block_stride, token_stride, lo};
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t c = 0; c < n_pos; c += W) {
     const int64_t m = std::min<int64_t>(W, n_pos - c);
@@ -67,9 +65,7 @@ inline void bf16_weighted_sum(const at::BFloat16* v_cache, const int64_t* table,
   constexpr int W = 16, NH = HD / 32, NR = 2 * NH;  // a head's row in NH registers of 32 values; NR sums
   const uint16_t* cache = reinterpret_cast<const uint16_t*>(v_cache);
   uint16_t* pairs = reinterpret_cast<uint16_t*>(buffer);
-  auto row_of = [&](int64_t pos) {
-    return cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + lo;
-  };
+  const PagedRows<uint16_t> row_of{cache, table, block_size, block_stride, token_stride, lo};
   for (int64_t hq = 0; hq < heads; ++hq) {  // each row's weights to bf16, in place at the start of its fp32 row
     float* s = scores + hq * n_pad;
     for (int64_t p = 0; p < n_pad; p += W) {

@@ -223,9 +223,7 @@ inline void load_chunk(const scalar_t* cache, const int64_t* table, int64_t c, i
                        int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t lo, int64_t width,
                        float* rows) {
   constexpr int W = Simd::W;
-  auto row_of = [&](int64_t pos) {
-    return cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + lo;
-  };
+  const minibatch::PagedRows<scalar_t> row_of{cache, table, block_size, block_stride, token_stride, lo};
   for (int64_t j = 0; j < m; ++j) {
     const scalar_t* src = row_of(c + j);
     for (int64_t e = 0; e < width; e += W) Simd::store(rows + j * width + e, load_lanes(src + e));

@@ -147,6 +147,19 @@ inline Simd::V exp_lanes(Simd::V x) {
 }
 #endif
 
+// Where a request's context position `pos` lies in a paged cache, read through its block table: block
+// table[pos / block_size], slot pos % block_size (strides in elements), plus `lo`, the first value the caller reads
+// in that token's row (its first KV head's). One definition for every kernel that walks a block table.
+template <typename T>
+struct PagedRows {
+  const T* cache;
+  const int64_t* table;
+  int64_t block_size, block_stride, token_stride, lo;
+  const T* operator()(int64_t pos) const {
+    return cache + table[pos / block_size] * block_stride + (pos % block_size) * token_stride + lo;
+  }
+};
+
 // Ask for the rows of context positions [from, to) (`bytes` each; row_of(pos) points at the first) before they are
 // read: a block table scatters them, so the hardware prefetcher cannot guess the next one.
 template <typename RowOf>
