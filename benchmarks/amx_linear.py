@@ -4,7 +4,8 @@ prepacked with q/k/v and gate/up grouped, one with the AMX kernel turned off (ev
 
 * ``linears``: every linear layer of the model called once on ``rows`` random rows, in the model's order;
 * ``engine``: whole decode steps of B requests with 256 cached tokens each, on two ModelRunners (fused decode
-  layers, ``cpp`` attention) that differ only in that, steps alternating between them; medians.
+  layers, ``cpp`` attention) that differ only in that, steps alternating between them; medians;
+* ``call_overhead_us``: one call of each on a 64 x 64 weight and 32 rows (what a call costs before its work).
 
     python benchmarks/amx_linear.py --batches 1,8,32,64 --json data/cpu/amx_linear.json
 
@@ -13,7 +14,9 @@ Above ``AMX_MAX_ROWS`` (32) rows both ways run oneDNN: the 64-request row shows 
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 
 import torch
 
@@ -26,6 +29,25 @@ def amx_off(model) -> None:
         for holder in (module, getattr(module, "group", None)):
             if hasattr(holder, "amx"):
                 holder.amx = False
+
+
+def call_overhead_us(calls: int = 2000) -> dict:
+    """Microseconds per call of each way on a 64 x 64 weight and 32 rows (the work is nanoseconds), ways alternating,
+    the median of 5 rounds."""
+    from minibatch.kernels import cpu_amx_linear
+
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    packed, x = torch.ops.mkldnn._reorder_linear_weight(w, 32), torch.randn(32, 64).to(torch.bfloat16)
+    ways = {"onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+            "amx": lambda: cpu_amx_linear.amx_linear(x, packed, 64, None)}
+    times = {name: [] for name in ways}
+    for _ in range(5):
+        for name, call in ways.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: round(statistics.median(t), 2) for name, t in times.items()}
 
 
 def main(argv=None) -> dict:
@@ -46,7 +68,9 @@ def main(argv=None) -> dict:
         elif not any(getattr(m, "amx", False) for m in model.modules()):
             sys.exit("the AMX linear does not run here (no AMX on this CPU, or the kernel does not build)")
         runners[name] = ModelRunner(model, tokenizer, attention_backend=args.attention_backend, prepack_weights=False)
-    return run_ways(runners, args, "amx_linear.py", argv, "bfloat16")
+    overhead = call_overhead_us()
+    print("call overhead (us):", overhead)
+    return run_ways(runners, args, "amx_linear.py", argv, "bfloat16", {"call_overhead_us": overhead})
 
 
 if __name__ == "__main__":

@@ -67,9 +67,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def run_ways(runners: dict, args, script: str, argv, dtype: str) -> dict:
+def run_ways(runners: dict, args, script: str, argv, dtype: str, extra: dict | None = None) -> dict:
     """Both ways (``runners``: name -> ModelRunner, the baseline first) at every batch size: linears alone and whole
-    decode steps, the speedups of the second way over the first; written to ``args.json_path``."""
+    decode steps, the speedups of the second way over the first; written to ``args.json_path`` with ``extra``'s
+    entries."""
     base, new = list(runners)
     load_before = machine_load()
     rows = []
@@ -86,7 +87,7 @@ def run_ways(runners: dict, args, script: str, argv, dtype: str) -> dict:
         rows.append(row)
     result = {"command": f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
               "environment": environment(load_before), "model": "smollm2-135m", "dtype": dtype,
-              "attention_backend": args.attention_backend, "threads": args.threads, "rows": rows}
+              "attention_backend": args.attention_backend, "threads": args.threads, "rows": rows} | (extra or {})
     write_json(result, args.json_path)
     return result
 

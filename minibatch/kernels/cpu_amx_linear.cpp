@@ -1,10 +1,10 @@
 // A bf16 linear layer for the few rows of a decode step on Intel AMX (Advanced Matrix Extensions), reading the
 // weight oneDNN prepacked (runner/prepack.py) where it lies: no second copy.
 //
-// Why: oneDNN's matmul on AMX streams a decode step's weights at well under the memory's speed (on a 2-core Xeon
-// with AMX, the 30 layers' q/k/v, o, gate/up and down weights of SmolLM2-135M took ~2.5x as long at 32 rows as a
-// plain sum over the same bytes), and each call costs ~30 us before it starts. This kernel walks the weight once,
-// front to back, with software prefetches a block and 16 KiB ahead, at ~3 us a call.
+// Why: oneDNN's matmul on AMX streams a decode step's few rows of weights at well under the memory's speed, and
+// each call costs tens of microseconds before it starts. This kernel walks the weight once, front to back, with
+// software prefetches a block and 16 KiB ahead, and starts in a few microseconds (benchmarks/amx_linear.py,
+// data/cpu/amx_linear.json: SmolLM2-135M's linears 1.4x-2x as fast at 1-32 rows on a 2-core Xeon).
 //
 // The layout. _reorder_linear_weight(w, batch_size_hint >= 16) gives oneDNN's AB16b32a2b: w (n, k) zero-padded to
 // multiples of 32, cut into blocks of 32 output features x 32 input features, the blocks of an output block

@@ -2,8 +2,9 @@
 oneDNN prepacked (``runner.prepack``) in place, built on first use (``kernels.cpp_build``).
 
 Why: on a 2-core Xeon with AMX, oneDNN's matmul streamed a decode step's weights at well under the memory's speed
-and spent ~30 us per call before starting; this kernel walks each weight once with software prefetches, at ~3 us
-a call (``benchmarks/amx_linear.py``, ``data/cpu/amx_linear.json``). It reads oneDNN's own blocked layout
+and spent tens of microseconds per call before starting; this kernel walks each weight once with software
+prefetches and starts in a few (``benchmarks/amx_linear.py``, ``data/cpu/amx_linear.json``: the call overhead, and
+SmolLM2-135M's linears and decode steps both ways). It reads oneDNN's own blocked layout
 (AB16b32a2b: 32 x 32 blocks of VNNI pairs), checked byte for byte by :func:`layout_ok` before a layer uses it, so
 there is no second copy of the weights. Up to :data:`AMX_MAX_ROWS` rows its outputs matched oneDNN's bit for bit
 on every shape tried (``tests/test_amx_linear.py``); above that oneDNN blocks the sums differently and is faster,
