@@ -1,5 +1,5 @@
-"""What machine this is: the CPU model and its vector instruction sets, read from /proc/cpuinfo; and how its C
-allocator treats the memory a step frees (``keep_freed_memory``).
+"""What machine this is: the CPU model and its vector instruction sets, read from /proc/cpuinfo, and its last-level
+caches' size (sysfs); and how its C allocator treats the memory a step frees (``keep_freed_memory``).
 
 Results record all three (``report.environment``); the C++ kernels' build name covers the first two
 (``kernels.cpp_build``).
@@ -23,6 +23,30 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu") -> int:
+    """The bytes of this machine's last-level caches, each distinct one once (Linux sysfs: every data or unified
+    cache of the highest level, told apart by the CPUs sharing it), or 0 where unknown. A 2-core cloud slice can
+    report its host's whole L3 (300 MiB on one Xeon here): what a "far larger than the caches" buffer must beat."""
+    import glob
+
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    caches: dict[tuple[int, str], int] = {}
+    for index in glob.glob(os.path.join(root, "cpu[0-9]*", "cache", "index[0-9]*")):
+        try:
+            fields = {}
+            for name in ("level", "type", "size", "shared_cpu_list"):
+                with open(os.path.join(index, name)) as f:
+                    fields[name] = f.read().strip()
+            size = fields["size"]
+            nbytes = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
+            if fields["type"] != "Instruction":
+                caches[(int(fields["level"]), fields["shared_cpu_list"])] = nbytes
+        except (OSError, ValueError, KeyError):
+            continue
+    top = max((level for level, _ in caches), default=0)
+    return sum(n for (level, _), n in caches.items() if level == top)
 
 
 # Vector instruction sets our kernels and torch's pick their code by (x86 and Arm names, as /proc/cpuinfo spells them)

@@ -96,10 +96,30 @@ def _times_s(fn, repeats: int) -> list[float]:
     return sorted(times)
 
 
+MIN_STREAM_BYTES, MAX_STREAM_BYTES = 256 * 2**20, 2 * 2**30
+
+
+def stream_bytes(llc_bytes: int | None = None, available_bytes: int | None = None) -> int:
+    """How many bytes the bandwidth roof sums: 4x the last-level caches (``llc_bytes``; default: this machine's,
+    ``machine.last_level_cache_bytes``), so that the sum reads memory, not cache: the array-size rule of the STREAM
+    benchmark (McCalpin, stream.c's instructions: each array at least 4x the size of the sum of all the last-level
+    caches). At least 256 MiB, at most 2 GiB and a quarter of ``available_bytes`` (default: the memory available
+    now); whole MiB."""
+    import psutil
+
+    from minibatch.machine import last_level_cache_bytes
+
+    llc = last_level_cache_bytes() if llc_bytes is None else llc_bytes
+    available = psutil.virtual_memory().available if available_bytes is None else available_bytes
+    wanted = min(max(MIN_STREAM_BYTES, 4 * llc), MAX_STREAM_BYTES, max(MIN_STREAM_BYTES, available // 4))
+    return wanted >> 20 << 20
+
+
 def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32, matmul_size: int = 2048,
-                read_bytes: int = 256 * 2**20, repeats: int = 5, packed_kernel: bool = False) -> Roofline:
+                read_bytes: int | None = None, repeats: int = 5, packed_kernel: bool = False) -> Roofline:
     """This CPU's roofs, measured (about two seconds): peak = the FLOP/s of a ``matmul_size``-square matrix product
-    in ``dtype``; bandwidth = the bytes/s of summing a ``read_bytes`` tensor (far larger than any cache); each the
+    in ``dtype``; bandwidth = the bytes/s of summing a ``read_bytes`` tensor (default :func:`stream_bytes`: four
+    times the last-level caches, at least 256 MiB); each the
     best of ``repeats`` (a roof is the most the machine does; a busy moment only lowers a run). num_threads: torch
     threads while measuring (restored; None leaves them). packed_kernel: in float32, also time the same product on
     our packed kernel (``kernels.cpu_linear``, where it builds) and keep the higher peak: on some CPUs it beats
@@ -118,8 +138,10 @@ def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32,
                                                        repeats)
                 what = "matmul (the faster of torch's and our packed kernel's)"
                 peak = max(peak, ours)
+        read_bytes = read_bytes or stream_bytes()
         x = torch.ones(read_bytes // 4, dtype=torch.float32)
         bandwidth = read_bytes / min_time_s(x.sum, repeats)
+        del x
     return Roofline(f"this CPU, {threads} thread{'s' * (threads > 1)}", peak, bandwidth,
                     f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} {what}, "
                     f"sum of {read_bytes // 2**20} MiB, best of {repeats}")

@@ -8,7 +8,8 @@ import torch
 from minibatch import ModelRunner
 from minibatch.lessons.step_cost import knee_tokens, measure_step_cost, time_linear_layers
 from minibatch.models import load_model
-from minibatch.roofline import H100_SXM, Roofline, measure_cpu, ridge_tokens, roofline_step_s
+from minibatch.machine import last_level_cache_bytes
+from minibatch.roofline import H100_SXM, Roofline, measure_cpu, ridge_tokens, roofline_step_s, stream_bytes
 
 
 def test_the_bound_is_the_weight_read_then_the_arithmetic():
@@ -28,6 +29,39 @@ def test_the_cpu_roofs_are_measured_and_positive():
     cpu = measure_cpu(num_threads=1, matmul_size=128, read_bytes=8 * 2**20, repeats=2)
     assert isinstance(cpu, Roofline) and cpu.peak_flop_per_s > 1e8 and cpu.bytes_per_s > 1e8
     assert cpu.source.startswith("measured") and cpu.ridge_tokens(4) > 0
+
+
+def test_the_bandwidth_roof_reads_four_times_the_last_level_caches():
+    """STREAM's rule: the summed tensor is 4x the last-level caches (a cloud slice may see its host's 300 MiB L3,
+    which a 256 MiB sum would partly read from cache), at least 256 MiB, at most 2 GiB and a quarter of the free
+    memory, whole MiB."""
+    mib, gib = 2**20, 2**30
+    assert stream_bytes(32 * mib, 16 * gib) == 256 * mib  # a laptop's 32 MiB L3: the floor
+    assert stream_bytes(300 * mib, 16 * gib) == 1200 * mib
+    assert stream_bytes(1 * gib, 64 * gib) == 2 * gib  # the cap
+    assert stream_bytes(300 * mib, 2 * gib) == 512 * mib  # a quarter of what is free
+    assert stream_bytes(300 * mib, 100 * mib) == 256 * mib  # never under the floor
+    assert stream_bytes(0, 16 * gib) == 256 * mib  # caches unknown
+    assert stream_bytes(int(1.5 * mib) + 7, 16 * gib) == 256 * mib
+
+
+def test_the_last_level_caches_are_read_from_sysfs(tmp_path):
+    """Each distinct cache of the highest level once (told apart by the CPUs sharing it), instruction caches
+    skipped, unreadable entries ignored; 0 without any."""
+    def cache(cpu, index, level, kind, size, shared):
+        d = tmp_path / f"cpu{cpu}" / "cache" / f"index{index}"
+        d.mkdir(parents=True)
+        for name, value in (("level", level), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+            (d / name).write_text(f"{value}\n")
+
+    assert last_level_cache_bytes(str(tmp_path)) == 0
+    for cpu in range(4):  # two L3s of 16 MiB, each shared by two CPUs; private L2s and L1s
+        cache(cpu, 0, 1, "Data", "48K", cpu)
+        cache(cpu, 1, 1, "Instruction", "32K", cpu)
+        cache(cpu, 2, 2, "Unified", "2048K", cpu)
+        cache(cpu, 3, 3, "Unified", "16M", "0-1" if cpu < 2 else "2-3")
+    (tmp_path / "cpu3" / "cache" / "index4").mkdir()  # no files: skipped
+    assert last_level_cache_bytes(str(tmp_path)) == 32 * 2**20
 
 
 def test_the_knee_of_a_flat_then_linear_curve():
