@@ -285,3 +285,12 @@ def test_the_bf16_layers_rms_norm_is_the_modules_bit_for_bit():
         got = kernel.rms_norm_like_modules(x, norm.weight.detach(), eps)
         assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()  # NaN where torch's is (any payload)
         assert torch.equal(got[~got.isnan()].view(torch.int16), want[~want.isnan()].view(torch.int16))
+    prefill = (torch.randn(3, 1100, 576, generator=g) * 4).to(torch.bfloat16)  # rows split over threads
+    with torch.no_grad():
+        want = norm(prefill)
+        assert fused_layers.kernel_norms(torch.nn.ModuleList([norm])) == 1 and isinstance(norm, LlamaRMSNorm)
+        assert type(norm).__name__ == "KernelLlamaRMSNorm"
+        assert torch.equal(norm(prefill).view(torch.int16), want.view(torch.int16))
+    assert norm(prefill).requires_grad  # with autograd on: the module's own operators
+    with pytest.raises(RuntimeError, match="rms_norm_like_modules: x"):
+        kernel.rms_norm_like_modules(prefill, norm.weight.detach(), 1e-5)

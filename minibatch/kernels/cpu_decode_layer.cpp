@@ -261,21 +261,26 @@ MINIBATCH_NO_CONTRACT torch::Tensor rms_norm_like_modules(const torch::Tensor& x
   const bf16* ws = w.data_ptr<bf16>();
   auto squares = torch::empty({n, d}, xc.options().dtype(torch::kFloat32));
   float* sq = squares.data_ptr<float>();
-  for (int64_t i = 0; i < n * d; ++i) {
-    const float v = static_cast<float>(xs[i]);
-    sq[i] = v * v;
-  }
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(d, 1));  // rows per task: prefills split
+  at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * d; i < r1 * d; ++i) {
+      const float v = static_cast<float>(xs[i]);
+      sq[i] = v * v;
+    }
+  });
   const auto variance = squares.mean(-1, true);
   const float* var = variance.data_ptr<float>();
   auto out = torch::empty_like(xc);
   bf16* o = out.data_ptr<bf16>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float inv = 1.0f / std::sqrt(var[r] + static_cast<float>(eps));
-    for (int64_t c = 0; c < d; ++c) {
-      const bf16 h = static_cast<float>(xs[r * d + c]) * inv;
-      o[r * d + c] = static_cast<float>(ws[c]) * static_cast<float>(h);
+  at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float inv = 1.0f / std::sqrt(var[r] + static_cast<float>(eps));
+      for (int64_t c = 0; c < d; ++c) {
+        const bf16 h = static_cast<float>(xs[r * d + c]) * inv;
+        o[r * d + c] = static_cast<float>(ws[c]) * static_cast<float>(h);
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -394,5 +399,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     silu_mul(out.data_ptr<float>(), uc.data_ptr<float>(), out.numel());
     return out;
   }, "SiLU(g) * u as the fused layer computes it");
-  m.def("rms_norm_like_modules", &rms_norm_like_modules, "the bf16 layer's RMSNorm, for tests: x (n, d), weight (d,)");
+  m.def("rms_norm_like_modules", [](torch::Tensor x, torch::Tensor weight, double eps) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu() && weight.dim() == 1 &&
+                    weight.size(0) == x.size(1) && weight.scalar_type() == torch::kBFloat16,
+                "rms_norm_like_modules: x (n, d) and weight (d,), both bf16 on the CPU");
+    return rms_norm_like_modules(x, weight, eps);
+  }, "transformers' RMSNorm in bf16, bit for bit: x (n, d), weight (d,)");
 }

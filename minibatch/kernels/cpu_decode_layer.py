@@ -69,3 +69,13 @@ def decode_layer_prepacked(x: torch.Tensor, norms: list, eps: list, weights: lis
     return KERNEL.load().decode_layer_prepacked(x, norms, eps, weights, *biases, int(amx_rows), dims, cos, sin,
                                                 k_cache, v_cache, slot_mapping, tables, seq_lens, float(scale),
                                                 int(window or 0))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama's, Mistral's, Qwen2's) in bf16 as one call, the bf16 layer's own: bit for bit the
+    module's output (its mean is torch's on the same float32 squares; the elementwise steps round as torch's
+    kernels do). x: (n, d) bf16 CPU; weight: (d,) bf16. Returns (n, d) bf16.
+
+    Raises:
+        RuntimeError: the kernel could not be built, or the shapes/dtypes are not these."""
+    return KERNEL.load().rms_norm_like_modules(x, weight, float(eps))

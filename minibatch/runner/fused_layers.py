@@ -60,7 +60,46 @@ def sliding_window(layer, cfg) -> int | None:
 
 
 def _exact_class(module, module_path: str, name: str) -> bool:
-    return type(module).__module__ == module_path and type(module).__name__ == name
+    cls = getattr(type(module), "module_class", type(module))  # a KernelRMSNorm: the class it runs the kernel for
+    return cls.__module__ == module_path and cls.__name__ == name
+
+
+class KernelRMSNorm:
+    """Mixed into a supported RMSNorm class by :func:`kernel_norms` (``module_class``: that class): bf16 CPU inputs
+    without autograd run the fused layers' own RMSNorm (``kernels.cpu_decode_layer.rms_norm``: one call, bit for bit
+    the module's output) instead of its eight operators, the prefills' norms included; anything else runs the
+    class's own forward."""
+
+    module_class: type
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (hidden_states.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hidden_states.device.type == "cpu"
+                and not torch.is_grad_enabled() and hidden_states.numel() > 0):
+            shape = hidden_states.shape
+            flat = hidden_states.reshape(-1, shape[-1])
+            return cpu_decode_layer.rms_norm(flat, w, self.variance_epsilon).view(shape)
+        return super().forward(hidden_states)
+
+
+_KERNEL_CLASSES: dict[type, type] = {}
+
+
+def kernel_norms(model) -> int:
+    """Give every RMSNorm of ``model`` whose class is one of :data:`SUPPORTED`'s a :class:`KernelRMSNorm` class (in
+    place; the modules keep their names and weights); returns how many changed. Why: in bf16 on a CPU torch runs the
+    module's eight operators at a few microseconds each and, on a prefill's thousands of rows, far slower than one
+    pass (``tests/test_fused_layers.py`` checks the outputs are the same bits)."""
+    changed = 0
+    norm_classes = {(path, names[5]) for path, names in SUPPORTED.items()}
+    for module in model.modules():
+        cls = type(module)
+        if (cls.__module__, cls.__name__) in norm_classes:
+            if cls not in _KERNEL_CLASSES:
+                _KERNEL_CLASSES[cls] = type(f"Kernel{cls.__name__}", (KernelRMSNorm, cls), {"module_class": cls})
+            module.__class__ = _KERNEL_CLASSES[cls]
+            changed += 1
+    return changed
 
 
 def parts(layer) -> list[tuple]:

@@ -23,7 +23,7 @@ from minibatch.request import Request
 from minibatch.runner import attention
 from minibatch.runner.backends import get_backend
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
-from minibatch.runner.fused_layers import FusedDecoder, unsupported
+from minibatch.runner.fused_layers import FusedDecoder, kernel_norms, unsupported
 from minibatch.runner.sampler import Sampler, ban_tokens, step_logprobs
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
 from minibatch.runner.prepack import engine_linears, pack_linears, prepack_linears
@@ -53,7 +53,9 @@ class ModelRunner(KVOwnership):
         fuse_decode_layers: run all-decode packed steps with one C++ call per decoder layer
             (``runner.fused_layers``) where the model, dtype and attention backend allow it (float32 or bf16 on a
             CPU, packed or prepacked linears, the ``cpp`` backend, Llama/Mistral/Qwen2 layers); ``fused_decoder`` is
-            None elsewhere, and ``fused_unsupported`` says why.
+            None elsewhere, and ``fused_unsupported`` says why. In bf16 the model's RMSNorms then also run the fused
+            layers' norm kernel in every step, prefills included (``runner.fused_layers.kernel_norms``: one call
+            instead of eight operators, the same output bits; the modules change class in place).
 
     On a CPU it also makes the C allocator keep freed memory for the next step (``machine.keep_freed_memory``:
     without it every prefill step faults its activations' pages in afresh), for the whole process.
@@ -114,6 +116,8 @@ class ModelRunner(KVOwnership):
         self.fused_unsupported = (unsupported(model, self.attention_backend.name) if fuse_decode_layers
                                   else "fuse_decode_layers=False")
         self.fused_decoder = FusedDecoder(model) if self.fused_unsupported is None else None
+        if self.fused_decoder is not None and self.fused_decoder.prepacked:
+            kernel_norms(model)  # bf16: the fused layers' RMSNorm serves the modules too (prefills), the same bits
 
     # ------------------------------------------------------------------ KV memory
     def allocate_kv_cache(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
