@@ -161,23 +161,23 @@ def _not_packed(layer, dtype) -> str | None:
     return None
 
 
-def prepacked_weights(layer) -> tuple[list, list, int] | None:
+def prepacked_weights(layer, projections: list | None = None) -> tuple[list, list, int] | None:
     """A bf16 layer's prepacked weights for ``decode_layer_prepacked`` ([q/k/v product, o_proj, gate/up product,
     down_proj], [the q/k/v product's bias, o_proj's], and the most rows its products run on AMX: ``AMX_MAX_ROWS``
     where all four weights can, else 0), or None unless q/k/v and gate/up are each one oneDNN group in that order and
-    o/down_proj are prepacked alone."""
-    attn, mlp = layer.self_attn, layer.mlp
+    o/down_proj are prepacked alone. ``projections``: the layer's :data:`PROJECTIONS` modules in that order, if the
+    caller has them (a decode step reads these for every layer: module attribute lookups cost more)."""
+    q, k, v, o, gate, up, down = projections or [layer.get_submodule(name) for name in PROJECTIONS]
     groups = []
-    for members in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+    for members in ((q, k, v), (gate, up)):
         group = getattr(members[0], "group", None)
         if not (all(type(m) is GroupedLinear and m.group is group and m.index == i for i, m in enumerate(members))
                 and group.layout == "onednn"):
             return None
         groups.append(group)
-    alone = (attn.o_proj, mlp.down_proj)
-    if not all(type(m) is PrepackedLinear and hasattr(m, "packed_weight") for m in alone):
+    if not all(type(m) is PrepackedLinear and hasattr(m, "packed_weight") for m in (o, down)):
         return None
-    (qkv, gate_up), (o, down) = groups, alone
+    qkv, gate_up = groups
     amx_rows = cpu_amx_linear.AMX_MAX_ROWS if qkv.amx and o.amx and gate_up.amx and down.amx else 0
     return [qkv.packed, o.packed_weight, gate_up.packed, down.packed_weight], [qkv.bias, o.bias], amx_rows
 
@@ -241,7 +241,8 @@ class FusedDecoder:
             return None
         # bf16: each layer's prepacked products, read every step (prepacking again, e.g. by a second runner, makes
         # new ones); a layer no longer grouped and prepacked runs the model's own forward
-        prepacked = [prepacked_weights(layer) for layer in self.base.layers] if self.prepacked else None
+        prepacked = ([prepacked_weights(layer, spec["parts"][:7]) for layer, spec in zip(self.base.layers, self.layers)]
+                     if self.prepacked else None)
         if prepacked is not None and any(p is None for p in prepacked):
             return None
         x = self.base.embed_tokens(batch.input_ids)  # (n, hidden)
