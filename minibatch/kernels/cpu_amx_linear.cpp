@@ -61,12 +61,11 @@ bool amx_permitted() {
 #endif
 }
 
-// The packed weight's buffer, checked to be one AB16b32a2b weight of n x k.
-const uint16_t* weight_blocks(const torch::Tensor& packed, int64_t n, int64_t k) {
-  TORCH_CHECK(packed.is_mkldnn() && packed.scalar_type() == torch::kBFloat16,
-              "amx_linear: packed must be a bf16 weight prepacked by mkldnn::_reorder_linear_weight");
-  TORCH_CHECK(at::native::nbytes_from_mkldnn(packed) == blocks(n) * blocks(k) * BLOCK_BYTES,
-              "amx_linear: packed is not an (", n, ", ", k, ") weight in 32 x 32 blocks");
+// The packed weight's buffer if it is a bf16 oneDNN tensor of exactly an n x k weight's 32 x 32 blocks, else null.
+const uint16_t* blocks_of(const torch::Tensor& packed, int64_t n, int64_t k) {
+  if (!packed.is_mkldnn() || packed.scalar_type() != torch::kBFloat16 ||
+      at::native::nbytes_from_mkldnn(packed) != blocks(n) * blocks(k) * BLOCK_BYTES)
+    return nullptr;
   return static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
 }
 
@@ -75,23 +74,24 @@ const uint16_t* weight_blocks(const torch::Tensor& packed, int64_t n, int64_t k)
 // Whether `packed` (from mkldnn::_reorder_linear_weight) holds `weight` ((n, k) bf16) as AB16b32a2b, zeros in the
 // padding, and this process can run AMX: then amx_linear may take it.
 bool amx_layout_ok(torch::Tensor packed, torch::Tensor weight) {
-  if (!amx_permitted() || !packed.is_mkldnn() || weight.dim() != 2 || weight.scalar_type() != torch::kBFloat16 ||
-      packed.scalar_type() != torch::kBFloat16)
-    return false;
+  if (!amx_permitted() || weight.dim() != 2 || weight.scalar_type() != torch::kBFloat16) return false;
   const int64_t n = weight.size(0), k = weight.size(1), kb = blocks(k);
-  if (at::native::nbytes_from_mkldnn(packed) != blocks(n) * kb * BLOCK_BYTES) return false;
-  const uint16_t* p = static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
+  const uint16_t* packed_bits = blocks_of(packed, n, k);
+  if (packed_bits == nullptr) return false;
   auto w = weight.detach().contiguous();
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   std::atomic<bool> same{true};
   at::parallel_for(0, blocks(n), 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1 && same; ++nb)
-      for (int64_t j = 0; j < kb * BLOCK_BYTES / 2; ++j) {  // block (nb, j / 1024): row r, feature c, pair half e
-        const int64_t in_block = j % 1024, r = in_block / 64, c = in_block % 64 / 2, e = in_block % 2;
-        const int64_t row = nb * BLOCK + c, col = j / 1024 * BLOCK + 2 * r + e;
-        const uint16_t want = row < n && col < k ? src[row * k + col] : 0;
-        if (p[nb * kb * 1024 + j] != want) { same = false; break; }
-      }
+    for (int64_t nb = b0; nb < b1 && same; ++nb) {
+      const uint16_t* p = packed_bits + nb * kb * BLOCK_BYTES / 2;  // the output block's k blocks, in order
+      for (int64_t j = 0; j < kb; ++j)
+        for (int64_t r = 0; r < 16; ++r)  // a block: 16 pairs of input features x 32 output features x the pair
+          for (int64_t c = 0; c < BLOCK; ++c)
+            for (int64_t e = 0; e < 2; ++e, ++p) {
+              const int64_t row = nb * BLOCK + c, col = j * BLOCK + 2 * r + e;
+              if (*p != (row < n && col < k ? src[row * k + col] : 0)) same = false;
+            }
+    }
   });
   return same;
 }
@@ -105,7 +105,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == torch::kBFloat16),
               "amx_linear: bias must be (n,) bf16");
   const int64_t m = x.size(0), k = x.size(1), kb = blocks(k), nb_count = blocks(n);
-  const uint16_t* w = weight_blocks(packed, n, k);
+  const uint16_t* w = blocks_of(packed, n, k);
+  TORCH_CHECK(w != nullptr, "amx_linear: packed is not an (", n, ", ", k, ") bf16 weight prepacked by "
+              "mkldnn::_reorder_linear_weight in 32 x 32 blocks");
   auto out = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   // the rows as the tiles read them: 32-feature slices, zeros past k (the weight's padding is zero too)

@@ -184,9 +184,11 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
     for module in model.modules():
         if isinstance(module, PrepackedLinear):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), batch_size_hint)
-            module.amx = cpu_amx_linear.layout_ok(module.packed_weight, module.weight)
     if fuse:
-        fuse_siblings(model, batch_size_hint, "onednn")
+        fuse_siblings(model, batch_size_hint, "onednn")  # a group checks its own weight for AMX
+    for module in model.modules():
+        if type(module) is PrepackedLinear:  # left alone: its own weight, checked once
+            module.amx = cpu_amx_linear.layout_ok(module.packed_weight, module.weight)
     return changed
 
 
