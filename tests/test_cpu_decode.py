@@ -37,6 +37,50 @@ def test_matches_the_reference(dtype, n, num_heads, num_kv_heads, head_dim, bloc
     assert (out.float() - ref.float()).abs().max() <= TOLERANCE[dtype]
 
 
+# shapes whose bf16 scores run on AMX tiles where the CPU has them (block_size a multiple of 16, head_dim of 64 or
+# 128, at most 16 query heads per KV head): few requests (one KV head per task) and many (all of them, up to 32
+# query heads per task), windows whose first 16-position chunk starts before the window, contexts ending mid-chunk
+@pytest.mark.parametrize("n,num_heads,num_kv_heads,head_dim,block_size", [
+    (2, 9, 3, 64, 16), (9, 9, 3, 64, 16), (6, 8, 2, 128, 32), (5, 32, 2, 64, 16), (3, 16, 1, 128, 48)])
+@pytest.mark.parametrize("window", [None, 21])
+def test_bf16_tile_scores_match_the_reference(n, num_heads, num_kv_heads, head_dim, block_size, window):
+    g = torch.Generator().manual_seed(n * 7 + num_heads)
+    max_blocks, num_blocks = 9, 200
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).bfloat16()
+                        for _ in range(2))
+    tables = torch.randperm(num_blocks, generator=g)[: n * max_blocks].view(n, max_blocks)
+    lens = torch.randint(1, max_blocks * block_size + 1, (n,), generator=g)
+    lens[0], lens[1] = max_blocks * block_size, 17
+    q = (3 * torch.randn(n, num_heads, head_dim, generator=g)).bfloat16()
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, window)
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, window)
+    assert (out.float() - ref.float()).abs().max() <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("n", [2, 8])  # one KV head per task, and all of them
+def test_keys_outside_the_attended_positions_never_reach_the_output(n):
+    """Tile products read a block's 16 rows at once: NaN keys and values in rows past the context (a block's unused
+    slots) and before a sliding window's first position must not reach the output, which equals the same call's on
+    a cache holding zeros there."""
+    block_size, max_blocks = 16, 3
+    g = torch.Generator().manual_seed(n)
+    k_cache, v_cache = (torch.randn(n * max_blocks, block_size, 3, 64, generator=g).bfloat16() for _ in range(2))
+    tables = torch.arange(n * max_blocks).view(n, max_blocks)
+    lens, window = torch.full((n,), 37), 29  # attended: positions 8 .. 36 (an odd count: the weighted sum pairs
+    # the last one with the padding's score)
+    q = torch.randn(n, 9, 64, generator=g).bfloat16()
+    clean_k, clean_v = k_cache.clone(), v_cache.clone()
+    for i in range(n):
+        for cache, clean in ((k_cache, clean_k), (v_cache, clean_v)):
+            cache[tables[i, 0], :8] = float("nan")  # before the window
+            cache[tables[i, 2], 5:] = float("nan")  # past the context
+            clean[tables[i, 0], :8] = 0
+            clean[tables[i, 2], 5:] = 0
+    out = cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, 0.125, window)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, cpu_decode.paged_decode(q, clean_k, clean_v, tables, lens, 0.125, window))
+
+
 def test_extreme_scores_stay_finite():
     """Scores far apart (one key dominates; the rest underflow exp) give that key's value, not NaN."""
     k_cache = torch.zeros(4, 4, 1, 16)

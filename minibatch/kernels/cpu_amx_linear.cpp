@@ -18,9 +18,9 @@
 // blocks k differently, which is why the engine runs oneDNN there (AMX_MAX_ROWS in cpu_amx_linear.py).
 //
 // Intel, "Intel Architecture Instruction Set Extensions Programming Reference", chapter 3 (AMX: tiles,
-// LDTILECFG, TILELOADD, TDPBF16PS); Linux asks each process to request the tile state (arch_prctl
-// ARCH_REQ_XCOMP_PERM), done once here. Built with -march=native: on a CPU without AMX the functions report
-// unavailable (amx_layout_ok is false) and the callers keep oneDNN.
+// LDTILECFG, TILELOADD, TDPBF16PS); cpu_amx.h asks Linux for the tile state. Built with -march=native: on a CPU
+// without AMX the functions report unavailable (amx_layout_ok is false) and the callers keep oneDNN.
+#include "cpu_amx.h"
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -31,13 +31,6 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define MINIBATCH_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace at::native {  // an opaque oneDNN tensor's buffer and its size (libtorch_cpu exports both)
 void* data_ptr_from_mkldnn(const at::Tensor& mkldnn_tensor);
@@ -51,15 +44,7 @@ constexpr int64_t BLOCK_BYTES = 32 * 32 * 2;  // one block of bf16 weights: two 
 
 int64_t blocks(int64_t size) { return (size + BLOCK - 1) / BLOCK; }
 
-// Whether this process may run AMX: compiled in, and the kernel granted the tile state (asked once).
-bool amx_permitted() {
-#if defined(MINIBATCH_AMX)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-#else
-  return false;
-#endif
-}
+using minibatch::amx_permitted;
 
 // The packed weight's buffer if it is a bf16 oneDNN tensor of exactly an n x k weight's 32 x 32 blocks, else null.
 const uint16_t* blocks_of(const torch::Tensor& packed, int64_t n, int64_t k) {
@@ -122,11 +107,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::
   const int64_t x_stride = kb * BLOCK * 2;  // bytes per row
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, nb_count, 1, [&](int64_t b0, int64_t b1) {
-    struct alignas(64) {
-      uint8_t palette, start_row, reserved[14];
-      uint16_t colsb[16];
-      uint8_t rows[16];
-    } cfg{};
+    minibatch::TileConfig cfg{};
     alignas(64) float acc[2][2][16][16];  // [row tile][feature half][row][feature]
     int64_t configured = -1;
     for (int64_t nb = b0; nb < b1; ++nb) {

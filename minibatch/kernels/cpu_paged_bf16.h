@@ -1,7 +1,8 @@
 // The paged decode kernel's bf16 paths on CPUs with AVX512-BF16 (cpu_paged_decode.cpp's decode_task_simd calls
 // them for a bf16 cache and head_dim a multiple of 32): q . k and the weighted sum of the values by `vdpbf16ps`,
 // which multiplies bf16 pairs exactly and adds them into fp32 lanes, so the cache's rows are read as they are
-// stored, never converted to fp32 first. `ahead`: how many positions ahead the next rows are prefetched.
+// stored, never converted to fp32 first; on CPUs with AMX, q . k on tiles instead (amx_scores, at the end).
+// `ahead`: how many positions ahead the next rows are prefetched.
 #pragma once
 
 #include <torch/extension.h>
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
 #if defined(__AVX512BF16__)
@@ -116,6 +118,90 @@ inline void bf16_weighted_sum(const at::BFloat16* v_cache, const int64_t* table,
       _mm512_storeu_ps(a, _mm512_permutex2var_ps(low, first, high));
       _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(low, second, high));
     }
+}
+
+}  // namespace minibatch
+#endif
+
+#if defined(MINIBATCH_AMX)
+namespace minibatch {
+
+// Whether amx_scores takes a task: AMX granted, chunks of 16 positions lie inside one block, a head is whole 64-value
+// tile pairs, and a KV head's query heads fit one tile's 16 columns.
+inline bool amx_scores_fit(int64_t block_size, int64_t head_dim, int64_t group) {
+  return block_size % 16 == 0 && head_dim % 64 == 0 && group <= 16 && amx_permitted();
+}
+
+// bf16_scores' contract on AMX (cpu_amx.h), where amx_scores_fit: the keys of 16 positions of one block (one KV
+// head's 32 values of each) are an A tile loaded straight from the cache (rows a token_stride apart), the query
+// heads sharing that KV head a B tile (their 32 values as VNNI pairs, arranged once per task in `buffer`), and
+// TDPBF16PS sums the 16 x group scores in fp32 (bf16 products exact; the sums in another order than bf16_scores',
+// within its bf16 tolerance; AMX reads bf16 subnormals as zero). A chunk starts at a multiple of 16, so a sliding
+// window's first chunk and the context's last one hold rows outside [start, start + n_pos): their scores are never
+// stored (and a row past the context may be anything, even NaN, without reaching the output); the padding up to
+// n_pad is set to 0, as bf16_scores leaves it. buffer: at least width / 2 * group + 16 * heads_pad floats,
+// heads_pad = heads rounded up to 16. Tiles 0-4 are configured here and released at the end.
+template <int HD>
+inline void amx_scores(const at::BFloat16* q_rows, const at::BFloat16* k_cache, const int64_t* table, int64_t start,
+                       int64_t n_pos, int64_t n_pad, int64_t heads, int64_t group, int64_t block_size,
+                       int64_t block_stride, int64_t token_stride, int64_t lo, int64_t width, float scale,
+                       float* scores, float* buffer, int64_t ahead) {
+  constexpr int NH = HD / 32;  // tile-wide slices of a head (even: HD % 64 == 0)
+  const int64_t kv_heads = width / HD, heads_pad = (heads + 15) / 16 * 16;
+  const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q_rows);
+  uint32_t* qb = reinterpret_cast<uint32_t*>(buffer);  // [kv head][slice][pair r][query head j]
+  for (int64_t kh = 0; kh < kv_heads; ++kh)
+    for (int s = 0; s < NH; ++s)
+      for (int r = 0; r < 16; ++r)
+        for (int64_t j = 0; j < group; ++j)
+          qb[((kh * NH + s) * 16 + r) * group + j] = q_pairs[(kh * group + j) * (HD / 2) + s * 16 + r];
+  float* sums = buffer + width / 2 * group;  // 16 positions x heads_pad: one chunk's scores, position-major
+  TileConfig cfg{};
+  cfg.palette = 1;
+  const int64_t colsb[5] = {group * 4, 64, 64, group * 4, group * 4};  // tile 0: sums, 1-2: keys, 3-4: queries
+  for (int t = 0; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(colsb[t]);
+  _tile_loadconfig(&cfg);
+  const uint16_t* cache = reinterpret_cast<const uint16_t*>(k_cache);
+  const PagedRows<uint16_t> row_of{cache, table, block_size, block_stride, token_stride, lo};
+  const __m512 sv = _mm512_set1_ps(scale);
+  const __m512i lane = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(heads_pad)));
+  const int64_t end = start + n_pos, row_bytes = token_stride * 2;
+  auto prefetch_chunk = [&](int64_t c) {  // a chunk's 16 rows are consecutive in its block
+    if (c >= end) return;
+    const char* p = reinterpret_cast<const char*>(row_of(c));
+    for (int64_t e = 0; e < 15 * row_bytes + width * 2; e += 64) _mm_prefetch(p + e, _MM_HINT_T0);
+  };
+  const int64_t first = start - start % 16;
+  for (int64_t c = first; c < first + ahead; c += 16) prefetch_chunk(c + 16);
+  for (int64_t c = first; c < end; c += 16) {
+    const uint16_t* rows = row_of(c);
+    prefetch_chunk(c + ahead);
+    for (int64_t kh = 0; kh < kv_heads; ++kh) {
+      _tile_zero(0);
+      for (int s = 0; s < NH; s += 2) {
+        _tile_loadd(1, rows + kh * HD + s * 32, row_bytes);
+        _tile_loadd(2, rows + kh * HD + (s + 1) * 32, row_bytes);
+        _tile_loadd(3, qb + (kh * NH + s) * 16 * group, group * 4);
+        _tile_loadd(4, qb + (kh * NH + s + 1) * 16 * group, group * 4);
+        _tile_dpbf16ps(0, 1, 3);
+        _tile_dpbf16ps(0, 2, 4);
+      }
+      _tile_stored(0, sums + kh * group, heads_pad * 4);
+    }
+    // lane j: position c + j, scores index c + j - start (masked-off lanes are not touched, so the row's base may
+    // lie before `scores` at a window's first chunk); stored where that index is in [0, n_pad), 0 from n_pos on
+    const int64_t from = std::max<int64_t>(0, start - c), valid = std::min<int64_t>(16, end - c);
+    const int64_t stored = std::min<int64_t>(16, start + n_pad - c);
+    const auto bits = [](int64_t k) { return static_cast<uint32_t>((uint64_t{1} << k) - 1); };
+    const __mmask16 keep = static_cast<__mmask16>(bits(valid) & ~bits(from));
+    const __mmask16 write = static_cast<__mmask16>(bits(stored) & ~bits(from));
+    for (int64_t hq = 0; hq < heads; ++hq) {
+      const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(hq))), sums, 4);
+      _mm512_mask_storeu_ps(scores + hq * n_pad + (c - start), write, _mm512_maskz_mul_ps(keep, v, sv));
+    }
+  }
+  _tile_release();
 }
 
 }  // namespace minibatch

@@ -5,8 +5,9 @@
 // when there are few requests): the `group` query heads that share a KV head read each key and value once. Scores,
 // softmax and the weighted sum are fp32 whatever the cache dtype; with a bf16 cache on a CPU with AVX512-BF16 the
 // scores and the weighted sum multiply bf16 pairs exactly into fp32 sums instead (cpu_paged_bf16.h: the rows are read
-// as stored, and the softmax's weights are rounded to bf16 for the sum, as torch's CPU flash attention does). The
-// output is in the query's dtype. Parallel over tasks with ATen's thread pool (torch's thread count).
+// as stored, and the softmax's weights are rounded to bf16 for the sum, as torch's CPU flash attention does), and
+// with AMX the scores are tile products (a block's 16 keys times the query heads sharing them). The output is in
+// the query's dtype. Parallel over tasks with ATen's thread pool (torch's thread count).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -212,7 +213,7 @@ inline void softmax_rows_simd(float* scores, int64_t rows, int64_t n, int64_t st
   }
 }
 
-constexpr int64_t PREFETCH_AHEAD = 32;  // positions
+constexpr int64_t PREFETCH_AHEAD = 32;  // positions (a multiple of 16: amx_scores prefetches whole chunks)
 
 // The cache rows of context positions [c, c + m) (m <= W), KV heads [h0, h0 + width / HD): each position's
 // `width` values are contiguous in its token row; converted to fp32 into rows[W][width] (positions past m are
@@ -267,9 +268,15 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
     return m;
   };
 #if defined(__AVX512BF16__)
-  if constexpr (bf16_pairs) {  // the keys read as bf16, no conversion
-    minibatch::bf16_scores<HD>(q + h0 * group * HD, k_cache, table, start, n_pos, n_pad, heads, group, block_size,
-                               block_stride, token_stride, lo, width, scale, scores, PREFETCH_AHEAD);
+  if constexpr (bf16_pairs) {  // the keys read as bf16, no conversion: on AMX tiles where they fit, else vdpbf16ps
+#if defined(MINIBATCH_AMX)
+    if (minibatch::amx_scores_fit(block_size, HD, group))  // `rows` is free until the weighted sum: its buffer
+      minibatch::amx_scores<HD>(q + h0 * group * HD, k_cache, table, start, n_pos, n_pad, heads, group, block_size,
+                                block_stride, token_stride, lo, width, scale, scores, rows, PREFETCH_AHEAD);
+    else
+#endif
+      minibatch::bf16_scores<HD>(q + h0 * group * HD, k_cache, table, start, n_pos, n_pad, heads, group, block_size,
+                                 block_stride, token_stride, lo, width, scale, scores, PREFETCH_AHEAD);
   } else
 #endif
   for (int64_t c = 0; c < n_pos; c += W) {  // scores: q . k of W positions at a time, scaled
