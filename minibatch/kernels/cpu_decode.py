@@ -4,7 +4,8 @@ Eager torch has no paged-attention op: the ``sdpa`` backend copies each decode's
 then runs the fused attention, whose CPU kernel is tuned for long query blocks, not the ``group`` (= num_heads /
 num_kv_heads) query rows of a decode. This kernel is vLLM's PagedAttention decode (Kwon et al., SOSP'23, §4.1)
 as a loop nest: one task per (request, KV head) reads that head's keys and values through the block table once,
-for all its query heads, with fp32 scores and softmax. ``benchmarks/cpu_decode.py`` times it against the sdpa path.
+for all its query heads, with fp32 scores and softmax (a bf16 cache's scores on AMX tiles where the CPU has them:
+``cpu_paged_bf16.h``). ``benchmarks/cpu_decode.py`` times it against the sdpa path.
 
 It is compiled the first time it is used on a machine (``kernels.cpp_build``: tens of seconds), then loaded from
 torch's extension cache. ``available()`` says whether that worked; the error is kept for the message.
