@@ -270,7 +270,9 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
 #if defined(__AVX512BF16__)
   if constexpr (bf16_pairs) {  // the keys read as bf16, no conversion: on AMX tiles where they fit, else vdpbf16ps
 #if defined(MINIBATCH_AMX)
-    if (minibatch::amx_scores_fit(block_size, HD, group))  // `rows` is free until the weighted sum: its buffer
+    // `rows` (W x width floats, free until the weighted sum) is amx_scores' buffer: with group <= 16 and HD >= 64
+    // it holds the query tiles and a chunk's scores
+    if (minibatch::amx_scores_fit(block_size, HD, group))
       minibatch::amx_scores<HD>(q + h0 * group * HD, k_cache, table, start, n_pos, n_pad, heads, group, block_size,
                                 block_stride, token_stride, lo, width, scale, scores, rows, PREFETCH_AHEAD);
     else
