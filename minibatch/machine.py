@@ -1,5 +1,6 @@
 """What machine this is: the CPU model and its vector instruction sets, read from /proc/cpuinfo, and its last-level
-caches' size (sysfs); and how its C allocator treats the memory a step frees (``keep_freed_memory``).
+caches' size (sysfs); and how its C allocator treats the memory a step frees (``keep_freed_memory``); and a
+process-level helper for its native libraries' stderr (``native_stderr_hidden``).
 
 Results record all three (``report.environment``); the C++ kernels' build name covers the first two
 (``kernels.cpp_build``).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 
 
 def cpu_model() -> str:
@@ -137,3 +139,20 @@ def malloc_state() -> str:
     """"kept freed memory" once ``keep_freed_memory`` applied in this process, else "default" (with why, once it was
     asked and did not apply)."""
     return _malloc_state
+
+
+@contextmanager
+def native_stderr_hidden():
+    """torch's profiler library writes a line to the process's stderr (file descriptor 2, not ``sys.stderr``) at
+    every start and stop; hide them while the block runs. Python exceptions still propagate."""
+    import sys
+
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -115,6 +115,22 @@ def stream_bytes(llc_bytes: int | None = None, available_bytes: int | None = Non
     return wanted >> 20 << 20
 
 
+def bandwidth_probe(read_bytes: int | None = None):
+    """A function that sums a ``read_bytes`` float32 tensor (default :func:`stream_bytes`) once and returns the
+    bytes/s it read: the memory bandwidth this moment gives. :func:`measure_cpu`'s roof is the best of several; the
+    step profile pairs single ones with its steps (a shared host's bandwidth moves with what other tenants run). The
+    tensor lives as long as the function."""
+    read_bytes = read_bytes or stream_bytes()
+    x = torch.ones(read_bytes // 4, dtype=torch.float32)
+
+    def probe() -> float:
+        t0 = time.perf_counter()
+        x.sum()
+        return read_bytes / (time.perf_counter() - t0)
+
+    return probe
+
+
 def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32, matmul_size: int = 2048,
                 read_bytes: int | None = None, repeats: int = 5, packed_kernel: bool = False) -> Roofline:
     """This CPU's roofs, measured (about two seconds): peak = the FLOP/s of a ``matmul_size``-square matrix product
@@ -139,9 +155,10 @@ def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32,
                 what = "matmul (the faster of torch's and our packed kernel's)"
                 peak = max(peak, ours)
         read_bytes = read_bytes or stream_bytes()
-        x = torch.ones(read_bytes // 4, dtype=torch.float32)
-        bandwidth = read_bytes / min_time_s(x.sum, repeats)
-        del x
+        probe = bandwidth_probe(read_bytes)
+        probe()  # warm-up: the first pass faults the pages in
+        bandwidth = max(probe() for _ in range(repeats))
+        del probe
     return Roofline(f"this CPU, {threads} thread{'s' * (threads > 1)}", peak, bandwidth,
                     f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} {what}, "
                     f"sum of {read_bytes // 2**20} MiB, best of {repeats}")

@@ -9,7 +9,8 @@ from minibatch import ModelRunner
 from minibatch.lessons.step_cost import knee_tokens, measure_step_cost, time_linear_layers
 from minibatch.models import load_model
 from minibatch.machine import last_level_cache_bytes
-from minibatch.roofline import H100_SXM, Roofline, measure_cpu, ridge_tokens, roofline_step_s, stream_bytes
+from minibatch.roofline import (H100_SXM, Roofline, bandwidth_probe, measure_cpu, ridge_tokens, roofline_step_s,
+                                stream_bytes)
 
 
 def test_the_bound_is_the_weight_read_then_the_arithmetic():
@@ -29,6 +30,12 @@ def test_the_cpu_roofs_are_measured_and_positive():
     cpu = measure_cpu(num_threads=1, matmul_size=128, read_bytes=8 * 2**20, repeats=2)
     assert isinstance(cpu, Roofline) and cpu.peak_flop_per_s > 1e8 and cpu.bytes_per_s > 1e8
     assert cpu.source.startswith("measured") and cpu.ridge_tokens(4) > 0
+
+
+def test_a_bandwidth_probe_measures_one_sum_each_call():
+    probe = bandwidth_probe(8 * 2**20)
+    rates = [probe() for _ in range(3)]  # bytes/s of one 8 MiB sum each: a moment's bandwidth, not a best-of
+    assert all(r > 1e8 for r in rates) and len(set(rates)) > 1
 
 
 def test_the_bandwidth_roof_reads_four_times_the_last_level_caches():

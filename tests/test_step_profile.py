@@ -26,6 +26,12 @@ def test_profile_command_writes_components_roofline_and_figure(tmp_path, one_thr
         assert parts["qkv_proj"] > 0 and parts["attention"] > 0 and parts["mlp"] > 0 and parts["sampling"] > 0
         assert 0 < r["overhead_share"] < 1 and r["bound_s"] > 0 and r["step_over_bound"] == pytest.approx(
             r["step_s"] / r["bound_s"], rel=0.01)
+        paired, roof = r["paired"], result["roofline"]  # on a CPU: steps paired with the bandwidth just before them
+        assert len(paired["step_s"]) == len(paired["bytes_per_s"]) == 2 and min(paired["bytes_per_s"]) > 0
+        bounds = [max(r["flops"] / roof["peak_flop_per_s"], r["bytes"] / b) for b in paired["bytes_per_s"]]
+        assert r["step_over_bound_during_steps"] == pytest.approx(
+            sum(s / b for s, b in zip(paired["step_s"], bounds)) / 2, abs=0.006)  # the median of two, rounded
+        assert r["bytes_per_s_during_steps"] == pytest.approx(sum(paired["bytes_per_s"]) / 2)
     assert result["roofline"]["peak_flop_per_s"] > 0 and fig.stat().st_size > 0 and result["command"].startswith(
         "python -m minibatch profile")
 

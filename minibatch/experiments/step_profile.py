@@ -16,7 +16,10 @@ time credited to the component it ran in:
 Each shape is placed on this machine's roofline (``minibatch.roofline``: peak matmul FLOP/s and memory bandwidth,
 measured now): FLOPs = 2 x non-embedding parameters x tokens + the LM head's rows + attention's 4 x context x
 hidden per token and layer; bytes = every weight once + the K/V read and written. ``bound_s`` = max(FLOPs / peak,
-bytes / bandwidth) and ``step_s / bound_s`` says how far the step is from it. The profiler slows the
+bytes / bandwidth) and ``step_s / bound_s`` says how far the step is from it. Each roof is the best of several
+measurements, and a shared host's bandwidth moves with its other tenants; so on a CPU ``repeats`` more steps each
+follow one sum over memory (``roofline.bandwidth_probe``), and ``step_over_bound_during_steps`` is the median of
+each such step over the bound at the bandwidth measured just before it. The profiler slows the
 Python-heavy parts most: component times are its view (their shares are what to read), ``step_s`` is not.
 
 On a GPU, ``components_s`` is host time (the CPU issuing each op; kernels run asynchronously) and
@@ -93,24 +96,6 @@ def labelled(model, engine):
         yield
 
 
-@contextmanager
-def native_stderr_hidden():
-    """torch's profiler library writes a line to the process's stderr (file descriptor 2, not ``sys.stderr``) at
-    every start and stop; hide them while the block runs. Python exceptions still propagate."""
-    import os
-    import sys
-
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def breakdown(events, steps: int) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per step of each component from a profiler's events (see the module docstring): (host time,
     device time). Host time is the CPU's (on a GPU: issuing the kernels); device time is the kernels' own time
@@ -151,18 +136,20 @@ def step_counts(model, num_logits: int, tokens: int, attended: list[int], kv_rea
     return flops, params * embed.element_size() + (kv_read_tokens + tokens) * kv_bytes_per_token
 
 
-def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) -> dict:
+def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, probe=None) -> dict:
     """Time and profile one shape: kind "decode" (``size`` requests with ``context_len`` cached tokens each) or
-    "prefill" (one prompt of ``size`` tokens). Returns the shape's row."""
+    "prefill" (one prompt of ``size`` tokens). Returns the shape's row. probe: ``roofline.bandwidth_probe``'s
+    function, or None; with it, ``repeats`` more steps each right after one probe (``paired``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from minibatch.clock import WallClock
     from minibatch.experiment import decoding_engine
+    from minibatch.machine import native_stderr_hidden
     from minibatch.policies import make_engine
     from minibatch.request import Request, SamplingParams
 
     n_reqs = size if kind == "decode" else 1
-    max_new = 2 * repeats + 6
+    max_new = 3 * repeats + 6
     gen = torch.Generator().manual_seed(0)
     if kind == "decode":  # every prompt prefilled: the steps from here on are decodes
         engine = decoding_engine(runner, [context_len] * size, max_new, seed=0)
@@ -195,6 +182,8 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
         timed_step()  # the hooks' own first call
         with native_stderr_hidden(), profile(activities=activities) as p:
             prof_times = [timed_step() for _ in range(repeats)]
+    # the bandwidth of this moment, then a step: pairs for the bound at the bandwidth the host gave each step
+    paired = [(probe(), timed_step())[::-1] for _ in range(repeats)] if probe is not None else []
     parts, device_parts = breakdown(p.events(), repeats)  # per step: means over the profiled steps
     profiled_s = statistics.mean(prof_times)
     parts["python_overhead"] += max(0.0, profiled_s - sum(parts.values()))  # outside every op and range
@@ -213,7 +202,8 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int) 
     return {"kind": kind, "batch": n_reqs, "tokens": tokens, "context_len": context_len if kind == "decode" else 0,
             "step_s": statistics.median(times), "profiled_step_s": profiled_s, "flops": flops, "bytes": nbytes,
             "components_s": {k: round(v, 6) for k, v in parts.items()},
-            "overhead_share": round((parts["python_overhead"] + parts["schedule"]) / profiled_s, 3)} | on_gpu
+            "overhead_share": round((parts["python_overhead"] + parts["schedule"]) / profiled_s, 3)} | on_gpu | (
+        {"paired": {"step_s": [s for s, _ in paired], "bytes_per_s": [b for _, b in paired]}} if paired else {})
 
 
 def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bfloat16", attention_backend="sdpa",
@@ -224,7 +214,7 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     with vLLM), every row also gets vLLM's step time for its shape (``baselines.vllm_steps``), ``vllm_step_s``."""
     from minibatch.experiment import load_runner
     from minibatch.precision import dtype_name
-    from minibatch.roofline import higher_roofs, measure_device
+    from minibatch.roofline import bandwidth_probe, higher_roofs, measure_device
     from minibatch.report import environment, machine_load
 
     load_before = machine_load()
@@ -235,15 +225,26 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     packed = any(isinstance(m, PanelLinear) for m in model.modules())
     first = measure_device(runner.device, runner.dtype, packed)
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
-    rows = [profile_shape(runner, kind, size, context_len, repeats) for kind, size in shapes]
+    probe = bandwidth_probe() if runner.device.type == "cpu" else None
+    rows = [profile_shape(runner, kind, size, context_len, repeats, probe) for kind, size in shapes]
+    del probe
     roof = higher_roofs(first, measure_device(runner.device, runner.dtype, packed), "before and after the steps")
     for (kind, size), row in zip(shapes, rows):
         row["bound_s"] = max(row["flops"] / roof.peak_flop_per_s, row["bytes"] / roof.bytes_per_s)
         row["bound"] = "compute" if row["flops"] * roof.bytes_per_s >= row["bytes"] * roof.peak_flop_per_s else "memory"
         row["step_over_bound"] = round(row["step_s"] / row["bound_s"], 2)
+        paired = ""
+        if "paired" in row:  # each paired step over the bound at the bandwidth measured just before it
+            steps, bws = row["paired"]["step_s"], row["paired"]["bytes_per_s"]
+            row["bytes_per_s_during_steps"] = statistics.median(bws)
+            row["step_over_bound_during_steps"] = round(statistics.median(
+                s / max(row["flops"] / roof.peak_flop_per_s, row["bytes"] / b) for s, b in zip(steps, bws)), 2)
+            paired = (f" ({row['step_over_bound_during_steps']:.1f}x at the {row['bytes_per_s_during_steps'] / 1e9:.1f}"
+                      " GB/s measured between steps)")
         top = sorted(row["components_s"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{kind} {size:>5}: step {row['step_s'] * 1e3:7.1f} ms, roofline bound {row['bound_s'] * 1e3:6.1f} ms "
-              f"({row['bound']}-bound), {row['step_over_bound']:.1f}x; overhead {row['overhead_share']:.0%}; top: "
+              f"({row['bound']}-bound), {row['step_over_bound']:.1f}x{paired}; "
+              f"overhead {row['overhead_share']:.0%}; top: "
               + ", ".join(f"{k} {v / row['profiled_step_s']:.0%}" for k, v in top)
               + (f"; GPU busy {row['device_busy_share']:.0%} of the step, {row['kernels_per_step']} kernels"
                  if "device_busy_s" in row else ""))
