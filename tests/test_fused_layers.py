@@ -267,8 +267,9 @@ def test_the_layers_silu_matches_torch_at_every_magnitude():
 
 
 def test_the_bf16_layers_rms_norm_is_the_modules_bit_for_bit():
-    """The bf16 layer's RMSNorm (torch's mean on the float32 squares, the elementwise steps as loops) gives
-    transformers' LlamaRMSNorm output bit for bit, at every magnitude, with zeros, infinities and NaN."""
+    """The bf16 layer's RMSNorm (torch's mean of the float32 squares, summed in torch's order without calling it
+    where that order is found, the elementwise steps as loops) gives transformers' LlamaRMSNorm output bit for bit,
+    at every magnitude and row width, with zeros, infinities and NaN."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     kernel = cpu_decode_layer.KERNEL.load()
@@ -292,5 +293,17 @@ def test_the_bf16_layers_rms_norm_is_the_modules_bit_for_bit():
         assert type(norm).__name__ == "KernelLlamaRMSNorm"
         assert torch.equal(norm(prefill).view(torch.int16), want.view(torch.int16))
     assert norm(prefill).requires_grad  # with autograd on: the module's own operators
+    for d in (1, 7, 8, 17, 64, 100, 960, 2048, 4097, 8192, 20000):  # torch's sum order at every width
+        x = (torch.randn(5, d, generator=g) * torch.rand(5, d, generator=g) * 30).to(torch.bfloat16)
+        norm = LlamaRMSNorm(d, eps=1e-5).to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.copy_((torch.randn(d, generator=g) * 0.5 + 1).to(torch.bfloat16))
+            want = norm(x)
+        for rows in (x, x[:1]):
+            got = kernel.rms_norm_like_modules(rows, norm.weight.detach(), 1e-5)
+            assert torch.equal(got.view(torch.int16), want[: len(rows)].view(torch.int16)), d
+        assert kernel.row_sum_mode(d) in (0, 8, 16)
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":  # there torch's mean is our sum's (no call into torch)
+        assert kernel.row_sum_mode(576) != 0 and kernel.row_sum_mode(40000) == 0
     with pytest.raises(RuntimeError, match="rms_norm_like_modules: x"):
         kernel.rms_norm_like_modules(prefill, norm.weight.detach(), 1e-5)

@@ -19,6 +19,7 @@
 // product's do. Built by minibatch/kernels/cpu_decode_layer.py with the two kernels' sources.
 #include "cpu_kernels.h"
 #include "cpu_simd.h"
+#include "cpu_torch_sum.h"
 
 #include <ATen/Parallel.h>
 
@@ -249,9 +250,10 @@ torch::Tensor prepacked_product(const torch::Tensor& x, const torch::Tensor& pac
 }
 
 // transformers' RMSNorm on x (n, d) bf16 with weight (d,) bf16: h = x.float(); variance = h.pow(2).mean(-1);
-// weight * (h * rsqrt(variance + eps)).to(bf16). The mean is torch's own (at::mean on the same float32 squares, so
-// the same sum in the same order); the elementwise steps are loops that round as its float32 and bf16 kernels do
-// (x * x, + eps in float32, rsqrt = 1 / sqrt, bf16 round-to-nearest-even): one operator instead of eight.
+// weight * (h * rsqrt(variance + eps)).to(bf16). The mean is torch's: its float32 sum of the squares in its own order
+// (cpu_torch_sum.h, checked against at::mean once per width; where no order matches, at::mean itself), divided by
+// d; the elementwise steps are loops that round as its float32 and bf16 kernels do (x * x, + eps in float32,
+// rsqrt = 1 / sqrt, bf16 round-to-nearest-even): one operator instead of eight, and no call into torch.
 MINIBATCH_NO_CONTRACT torch::Tensor rms_norm_like_modules(const torch::Tensor& x, const torch::Tensor& weight,
                                                           double eps) {
   using bf16 = at::BFloat16;
@@ -259,24 +261,31 @@ MINIBATCH_NO_CONTRACT torch::Tensor rms_norm_like_modules(const torch::Tensor& x
   const int64_t n = xc.size(0), d = xc.size(1);
   const bf16* xs = xc.data_ptr<bf16>();
   const bf16* ws = w.data_ptr<bf16>();
-  auto squares = torch::empty({n, d}, xc.options().dtype(torch::kFloat32));
-  float* sq = squares.data_ptr<float>();
+  const int mode = minibatch::row_sum_mode(d);
+  std::vector<float> var(n);
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(d, 1));  // rows per task: prefills split
-  at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0 * d; i < r1 * d; ++i) {
-      const float v = static_cast<float>(xs[i]);
-      sq[i] = v * v;
-    }
-  });
-  const auto variance = squares.mean(-1, true);
-  const float* var = variance.data_ptr<float>();
+  if (mode == 0) {  // at::mean on the float32 squares
+    auto squares = torch::empty({n, d}, xc.options().dtype(torch::kFloat32));
+    float* sq = squares.data_ptr<float>();
+    at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * d; i < r1 * d; ++i) {
+        const float v = static_cast<float>(xs[i]);
+        sq[i] = v * v;
+      }
+    });
+    const auto mean = squares.mean(-1, true);
+    std::memcpy(var.data(), mean.data_ptr<float>(), n * sizeof(float));
+  }
   auto out = torch::empty_like(xc);
   bf16* o = out.data_ptr<bf16>();
   at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
+      const bf16* xr = xs + r * d;
+      if (mode == 16) var[r] = minibatch::aten_mean_of_squares<16>(xr, d);
+      if (mode == 8) var[r] = minibatch::aten_mean_of_squares<8>(xr, d);
       const float inv = 1.0f / std::sqrt(var[r] + static_cast<float>(eps));
       for (int64_t c = 0; c < d; ++c) {
-        const bf16 h = static_cast<float>(xs[r * d + c]) * inv;
+        const bf16 h = static_cast<float>(xr[c]) * inv;
         o[r * d + c] = static_cast<float>(ws[c]) * static_cast<float>(h);
       }
     }
@@ -399,6 +408,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     silu_mul(out.data_ptr<float>(), uc.data_ptr<float>(), out.numel());
     return out;
   }, "SiLU(g) * u as the fused layer computes it");
+  m.def("row_sum_mode", &minibatch::row_sum_mode, "the lane count whose order gives torch's row mean here (0: none)");
   m.def("rms_norm_like_modules", [](torch::Tensor x, torch::Tensor weight, double eps) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu() && weight.dim() == 1 &&
                     weight.size(0) == x.size(1) && weight.scalar_type() == torch::kBFloat16,
