@@ -293,6 +293,20 @@ MINIBATCH_NO_CONTRACT torch::Tensor rms_norm_like_modules(const torch::Tensor& x
   return out;
 }
 
+// x + y for bf16 tensors of one shape, as torch's bf16 add rounds it (each sum in float32, then to bf16 by
+// round-to-nearest-even): the residual adds without a call into torch (its dispatch runs with cold caches inside a
+// step). x is the residual stream, contiguous; y a product's fresh output.
+torch::Tensor add_like_modules(const torch::Tensor& x, const torch::Tensor& y) {
+  using bf16 = at::BFloat16;
+  const auto xc = x.contiguous(), yc = y.contiguous();
+  auto out = torch::empty_like(xc);
+  const bf16* a = xc.data_ptr<bf16>();
+  const bf16* b = yc.data_ptr<bf16>();
+  bf16* o = out.data_ptr<bf16>();
+  for (int64_t i = 0, count = xc.numel(); i < count; ++i) o[i] = static_cast<float>(a[i]) + static_cast<float>(b[i]);
+  return out;
+}
+
 // transformers' q * cos + rotate_half(q) * sin on t (n, heads, hd) with cos, sin (n, hd), all bf16: each operator
 // computes in float32 and rounds to bf16 (as torch's bf16 kernels do), so these loops give its numbers exactly.
 torch::Tensor rotary_like_modules(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -381,8 +395,8 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   torch::Tensor out;
   {
     RECORD_FUNCTION("minibatch::o_proj", std::vector<c10::IValue>());
-    out = x + prepacked_product(attn.reshape({n, heads * hd}).contiguous(), weights[1], hidden, b_o,
-                                amx_rows);
+    out = add_like_modules(x, prepacked_product(attn.reshape({n, heads * hd}).contiguous(), weights[1], hidden, b_o,
+                                                amx_rows));
   }
   {
     RECORD_FUNCTION("minibatch::norms", std::vector<c10::IValue>());
@@ -391,7 +405,8 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   {
     RECORD_FUNCTION("minibatch::mlp", std::vector<c10::IValue>());
     auto gu = prepacked_product(h, weights[2], 2 * inter, c10::nullopt, amx_rows).chunk(2, -1);
-    out = out + prepacked_product(torch::silu(gu[0]) * gu[1], weights[3], hidden, c10::nullopt, amx_rows);
+    out = add_like_modules(out, prepacked_product(torch::silu(gu[0]) * gu[1], weights[3], hidden, c10::nullopt,
+                                                  amx_rows));
   }
   return out;
 }
