@@ -2,7 +2,7 @@
 caches' size (sysfs); and how its C allocator treats the memory a step frees (``keep_freed_memory``); and a
 process-level helper for its native libraries' stderr (``native_stderr_hidden``).
 
-Results record all three (``report.environment``); the C++ kernels' build name covers the first two
+Results record the first three (``report.environment``); the C++ kernels' build name covers the first two
 (``kernels.cpp_build``).
 """
 
