@@ -182,8 +182,10 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
         timed_step()  # the hooks' own first call
         with native_stderr_hidden(), profile(activities=activities) as p:
             prof_times = [timed_step() for _ in range(repeats)]
-    # the bandwidth of this moment, then a step: pairs for the bound at the bandwidth the host gave each step
-    paired = [(probe(), timed_step())[::-1] for _ in range(repeats)] if probe is not None else []
+    paired = {"step_s": [], "bytes_per_s": []}  # each step right after a measure of the bandwidth it then had
+    for _ in range(repeats if probe is not None else 0):
+        paired["bytes_per_s"].append(probe())
+        paired["step_s"].append(timed_step())
     parts, device_parts = breakdown(p.events(), repeats)  # per step: means over the profiled steps
     profiled_s = statistics.mean(prof_times)
     parts["python_overhead"] += max(0.0, profiled_s - sum(parts.values()))  # outside every op and range
@@ -203,7 +205,7 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
             "step_s": statistics.median(times), "profiled_step_s": profiled_s, "flops": flops, "bytes": nbytes,
             "components_s": {k: round(v, 6) for k, v in parts.items()},
             "overhead_share": round((parts["python_overhead"] + parts["schedule"]) / profiled_s, 3)} | on_gpu | (
-        {"paired": {"step_s": [s for s, _ in paired], "bytes_per_s": [b for _, b in paired]}} if paired else {})
+        {"paired": paired} if probe is not None else {})
 
 
 def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bfloat16", attention_backend="sdpa",
@@ -237,7 +239,7 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
         if "paired" in row:  # each paired step over the bound at the bandwidth measured just before it
             steps, bws = row["paired"]["step_s"], row["paired"]["bytes_per_s"]
             row["bytes_per_s_during_steps"] = statistics.median(bws)
-            row["step_over_bound_during_steps"] = round(statistics.median(
+            row["step_over_bound_during_steps"] = round(statistics.median(  # the bound above at each bandwidth
                 s / max(row["flops"] / roof.peak_flop_per_s, row["bytes"] / b) for s, b in zip(steps, bws)), 2)
             paired = (f" ({row['step_over_bound_during_steps']:.1f}x at the {row['bytes_per_s_during_steps'] / 1e9:.1f}"
                       " GB/s measured between steps)")
