@@ -162,9 +162,9 @@ struct PagedRows {
 
 // Ask for the rows of context positions [from, to) (`bytes` each; row_of(pos) points at the first) before they are
 // read: a block table scatters them, so the hardware prefetcher cannot guess the next one. Into L2 (prefetcht1,
-// locality 2), not L1: a chunk's rows are ~100 lines, more than L1 keeps in flight; on an AMD EPYC (Zen 4, AVX512-BF16,
-// no AMX) one layer's decode attention at batch 32, context 256, K/V from memory took 0.35 instead of 0.52 ms in bf16
-// and 0.79 instead of 0.89 ms in fp32, and no slower with K/V warm in the caches (scratch A/B in one process).
+// locality 2), not L1: a chunk's rows are ~100 lines, likely more than L1 tracks in flight. On an AMD EPYC (Zen 4,
+// AVX512-BF16, no AMX) one layer's decode attention at batch 32, context 256, K/V from memory, took 0.35 instead of
+// 0.52 ms in bf16 and 0.79 instead of 0.89 ms in fp32, no slower with K/V warm (scratch A/B in one process).
 template <typename RowOf>
 inline void prefetch_positions(RowOf row_of, int64_t from, int64_t to, int64_t bytes) {
 #if defined(__GNUC__) || defined(__clang__)
