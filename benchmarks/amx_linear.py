@@ -10,6 +10,7 @@ prepacked with q/k/v and gate/up grouped, one with the AMX kernel turned off (ev
     python benchmarks/amx_linear.py --batches 1,8,32,64 --json data/cpu/amx_linear.json
 
 Above ``AMX_MAX_ROWS`` (32) rows both ways run oneDNN: the 64-request row shows what is left equal.
+``benchmarks/bf16_linear.py`` runs the same comparison for the AVX512-BF16 kernel (``kernel="bf16"``).
 """
 
 from __future__ import annotations
@@ -23,23 +24,25 @@ import torch
 from fused_projections import parser, run_ways
 
 
-def amx_off(model) -> None:
-    """Every prepacked product of ``model`` on oneDNN (the layers' and groups' AMX flags cleared)."""
+def kernel_off(model, kernel: str) -> None:
+    """Every prepacked product of ``model`` on oneDNN (the layers' and groups' ``kernel`` flags cleared: "amx" or
+    "bf16", ``runner.prepack.prepacked_product``'s)."""
     for module in model.modules():
         for holder in (module, getattr(module, "group", None)):
-            if hasattr(holder, "amx"):
-                holder.amx = False
+            if hasattr(holder, kernel):
+                setattr(holder, kernel, False)
 
 
-def call_overhead_us(calls: int = 2000) -> dict:
-    """Microseconds per call of each way on a 64 x 64 weight and 32 rows (the work is nanoseconds), ways alternating,
-    the median of 5 rounds."""
-    from minibatch.kernels import cpu_amx_linear
+def call_overhead_us(kernel: str, calls: int = 2000) -> dict:
+    """Microseconds per call of oneDNN and of ``kernel`` ("amx" or "bf16") on a 64 x 64 weight and 32 rows (the work
+    is nanoseconds), ways alternating, the median of 5 rounds."""
+    from minibatch.kernels import cpu_amx_linear, cpu_bf16_linear
 
+    fn = {"amx": cpu_amx_linear.amx_linear, "bf16": cpu_bf16_linear.bf16_linear}[kernel]
     w = torch.randn(64, 64).to(torch.bfloat16)
     packed, x = torch.ops.mkldnn._reorder_linear_weight(w, 32), torch.randn(32, 64).to(torch.bfloat16)
     ways = {"onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-            "amx": lambda: cpu_amx_linear.amx_linear(x, packed, 64, None)}
+            kernel: lambda: fn(x, packed, 64, None)}
     times = {name: [] for name in ways}
     for _ in range(5):
         for name, call in ways.items():
@@ -50,27 +53,29 @@ def call_overhead_us(calls: int = 2000) -> dict:
     return {name: round(statistics.median(t), 2) for name, t in times.items()}
 
 
-def main(argv=None) -> dict:
-    args = parser(__doc__).parse_args(argv)
+def main(argv=None, kernel: str = "amx", doc: str = __doc__) -> dict:
+    """Both ways for ``kernel`` ("amx": this file's benchmark; "bf16": ``bf16_linear.py``'s)."""
+    args = parser(doc).parse_args(argv)
     from minibatch.models import load_model
     from minibatch.runner import ModelRunner
     from minibatch.runner.prepack import can_prepack, prepack_linears
 
     torch.set_num_threads(args.threads)
     runners = {}
-    for name in ("onednn", "amx"):
+    for name in ("onednn", kernel):
         model, tokenizer = load_model("smollm2-135m", dtype="bfloat16")
         if not can_prepack(model):
             sys.exit("no oneDNN bf16 on this CPU: bf16 weights are not prepacked here")
         prepack_linears(model)
         if name == "onednn":
-            amx_off(model)
-        elif not any(getattr(m, "amx", False) for m in model.modules()):
-            sys.exit("the AMX linear does not run here (no AMX on this CPU, or the kernel does not build)")
+            kernel_off(model, kernel)
+        elif not any(getattr(m, kernel, False) for m in model.modules()):
+            sys.exit(f"the {kernel} linear does not run here (no such instructions or oneDNN layout on this CPU, or "
+                     "the kernel does not build)")
         runners[name] = ModelRunner(model, tokenizer, attention_backend=args.attention_backend, prepack_weights=False)
-    overhead = call_overhead_us()
+    overhead = call_overhead_us(kernel)
     print("call overhead (us):", overhead)
-    return run_ways(runners, args, "amx_linear.py", argv, "bfloat16", {"call_overhead_us": overhead})
+    return run_ways(runners, args, f"{kernel}_linear.py", argv, "bfloat16", {"call_overhead_us": overhead})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 
 import torch
 
-from minibatch.kernels import cpp_build, cpu_amx_linear, cpu_decode, cpu_decode_layer, cpu_linear
+from minibatch.kernels import cpp_build, cpu_amx_linear, cpu_bf16_linear, cpu_decode, cpu_decode_layer, cpu_linear
 from minibatch.kernels.cpp_build import CppExtension, build_in_background
 from minibatch.runner.model_runner import start_kernel_builds
 
@@ -57,16 +57,20 @@ def test_start_kernel_builds_names_what_the_runner_loads(monkeypatch):
 
     monkeypatch.setattr(cpp_build, "build_in_background", capture)
     monkeypatch.setattr(cpp_build, "compiler_available", lambda: True)
-    for amx in (False, True):  # bf16 on a CPU with AMX: its linear kernel first (the runner prepacks at load)
+    # bf16 on a CPU with AMX, or else with AVX512-BF16: that linear kernel first (the runner prepacks at load)
+    for amx, vnni in ((False, False), (True, True), (False, True)):
         monkeypatch.setattr(cpu_amx_linear, "cpu_has_amx", lambda amx=amx: amx)
+        monkeypatch.setattr(cpu_bf16_linear, "cpu_has_avx512_bf16", lambda vnni=vnni: vnni)
         for device, dtype, backend in [("cpu", "float32", "torch"), ("cpu", torch.float32, "cpp"),
                                        ("cpu", "bfloat16", "cpp"), ("cpu", "bfloat16", "sdpa"),
                                        ("cuda", "float32", "cpp")]:
             start_kernel_builds(device, dtype, backend).join()
     layer = [cpu_decode.KERNEL, cpu_decode_layer.KERNEL]
     assert started[:5] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer], layer, [], []]
-    assert started[5:] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer], [cpu_amx_linear.KERNEL, *layer],
-                           [cpu_amx_linear.KERNEL], []]
+    assert started[5:10] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer], [cpu_amx_linear.KERNEL, *layer],
+                             [cpu_amx_linear.KERNEL], []]
+    assert started[10:] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer], [cpu_bf16_linear.KERNEL, *layer],
+                            [cpu_bf16_linear.KERNEL], []]
     monkeypatch.setattr(cpp_build, "compiler_available", lambda: False)  # nothing to build with: nothing started
     start_kernel_builds("cpu", "float32", "cpp").join()
     assert started[-1] == []

@@ -238,10 +238,12 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
 namespace {
 
 // x (m, k) times a prepacked weight of n outputs: on AMX from the same bytes (cpu_amx_linear.cpp) for at most
-// amx_rows rows, else oneDNN's matmul (runner/prepack.py's prepacked_product, which the modules run: the same rule).
+// amx_rows rows, else with AVX512-BF16 from the same bytes (cpu_bf16_linear.cpp) for at most bf16_rows rows, else
+// oneDNN's matmul (runner/prepack.py's prepacked_product, which the modules run in the engine's steps: the same rule).
 torch::Tensor prepacked_product(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                                const c10::optional<torch::Tensor>& bias, int64_t amx_rows) {
+                                const c10::optional<torch::Tensor>& bias, int64_t amx_rows, int64_t bf16_rows) {
   if (x.size(0) <= amx_rows) return amx_linear(x, packed, n, bias);
+  if (x.size(0) <= bf16_rows) return bf16_linear(x, packed, n, bias);
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), c10::IValue("none"),
                           c10::IValue(c10::List<c10::optional<at::Scalar>>()), c10::IValue(std::string())};
@@ -337,7 +339,8 @@ torch::Tensor rotary_like_modules(const torch::Tensor& t, const torch::Tensor& c
 
 torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor> norms, std::vector<double> eps,
                                      std::vector<torch::Tensor> weights, c10::optional<torch::Tensor> b_qkv,
-                                     c10::optional<torch::Tensor> b_o, int64_t amx_rows, std::vector<int64_t> dims,
+                                     c10::optional<torch::Tensor> b_o, int64_t amx_rows, int64_t bf16_rows,
+                                     std::vector<int64_t> dims,
                                      torch::Tensor cos,
                                      torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor slot_mapping, torch::Tensor tables, torch::Tensor seq_lens,
@@ -373,7 +376,7 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   }
   {
     RECORD_FUNCTION("minibatch::qkv_proj", std::vector<c10::IValue>());
-    auto qkv = prepacked_product(h, weights[0], (heads + 2 * kv_heads) * hd, b_qkv, amx_rows)
+    auto qkv = prepacked_product(h, weights[0], (heads + 2 * kv_heads) * hd, b_qkv, amx_rows, bf16_rows)
                    .split({heads * hd, kv_heads * hd, kv_heads * hd}, -1);
     q = qkv[0].view({n, heads, hd});
     k = qkv[1].view({n, kv_heads, hd});
@@ -396,7 +399,7 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   {
     RECORD_FUNCTION("minibatch::o_proj", std::vector<c10::IValue>());
     out = add_like_modules(x, prepacked_product(attn.reshape({n, heads * hd}).contiguous(), weights[1], hidden, b_o,
-                                                amx_rows));
+                                                amx_rows, bf16_rows));
   }
   {
     RECORD_FUNCTION("minibatch::norms", std::vector<c10::IValue>());
@@ -404,9 +407,9 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   }
   {
     RECORD_FUNCTION("minibatch::mlp", std::vector<c10::IValue>());
-    auto gu = prepacked_product(h, weights[2], 2 * inter, c10::nullopt, amx_rows).chunk(2, -1);
+    auto gu = prepacked_product(h, weights[2], 2 * inter, c10::nullopt, amx_rows, bf16_rows).chunk(2, -1);
     out = add_like_modules(out, prepacked_product(torch::silu(gu[0]) * gu[1], weights[3], hidden, c10::nullopt,
-                                                  amx_rows));
+                                                  amx_rows, bf16_rows));
   }
   return out;
 }

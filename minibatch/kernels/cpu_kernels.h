@@ -1,5 +1,5 @@
 // The C++ CPU kernels that minibatch/kernels/cpu_decode_layer.cpp calls directly (one extension built from the
-// four sources, with -DMINIBATCH_KERNEL_LIBRARY so that only the layer's source defines a Python module).
+// five sources, with -DMINIBATCH_KERNEL_LIBRARY so that only the layer's source defines a Python module).
 #pragma once
 
 #include <torch/extension.h>
@@ -16,3 +16,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 // bias; amx_layout_ok: whether this process runs AMX and packed holds weight in the layout amx_linear reads.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 bool amx_layout_ok(torch::Tensor packed, torch::Tensor weight);
+
+// cpu_bf16_linear.cpp: the same with AVX512-BF16 (VDPBF16PS) where oneDNN's layout is AB16b64a2b; bf16_layout_ok:
+// whether this build runs it and packed holds weight in that layout.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
+bool bf16_layout_ok(torch::Tensor packed, torch::Tensor weight);

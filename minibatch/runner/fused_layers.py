@@ -9,8 +9,9 @@ modules once and, for a step whose every request decodes one token, runs each la
 ``kernels.cpu_decode_layer.decode_layer`` (the same packed matrix product and paged decode kernel the modules would
 call, and the small operators in the same float32 order). In bf16 each layer is
 ``kernels.cpu_decode_layer.decode_layer_prepacked``: the operators the modules run, in their order and dtype, on
-the same oneDNN-prepacked products (q/k/v and gate/up each one product, ``runner.prepack``), called from C++, so
-the logits are bit for bit the modules'. Embedding, the rotary module's cos/sin, the final norm and the LM head
+the same prepacked products as the modules' in the engine's steps (q/k/v and gate/up each one product; oneDNN's, or
+our AMX or AVX512-BF16 kernel on the same bytes: ``runner.prepack.prepacked_product``), called from C++, so the
+logits are bit for bit the modules'. Embedding, the rotary module's cos/sin, the final norm and the LM head
 stay the model's own modules.
 
 It applies only where the result is the same computation: a float32 model on a CPU whose linears are packed
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from minibatch.kernels import cpu_amx_linear, cpu_decode_layer
+from minibatch.kernels import cpu_amx_linear, cpu_bf16_linear, cpu_decode_layer
 from minibatch.runner.prepack import PANEL_MAX_ROWS, GroupedLinear, PanelLinear, PrepackedLinear
 
 # transformers' models whose forward decode_layer reproduces: module -> (causal LM, model, decoder layer, attention,
@@ -161,12 +162,14 @@ def _not_packed(layer, dtype) -> str | None:
     return None
 
 
-def prepacked_weights(layer, projections: list | None = None) -> tuple[list, list, int] | None:
+def prepacked_weights(layer, projections: list | None = None) -> tuple[list, list, list] | None:
     """A bf16 layer's prepacked weights for ``decode_layer_prepacked`` ([q/k/v product, o_proj, gate/up product,
-    down_proj], [the q/k/v product's bias, o_proj's], and the most rows its products run on AMX: ``AMX_MAX_ROWS``
-    where all four weights can, else 0), or None unless q/k/v and gate/up are each one oneDNN group in that order and
-    o/down_proj are prepacked alone. ``projections``: the layer's :data:`PROJECTIONS` modules in that order, if the
-    caller has them (a decode step reads these for every layer: module attribute lookups cost more)."""
+    down_proj], [the q/k/v product's bias, o_proj's], and [the most rows its products run on AMX: ``AMX_MAX_ROWS``
+    where all four weights can, else 0; the most they run with AVX512-BF16: ``BF16_MAX_ROWS`` where all four can,
+    else 0], as ``runner.prepack.prepacked_product`` decides in the engine's steps), or None unless q/k/v and
+    gate/up are each one oneDNN group in that order and o/down_proj are prepacked alone. ``projections``: the
+    layer's :data:`PROJECTIONS` modules in that order, if the caller has them (a decode step reads these for every
+    layer: module attribute lookups cost more)."""
     q, k, v, o, gate, up, down = projections or [layer.get_submodule(name) for name in PROJECTIONS]
     groups = []
     for members in ((q, k, v), (gate, up)):
@@ -179,7 +182,9 @@ def prepacked_weights(layer, projections: list | None = None) -> tuple[list, lis
         return None
     qkv, gate_up = groups
     amx_rows = cpu_amx_linear.AMX_MAX_ROWS if qkv.amx and o.amx and gate_up.amx and down.amx else 0
-    return [qkv.packed, o.packed_weight, gate_up.packed, down.packed_weight], [qkv.bias, o.bias], amx_rows
+    bf16_rows = (cpu_bf16_linear.BF16_MAX_ROWS if all(getattr(w, "bf16", False) for w in (qkv, o, gate_up, down))
+                 else 0)
+    return [qkv.packed, o.packed_weight, gate_up.packed, down.packed_weight], [qkv.bias, o.bias], [amx_rows, bf16_rows]
 
 
 class FusedDecoder:

@@ -10,7 +10,10 @@ oneDNN kernel on the same numbers, so outputs are bit-identical (``tests/test_pr
 small row counts of decode steps. The modules keep their names, parameters and checkpoint; only ``forward`` changes.
 On CPUs with AMX, products of up to 32 rows run our AMX kernel on the same prepacked bytes instead
 (:func:`prepacked_product`, ``kernels.cpu_amx_linear``: its layout checked at prepacking, its outputs oneDNN's bit
-for bit on every shape tested, a fraction of oneDNN's per-call cost).
+for bit on every shape tested, a fraction of oneDNN's per-call cost). On CPUs with AVX512-BF16 and no AMX, products
+of up to 64 rows in the engine's own steps (:func:`engine_linears`) run our AVX512-BF16 kernel on the same bytes
+(``kernels.cpu_bf16_linear``: its sums in order over k, oneDNN's in blocks, so about one output in 10^4 differs in
+the last bit; outside the engine's steps the outputs stay F.linear's bit for bit).
 
 Sibling projections that read the same input are also run as one matrix product, as vLLM's model code does with
 its merged ``qkv_proj`` and ``gate_up_proj`` weights: q/k/v_proj of an attention module and gate/up_proj of an MLP
@@ -37,7 +40,7 @@ import contextvars
 
 import torch
 
-from minibatch.kernels import cpu_amx_linear, cpu_linear
+from minibatch.kernels import cpu_amx_linear, cpu_bf16_linear, cpu_linear
 
 
 class PrepackedLinear(torch.nn.Linear):
@@ -47,17 +50,23 @@ class PrepackedLinear(torch.nn.Linear):
         if x.dtype != self.weight.dtype or x.device.type != "cpu" or x.numel() == 0:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         shape = x.shape
-        out = prepacked_product(x.reshape(-1, shape[-1]), self.packed_weight, self.out_features, self.bias, self.amx)
+        out = prepacked_product(x.reshape(-1, shape[-1]), self.packed_weight, self.out_features, self.bias, self.amx,
+                                getattr(self, "bf16", False))
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
 def prepacked_product(flat: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-                      amx: bool) -> torch.Tensor:
+                      amx: bool, bf16: bool = False) -> torch.Tensor:
     """``flat`` (rows, in_features) times a weight prepacked for oneDNN, plus ``bias``: on AMX
-    (``kernels.cpu_amx_linear``, from the same prepacked bytes) for at most ``AMX_MAX_ROWS`` rows where ``amx`` (the
-    layout was checked at prepacking), else oneDNN's matmul."""
-    if amx and flat.shape[0] <= cpu_amx_linear.AMX_MAX_ROWS:
+    (``kernels.cpu_amx_linear``, from the same prepacked bytes, oneDNN's outputs bit for bit) for at most
+    ``AMX_MAX_ROWS`` rows where ``amx``; inside :func:`engine_linears` (the engine's own steps) with AVX512-BF16
+    (``kernels.cpu_bf16_linear``, the same bytes, sums in another order than oneDNN's) for at most ``BF16_MAX_ROWS``
+    rows where ``bf16``; else oneDNN's matmul. ``amx``, ``bf16``: the layout was checked at prepacking."""
+    rows = flat.shape[0]
+    if amx and rows <= cpu_amx_linear.AMX_MAX_ROWS:
         return cpu_amx_linear.amx_linear(flat, packed, out_features, bias)
+    if bf16 and rows <= cpu_bf16_linear.BF16_MAX_ROWS and _IN_ENGINE.get():
+        return cpu_bf16_linear.bf16_linear(flat, packed, out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
 
 
@@ -77,6 +86,7 @@ class FusedGroup:
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint) if layout == "onednn"
                        else cpu_linear.pack_weight(weight) if layout == "panels" else weight)
         self.amx = layout == "onednn" and cpu_amx_linear.layout_ok(self.packed, weight)  # prepacked_product's
+        self.bf16 = layout == "onednn" and not self.amx and cpu_bf16_linear.layout_ok(self.packed, weight)
         self.bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
         self.sizes = [m.out_features for m in members]
         self.kept: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
@@ -86,7 +96,7 @@ class FusedGroup:
     def product(self, flat: torch.Tensor) -> torch.Tensor | None:
         """All the members' outputs for ``flat`` (rows, in_features), or None where this layout does not run."""
         if self.layout == "onednn":
-            return prepacked_product(flat, self.packed, sum(self.sizes), self.bias, self.amx)
+            return prepacked_product(flat, self.packed, sum(self.sizes), self.bias, self.amx, self.bf16)
         if self.layout == "panels":
             if not (_IN_ENGINE.get() and flat.dtype == torch.float32 and flat.shape[0] <= PANEL_MAX_ROWS
                     and all(w._version == v for w, v in self.sources)):
@@ -189,6 +199,7 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
     for module in model.modules():
         if type(module) is PrepackedLinear:  # left alone: its own weight, checked once
             module.amx = cpu_amx_linear.layout_ok(module.packed_weight, module.weight)
+            module.bf16 = not module.amx and cpu_bf16_linear.layout_ok(module.packed_weight, module.weight)
     return changed
 
 
