@@ -81,6 +81,25 @@ def test_every_row_is_what_it_would_be_alone():
 
 
 @needs_kernel
+@pytest.mark.parametrize("n", [576, 100])
+def test_any_thread_count_gives_the_same_numbers(n):
+    """The threads split the blocks' 16-feature vectors (576 features: 9 blocks, one of them shared on 2 threads):
+    the same bits on 1, 2 or 3 threads."""
+    w, packed = prepacked(n, 1536)
+    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(cpu_bf16_linear.bf16_linear(x, packed, n, None))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert torch.equal(outs[0].view(torch.int16), in_order(x, w, None).view(torch.int16))
+
+
+@needs_kernel
 def test_layout_check_refuses_what_the_kernel_cannot_read():
     w, packed = prepacked(3072, 576)
     other = w.clone()

@@ -32,7 +32,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -65,40 +64,52 @@ const uint16_t* blocks_of(const torch::Tensor& packed, int64_t n, int64_t k) {
 }
 
 #if defined(MINIBATCH_DPBF16)
-// R rows (x: their inputs as bf16 pairs, row stride xs pairs) times one output block (w: pairs (kp, 64, 2)), plus
-// bias (the block's 64 features, float32), into out (row stride n) at features f0..f0+63 (those below n). pf: the
-// next block to prefetch into L2 (or null); this pass (g of passes) takes its share of that block's lines, so the
-// prefetches are spread over the whole block's time rather than bunched into one pass.
-template <int R>
-void block_rows(const uint32_t* x, int64_t xs, const uint16_t* w, int64_t kp, const float* bias, uint16_t* out,
-                int64_t n, int64_t f0, const char* pf, int64_t g, int64_t passes) {
-  __m512 acc[R][4];
+// R rows (x: their inputs as bf16 pairs, row stride xs pairs) times V of one output block's four vectors of 16
+// features, from vector c0 (w: the block's pairs (kp, 64, 2)), plus bias (the block's 64 features, float32), into out
+// (row stride n) at the block's features from f0 (those below n). pf: the next block to prefetch into L2 (or null);
+// this pass (g of passes) takes its share of that block's lines, so the prefetches are spread over the whole block's
+// time rather than bunched into one pass.
+template <int R, int V>
+void block_rows(const uint32_t* x, int64_t xs, const uint16_t* w, int64_t kp, int c0, const float* bias,
+                uint16_t* out, int64_t n, int64_t f0, const char* pf, int64_t g, int64_t passes) {
+  __m512 acc[R][V];
   MINIBATCH_UNROLL for (int r = 0; r < R; ++r)
-    MINIBATCH_UNROLL for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    MINIBATCH_UNROLL for (int c = 0; c < V; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t p = 0; p < kp; ++p) {
     if (pf != nullptr)
       for (int64_t l = (g * kp + p) * 4 / passes, end = (g * kp + p + 1) * 4 / passes; l < end; ++l)
         _mm_prefetch(pf + l * 64, _MM_HINT_T1);
-    const uint16_t* wp = w + p * 2 * OUT_BLOCK;
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(wp), b1 = (__m512bh)_mm512_loadu_si512(wp + 32);
-    const __m512bh b2 = (__m512bh)_mm512_loadu_si512(wp + 64), b3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    const uint16_t* wp = w + p * 2 * OUT_BLOCK + c0 * 32;
+    __m512bh wv[V];
+    MINIBATCH_UNROLL for (int c = 0; c < V; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wp + c * 32);
     MINIBATCH_UNROLL for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * xs + p]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
+      MINIBATCH_UNROLL for (int c = 0; c < V; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, wv[c]);
     }
   }
   MINIBATCH_UNROLL for (int r = 0; r < R; ++r)
-    MINIBATCH_UNROLL for (int c = 0; c < 4; ++c) {
-      const int64_t f = f0 + c * 16;
+    MINIBATCH_UNROLL for (int c = 0; c < V; ++c) {
+      const int64_t f = f0 + (c0 + c) * 16;
       if (f >= n) continue;
-      const __m512 sum = _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + c * 16));
+      const __m512 sum = _mm512_add_ps(acc[r][c], _mm512_loadu_ps(bias + (c0 + c) * 16));
       alignas(32) uint16_t v[16];
       _mm256_store_si256(reinterpret_cast<__m256i*>(v), (__m256i)_mm512_cvtneps_pbh(sum));
       std::memcpy(out + r * n + f, v, std::min<int64_t>(16, n - f) * 2);
     }
+}
+
+// block_rows for a run-time rows (1..ROWS) and V (1..4).
+template <int V>
+void block_rows_v(int64_t rows, const uint32_t* x, int64_t xs, const uint16_t* w, int64_t kp, int c0,
+                  const float* bias, uint16_t* out, int64_t n, int64_t f0, const char* pf, int64_t g, int64_t passes) {
+  switch (rows) {
+    case 6: return block_rows<6, V>(x, xs, w, kp, c0, bias, out, n, f0, pf, g, passes);
+    case 5: return block_rows<5, V>(x, xs, w, kp, c0, bias, out, n, f0, pf, g, passes);
+    case 4: return block_rows<4, V>(x, xs, w, kp, c0, bias, out, n, f0, pf, g, passes);
+    case 3: return block_rows<3, V>(x, xs, w, kp, c0, bias, out, n, f0, pf, g, passes);
+    case 2: return block_rows<2, V>(x, xs, w, kp, c0, bias, out, n, f0, pf, g, passes);
+    default: return block_rows<1, V>(x, xs, w, kp, c0, bias, out, n, f0, pf, g, passes);
+  }
 }
 #endif
 
@@ -161,25 +172,21 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
   }
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_elems = kp * 2 * OUT_BLOCK, passes = (m + ROWS - 1) / ROWS;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
+  // The threads split the blocks' vectors of 16 features, not whole blocks: 9 blocks (o_proj's, down_proj's 576
+  // features) on 2 threads would be 5 against 4. A block split between two threads runs as two narrower blocks.
+  at::parallel_for(0, blocks * 4, 4, [&](int64_t v0, int64_t v1) {
+    for (int64_t nb = v0 / 4; nb * 4 < v1; ++nb) {
+      const int c0 = static_cast<int>(std::max(v0, nb * 4) - nb * 4);
+      const int width = static_cast<int>(std::min(v1, nb * 4 + 4) - nb * 4) - c0;
       const uint16_t* wb = w + nb * block_elems;
-      const char* pf = nb + 1 < b1 ? reinterpret_cast<const char*>(wb + block_elems) : nullptr;
+      const char* pf = (nb + 1) * 4 < v1 ? reinterpret_cast<const char*>(wb + block_elems) : nullptr;
       int64_t r = 0;
       for (int64_t g = 0; g < passes; ++g) {  // passes of equal rows, give or take one (a pass of 2 rows is slow)
         const int64_t rows = (m - r + passes - g - 1) / (passes - g);
-        auto pass = [&](auto count) {
-          block_rows<decltype(count)::value>(xs + r * kp, kp, wb, kp, b.data() + nb * OUT_BLOCK, os + r * n, n,
-                                             nb * OUT_BLOCK, pf, g, passes);
-        };
-        switch (rows) {
-          case 6: pass(std::integral_constant<int, 6>{}); break;
-          case 5: pass(std::integral_constant<int, 5>{}); break;
-          case 4: pass(std::integral_constant<int, 4>{}); break;
-          case 3: pass(std::integral_constant<int, 3>{}); break;
-          case 2: pass(std::integral_constant<int, 2>{}); break;
-          default: pass(std::integral_constant<int, 1>{}); break;
-        }
+        auto* pass = width == 4 ? block_rows_v<4> : width == 3 ? block_rows_v<3> : width == 2 ? block_rows_v<2>
+                                                                                              : block_rows_v<1>;
+        pass(rows, xs + r * kp, kp, wb, kp, c0, b.data() + nb * OUT_BLOCK, os + r * n, n, nb * OUT_BLOCK, pf, g,
+             passes);
         r += rows;
       }
     }
