@@ -16,6 +16,7 @@ it, and the modules elsewhere (the Hugging Face reference, the baselines) keep o
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -27,8 +28,10 @@ KERNEL = CppExtension(SOURCE, "the C++ AVX512-BF16 linear kernel")
 BF16_MAX_ROWS = 64  # products of more rows (prefills) run oneDNN's matmul, which blocks large products well
 
 
+@functools.cache
 def cpu_has_avx512_bf16() -> bool:
-    """Whether this Linux CPU reports AVX512-BF16 (``avx512_bf16`` in /proc/cpuinfo): nothing is built elsewhere."""
+    """Whether this Linux CPU reports AVX512-BF16 (``avx512_bf16`` in /proc/cpuinfo, read once): nothing is built
+    elsewhere."""
     try:
         with open("/proc/cpuinfo") as f:
             return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in f)
