@@ -77,6 +77,10 @@ def test_bad_input_is_a_clear_error():
         cpu_amx_linear.amx_linear(torch.zeros(2, 64), packed, 64, None)
     with pytest.raises(RuntimeError, match="amx_linear: packed is not"):
         cpu_amx_linear.amx_linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed, 64, None)
+    w, packed = prepacked(100, 570)  # 570 input features are padded to 576, as 576 are: still refused
+    with pytest.raises(RuntimeError, match="amx_linear: packed is not"):
+        cpu_amx_linear.amx_linear(torch.zeros(2, 576, dtype=torch.bfloat16), packed, 100, None)
+    w, packed = prepacked(64, 64)
     with pytest.raises(RuntimeError, match="amx_linear: bias must be"):
         cpu_amx_linear.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 64, torch.zeros(3))
     assert cpu_amx_linear.amx_linear(torch.zeros(0, 64, dtype=torch.bfloat16), packed, 64, None).shape == (0, 64)

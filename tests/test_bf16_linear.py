@@ -116,6 +116,10 @@ def test_bad_input_is_a_clear_error():
         cpu_bf16_linear.bf16_linear(torch.zeros(2, 64), packed, 64, None)
     with pytest.raises(RuntimeError, match="bf16_linear: packed is not"):
         cpu_bf16_linear.bf16_linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed, 64, None)
+    w, packed = prepacked(100, 570)  # 570 input features are padded to 576, as 576 are: still refused
+    with pytest.raises(RuntimeError, match="bf16_linear: packed is not"):
+        cpu_bf16_linear.bf16_linear(torch.zeros(2, 576, dtype=torch.bfloat16), packed, 100, None)
+    w, packed = prepacked(64, 64)
     with pytest.raises(RuntimeError, match="bf16_linear: bias must be"):
         cpu_bf16_linear.bf16_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, 64, torch.zeros(3))
 

@@ -48,7 +48,8 @@ using minibatch::amx_permitted;
 
 // The packed weight's buffer if it is a bf16 oneDNN tensor of exactly an n x k weight's 32 x 32 blocks, else null.
 const uint16_t* blocks_of(const torch::Tensor& packed, int64_t n, int64_t k) {
-  if (!packed.is_mkldnn() || packed.scalar_type() != torch::kBFloat16 ||
+  if (!packed.is_mkldnn() || packed.scalar_type() != torch::kBFloat16 || packed.dim() != 2 ||
+      packed.size(0) != n || packed.size(1) != k ||  // its logical shape: another k can pad to the same size
       at::native::nbytes_from_mkldnn(packed) != blocks(n) * blocks(k) * BLOCK_BYTES)
     return nullptr;
   return static_cast<const uint16_t*>(at::native::data_ptr_from_mkldnn(packed));
