@@ -182,8 +182,7 @@ def prepacked_weights(layer, projections: list | None = None) -> tuple[list, lis
         return None
     qkv, gate_up = groups
     amx_rows = cpu_amx_linear.AMX_MAX_ROWS if qkv.amx and o.amx and gate_up.amx and down.amx else 0
-    bf16_rows = (cpu_bf16_linear.BF16_MAX_ROWS if all(getattr(w, "bf16", False) for w in (qkv, o, gate_up, down))
-                 else 0)
+    bf16_rows = cpu_bf16_linear.BF16_MAX_ROWS if qkv.bf16 and o.bf16 and gate_up.bf16 and down.bf16 else 0
     return [qkv.packed, o.packed_weight, gate_up.packed, down.packed_weight], [qkv.bias, o.bias], [amx_rows, bf16_rows]
 
 

@@ -280,8 +280,8 @@ def start_kernel_builds(device, dtype, attention_backend: str):
     float32 = on_cpu and resolve_dtype(dtype, device) == torch.float32
     bf16 = on_cpu and resolve_dtype(dtype, device) == torch.bfloat16
     amx = bf16 and cpu_amx_linear.cpu_has_amx()
-    vnni = bf16 and not amx and cpu_bf16_linear.cpu_has_avx512_bf16()
+    avx512_bf16 = bf16 and not amx and cpu_bf16_linear.cpu_has_avx512_bf16()
     cpp = on_cpu and attention_backend == "cpp"
     return build_in_background(([cpu_linear.KERNEL] if float32 else []) + ([cpu_amx_linear.KERNEL] if amx else [])
-                               + ([cpu_bf16_linear.KERNEL] if vnni else [])
+                               + ([cpu_bf16_linear.KERNEL] if avx512_bf16 else [])
                                + ([cpu_decode.KERNEL] if cpp else []) + ([cpu_decode_layer.KERNEL] if cpp else []))

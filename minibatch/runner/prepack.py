@@ -51,12 +51,12 @@ class PrepackedLinear(torch.nn.Linear):
             return torch.nn.functional.linear(x, self.weight, self.bias)
         shape = x.shape
         out = prepacked_product(x.reshape(-1, shape[-1]), self.packed_weight, self.out_features, self.bias, self.amx,
-                                getattr(self, "bf16", False))
+                                self.bf16)
         return out.reshape(*shape[:-1], out.shape[-1])
 
 
 def prepacked_product(flat: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-                      amx: bool, bf16: bool = False) -> torch.Tensor:
+                      amx: bool, bf16: bool) -> torch.Tensor:
     """``flat`` (rows, in_features) times a weight prepacked for oneDNN, plus ``bias``: on AMX
     (``kernels.cpu_amx_linear``, from the same prepacked bytes, oneDNN's outputs bit for bit) for at most
     ``AMX_MAX_ROWS`` rows where ``amx``; inside :func:`engine_linears` (the engine's own steps) with AVX512-BF16
