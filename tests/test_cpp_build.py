@@ -46,6 +46,71 @@ def test_a_failed_background_build_is_kept_with_its_reason(monkeypatch):
     assert not ext.available() and ext.error == "OSError: no compiler"
 
 
+def fake_torch_load(calls):
+    """A stand-in for ``torch.utils.cpp_extension.load`` with torch's own locking: it takes the ``lock`` file in
+    the build folder, or, if the file is there, would wait for it to go (here: fails)."""
+    from torch.utils.file_baton import FileBaton
+
+    def load(name, sources, *, build_directory, **kwargs):
+        baton = FileBaton(os.path.join(build_directory, "lock"))
+        if not baton.try_acquire():
+            raise AssertionError("would wait for torch's lock file forever")
+        calls.append((name, build_directory))
+        baton.release()
+        return f"module {name}"
+    return load
+
+
+def test_a_lock_file_left_by_a_killed_build_does_not_block_the_next(monkeypatch, tmp_path):
+    """A build killed mid-way (Ctrl-C during a first run) leaves torch's ``lock`` file; torch would wait for it
+    forever. ``build`` clears it under its own OS lock; folders go under ``$TORCH_EXTENSIONS_DIR``."""
+    import torch.utils.cpp_extension
+
+    calls = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_torch_load(calls))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = cpp_build.build_name(cpu_decode.KERNEL.source)
+    folder = cpp_build.build_directory(name)
+    assert folder.startswith(str(tmp_path)) and folder.endswith(name)
+    (tmp_path / folder / "lock").write_text("")  # what a killed build leaves
+    assert cpp_build.build(cpu_decode.KERNEL.source) == f"module {name}"
+    assert calls == [(name, folder)] and not os.path.exists(os.path.join(folder, "lock"))
+
+
+HOLD = """
+import sys, time
+from minibatch.kernels.cpp_build import exclusive
+with exclusive(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fcntl")
+def test_a_build_waits_while_another_process_builds_and_not_after_it_dies(monkeypatch, tmp_path):
+    """Another live process building the same extension holds the folder's OS lock: ``build`` waits for it; a
+    killed one releases it with its death, so the next build goes on."""
+    import torch.utils.cpp_extension
+
+    calls = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_torch_load(calls))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = cpp_build.build_directory(cpp_build.build_name(cpu_decode.KERNEL.source))
+    for kill in (False, True):
+        holder = subprocess.Popen([sys.executable, "-c", HOLD, folder, "0.5" if not kill else "60"],
+                                  stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"
+        start = time.perf_counter()
+        if kill:
+            (tmp_path / folder / "lock").write_text("")  # as if it were killed during torch's build
+            holder.kill()
+        cpp_build.build(cpu_decode.KERNEL.source)
+        waited = time.perf_counter() - start
+        holder.wait()
+        assert waited >= 0.4 if not kill else waited < 30
+    assert len(calls) == 2
+
+
 def test_start_kernel_builds_names_what_the_runner_loads(monkeypatch):
     started = []
 

@@ -3,6 +3,11 @@
 ``torch.utils.cpp_extension.load`` compiles a source (a C++ compiler with OpenMP; ninja) into torch's extension
 cache the first time it is used on a machine (tens of seconds), then loads it from there. :class:`CppExtension`
 keeps the module, or the first line of why it could not be built, for the message.
+
+A build interrupted by a kill (Ctrl-C during a first ``compare``) leaves torch's lock file (``lock``) in its build
+folder, and every later ``load`` of that extension would wait for it forever, silently. So :func:`build` holds an
+OS lock of its own on the folder (``fcntl.flock``: released by the kernel when its process dies, however it dies)
+and, holding it, removes torch's ``lock`` file if it is there: no live minibatch process can be building then.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import hashlib
 import os
 import platform
 import shutil
+import sys
 import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -44,14 +51,51 @@ def build_name(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: t
     return f"minibatch_{stem}_" + hashlib.sha256(key).hexdigest()[:12]
 
 
+def build_directory(name: str) -> str:
+    """The folder extension ``name`` is built in (made if missing): ``$TORCH_EXTENSIONS_DIR``, else torch's
+    default extension root, then ``minibatch_py<major><minor>/<name>`` (the name hashes the torch version, not
+    Python's, and a module is built for one Python)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    folder = os.path.join(root, f"minibatch_py{sys.version_info.major}{sys.version_info.minor}", name)
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+@contextmanager
+def exclusive(folder: str):
+    """Hold an exclusive OS lock on ``folder`` (a file ``minibatch.lock`` in it, ``fcntl.flock``); waits while
+    another process or thread holds it. The lock dies with its process. Where ``fcntl`` is missing (Windows) it
+    holds nothing."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(os.path.join(folder, "minibatch.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[str, ...] = ()):
     """Compile ``source`` (with ``extra_sources`` linked into the same module, and ``extra_cflags`` after
-    :data:`CFLAGS`, e.g. a ``-D`` a test builds a variant with) into torch's extension cache, or load it from there;
-    returns the module. Raises whatever the build raises."""
+    :data:`CFLAGS`, e.g. a ``-D`` a test builds a variant with) into :func:`build_directory`, or load it from there;
+    returns the module. Holds :func:`exclusive` on the folder meanwhile, and clears a lock file torch left there
+    when a build was killed. Raises whatever the build raises."""
     from torch.utils.cpp_extension import load as load_extension
 
-    return load_extension(build_name(source, extra_cflags, extra_sources), [source, *extra_sources],
-                          extra_cflags=CFLAGS + list(extra_cflags), extra_ldflags=["-fopenmp"], verbose=False)
+    name = build_name(source, extra_cflags, extra_sources)
+    folder = build_directory(name)
+    with exclusive(folder):
+        stale = os.path.join(folder, "lock")  # torch's lock; only a killed build can have left it while we hold ours
+        if os.path.exists(stale):
+            os.remove(stale)
+        return load_extension(name, [source, *extra_sources], extra_cflags=CFLAGS + list(extra_cflags),
+                              extra_ldflags=["-fopenmp"], build_directory=folder, verbose=False)
 
 
 class CppExtension:
