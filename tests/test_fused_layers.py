@@ -183,6 +183,30 @@ def test_a_weight_edited_after_packing_runs_the_modules(calls):
     assert calls[0] == before
 
 
+def test_bf16_layers_prepacked_again_are_read_again(calls):
+    """Prepacking again (after a weight edit, or a second runner) makes new packed weights on the same modules: the
+    fused decoder reads them again (``runner.prepack.GENERATION``), so its steps keep giving the modules' logits
+    bit for bit, now those of the edited weight."""
+    model = build_tiny_model("llama").to(torch.bfloat16)
+    if not prepack.can_prepack(model):
+        pytest.skip("no oneDNN bf16 here: linears are not prepacked, so bf16 layers are not fused")
+    fused, plain = decoding_pair(model)
+    for engine in (fused, plain):
+        for _ in range(4):
+            engine.step()
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    prepack.prepack_linears(model)
+    edited = len(fused.executor.logged)
+    before = calls[0]
+    for engine in (fused, plain):
+        engine.generate([])
+    assert calls[0] - before >= 6 * model.config.num_hidden_layers  # the fused layers ran after the edit
+    assert len(fused.executor.logged) == len(plain.executor.logged) > edited
+    for (a, _), (b, _) in zip(fused.executor.logged[edited:], plain.executor.logged[edited:]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("change", ["projection", "activation", "norm"])
 def test_a_module_replaced_after_building_runs_the_modules(change, calls):
     """The fused decoder read the layers when the runner was built: a projection, activation or norm replaced since

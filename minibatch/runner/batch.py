@@ -50,13 +50,12 @@ def block_table_tensor(block_tables: list[list[int]], seq_lens: list[int], block
         ValueError: a block_table too short for its seq_len (it would alias another request's KV).
     """
     max_blocks = -(-max(seq_lens) // block_size)
-    table = torch.zeros((len(block_tables), max_blocks), dtype=torch.long)
+    rows = []
     for i, (bt, seq_len) in enumerate(zip(block_tables, seq_lens)):
         if len(bt) * block_size < seq_len:
             raise ValueError(f"block_table of request {i} holds {len(bt)} blocks, {seq_len} tokens need more")
-        n = min(len(bt), max_blocks)
-        table[i, :n] = torch.tensor(bt[:n], dtype=torch.long)
-    return table
+        rows.append([*bt[:max_blocks]] + [0] * (max_blocks - len(bt)))
+    return torch.tensor(rows, dtype=torch.long).view(len(rows), max_blocks)  # one tensor: a step's only table op
 
 
 def context_slot_table(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> torch.Tensor:
@@ -112,24 +111,25 @@ def pack_sequences(seqs: list[PackedSequence], kv_cache: torch.Tensor,
     each position that returns logits; ``sample_request_ids`` names the sequence of each.
     """
     device = kv_cache.device
-    ids, positions, rows, seq_lens, cu_seqlens_q, logits_indices, sample_ids = [], [], [], [], [0], [], []
-    for i, seq in enumerate(seqs):
+    block_size = kv_cache.shape[3]
+    ids, positions, seq_lens, cu_seqlens_q, logits_indices, sample_ids = [], [], [], [0], [], []
+    for seq in seqs:
         n = len(seq.token_ids)
         ids += seq.token_ids
         positions += range(seq.start, seq.start + n)
-        rows += [i] * n
         seq_lens.append(seq.start + n)
         cu_seqlens_q.append(cu_seqlens_q[-1] + n)
         logits_indices += range(cu_seqlens_q[-1] - seq.num_logits, cu_seqlens_q[-1])
         sample_ids += [seq.request_id] * seq.num_logits
-    block_size = kv_cache.shape[3]
     tables = [seq.block_table for seq in seqs]
-    positions = torch.tensor(positions, dtype=torch.long, device=device)  # (num_tokens,)
     bt = block_table_tensor(tables, seq_lens, block_size).to(device)  # (num_reqs, max_blocks)
-    rows = torch.tensor(rows, dtype=torch.long, device=device)  # each new token's request
+    # each new token's slot from the (checked) block tables, in Python: a decode step's few tokens would cost
+    # microseconds per tensor op (a 1024-token prefill's list ~0.1 ms)
+    slots = [seq.block_table[p // block_size] * block_size + p % block_size
+             for seq in seqs for p in range(seq.start, seq.start + len(seq.token_ids))]
     meta = AttentionMetadata(
         kv_cache=kv_cache,
-        slot_mapping=bt[rows, positions // block_size] * block_size + positions % block_size,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         cu_seqlens_q=cu_seqlens_q,
         seq_lens=seq_lens,
         block_tables=bt,
@@ -140,7 +140,7 @@ def pack_sequences(seqs: list[PackedSequence], kv_cache: torch.Tensor,
     meta.backend.prepare(meta)  # the backend's own metadata, once per step
     return PackedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=positions,
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
         logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
         sample_request_ids=sample_ids,
         attn_metadata=meta,

@@ -27,9 +27,12 @@ modules' logits exactly (tests/test_fused_layers.py).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from minibatch.kernels import cpu_amx_linear, cpu_bf16_linear, cpu_decode_layer
+from minibatch.runner import prepack
 from minibatch.runner.prepack import PANEL_MAX_ROWS, GroupedLinear, PanelLinear, PrepackedLinear
 
 # transformers' models whose forward decode_layer reproduces: module -> (causal LM, model, decoder layer, attention,
@@ -208,6 +211,7 @@ class FusedDecoder:
                 self.slots.append((registry, name, module))
                 if name != "act_fn":
                     self.slots += [(module._parameters, p, module._parameters.get(p)) for p in ("weight", "bias")]
+        self._slot_columns = tuple(zip(*self.slots))  # (registries, names, objects): current() checks them in C
         self.prepacked = next(model.parameters()).dtype != torch.float32  # bf16: decode_layer_prepacked
         self.weights = [(lin, lin.weight) for spec in self.layers for lin in spec["parts"][:7]]
         # each layer's parameters for the kernel, read once (through nn.Module.__getattr__ they cost more than the
@@ -218,6 +222,9 @@ class FusedDecoder:
             *lins, norm_in, norm_post, _ = spec["parts"]
             spec["args"] = ([norm_in.weight, norm_post.weight], [lin.bias for lin in lins[:4]])
         self.forget_cache()  # kv_cache: the cache that kv_views, each layer's (K, V) views, were taken of
+        # bf16: every layer's prepacked_weights (None where a layer has none), read again when layers were packed,
+        # prepacked or grouped since (runner.prepack.GENERATION); current() vouches for the modules themselves
+        self._prepacked, self._prepacked_at = None, None
 
     def forget_cache(self) -> None:
         """Drop the per-layer views of the KV cache (the runner calls it before allocating another: the views would
@@ -227,7 +234,9 @@ class FusedDecoder:
     def current(self) -> bool:
         """Whether the model is still what this decoder read: the same layers, projections, norms, activation and
         parameters (none replaced since), every projection's panels packed from its weight as it is now."""
-        if not (len(self.base.layers) == len(self.layers) and all(d.get(k) is o for d, k, o in self.slots)):
+        registries, names, objects = self._slot_columns
+        if not (len(self.base.layers) == len(self.layers)
+                and all(map(operator.is_, map(dict.get, registries, names), objects))):
             return False
         return self.prepacked or all(type(lin) is PanelLinear and w._version == getattr(lin, "packed_version", None)
                                      for lin, w in self.weights)
@@ -243,12 +252,17 @@ class FusedDecoder:
         if m.prefill_indices or m.probe_calls is not None or len(m.decode_indices) != n or n > PANEL_MAX_ROWS \
                 or getattr(m.data, "decode_lens", None) is None or not self.current():
             return None
-        # bf16: each layer's prepacked products, read every step (prepacking again, e.g. by a second runner, makes
-        # new ones); a layer no longer grouped and prepacked runs the model's own forward
-        prepacked = ([prepacked_weights(layer, spec["parts"][:7]) for layer, spec in zip(self.base.layers, self.layers)]
-                     if self.prepacked else None)
-        if prepacked is not None and any(p is None for p in prepacked):
-            return None
+        # bf16: each layer's prepacked products, read again after any packing (prepacking again, e.g. by a second
+        # runner, makes new ones); a layer no longer grouped and prepacked runs the model's own forward
+        prepacked = None
+        if self.prepacked:
+            if self._prepacked_at != prepack.GENERATION:
+                self._prepacked = [prepacked_weights(layer, spec["parts"][:7])
+                                   for layer, spec in zip(self.base.layers, self.layers)]
+                self._prepacked_at = prepack.GENERATION
+            prepacked = self._prepacked
+            if any(p is None for p in prepacked):
+                return None
         x = self.base.embed_tokens(batch.input_ids)  # (n, hidden)
         cos, sin = self.base.rotary_emb(x[None], batch.positions[None])  # (1, n, head_dim) each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()

@@ -71,6 +71,15 @@ def prepacked_product(flat: torch.Tensor, packed: torch.Tensor, out_features: in
 
 
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# how many times this process has packed, prepacked or grouped layers (:func:`prepack_linears`, :func:`fuse_siblings`,
+# :func:`pack_linears` each add one): a reader of the layers' packed weights (``runner.fused_layers.FusedDecoder``)
+# reads them again when it changed
+GENERATION = 0
+
+
+def _new_generation() -> None:
+    global GENERATION
+    GENERATION += 1
 
 
 class FusedGroup:
@@ -146,6 +155,7 @@ def fuse_siblings(model, batch_size_hint: int = 32, layout: str = "onednn") -> i
                  "panels": lambda m: isinstance(m, PanelLinear),
                  "plain": lambda m: type(m) in (torch.nn.Linear, GroupedLinear)}[layout]
     made = 0
+    _new_generation()
     for module in model.modules():
         for names in FUSED_GROUPS:
             members = [getattr(module, n, None) for n in names]
@@ -190,6 +200,7 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
     place."""
     if not can_prepack(model):
         return 0
+    _new_generation()
     changed = retype_linears(model, PrepackedLinear)
     for module in model.modules():
         if isinstance(module, PrepackedLinear):
@@ -263,6 +274,7 @@ def pack_linears(model, fuse: bool = False) -> int:
     few rows far below the CPU's peak (``benchmarks/cpu_linear.py``, ``data/cpu/cpu_linear.json``)."""
     ok = can_pack_panels(model)
     packed = 0
+    _new_generation()
     for module in model.modules():
         layout = module.group.layout if type(module) is GroupedLinear else None
         ours = type(module) is PanelLinear or layout == "panels"  # packed or grouped on panels before

@@ -70,7 +70,6 @@ class CompiledBackend(SdpaBackend):
         super().prepare(m)
         if m.decode_indices:
             data: SdpaAttentionData = m.data
-            data.decode_lens = torch.tensor([m.seq_lens[i] for i in m.decode_indices], device=m.block_tables.device)
             data.decode_groups = length_groups(data.decode_lens, data.decode_tables, m.kv_cache.shape[3])
 
     def decode(self, q, k_cache, v_cache, data: SdpaAttentionData, scale: float, window: int | None):

@@ -9,7 +9,6 @@ tens of seconds, then cached); without them the backend is refused with the buil
 
 from __future__ import annotations
 
-import torch
 
 from minibatch.kernels import cpu_decode
 from minibatch.runner.attention import AttentionMetadata
@@ -34,11 +33,12 @@ class CppBackend(SdpaBackend):
         except RuntimeError as e:
             raise ValueError(f"attention_backend 'cpp' is not available here: {e}; use 'sdpa'") from None
 
+    decode_mask = False  # the kernel masks by data.decode_lens
+
     def prepare(self, m: AttentionMetadata) -> None:
         super().prepare(m)
         if m.decode_indices:
             data: SdpaAttentionData = m.data
-            data.decode_lens = torch.tensor([m.seq_lens[i] for i in m.decode_indices])
             data.decode_tables = data.decode_tables.contiguous()
 
     def decode(self, q, k_cache, v_cache, data: SdpaAttentionData, scale: float, window: int | None):

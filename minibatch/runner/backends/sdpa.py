@@ -40,7 +40,7 @@ class SdpaAttentionData:
     decode_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefill_masks: dict | None = None
-    decode_lens: torch.Tensor | None = None  # (num_decodes,) int64 seq_lens, for backends that mask themselves
+    decode_lens: torch.Tensor | None = None  # (num_decodes,) int64 seq_lens (kernels that mask by length read it)
     decode_groups: list | None = None  # a backend's own split of the decodes (compiled: by context length)
 
 
@@ -49,16 +49,22 @@ class SdpaBackend(AttentionBackend):
     description = "fused scaled_dot_product_attention in the model's dtype, K/V gathered by block"
     sliding_window = True
 
+    decode_mask = True  # whether decode() reads data.decode_mask (a kernel that masks by length does not)
+
     def prepare(self, m: AttentionMetadata) -> None:
         device, block_size = m.block_tables.device, m.kv_cache.shape[3]
         data = SdpaAttentionData(write_all=bool((m.slot_mapping >= 0).all()), prefill_masks={})
         if m.decode_indices:
-            lens = torch.tensor([m.seq_lens[i] for i in m.decode_indices], device=device)
-            num_blocks = -(-int(lens.max()) // block_size)
+            lens = [m.seq_lens[i] for i in m.decode_indices]
+            num_blocks = -(-max(lens) // block_size)
             data.decode_rows = torch.tensor([m.cu_seqlens_q[i] for i in m.decode_indices], device=device)
-            data.decode_tables = m.block_tables[m.decode_indices, :num_blocks]
-            positions = torch.arange(num_blocks * block_size, device=device)
-            data.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+            data.decode_lens = torch.tensor(lens, device=device)  # (num_decodes,) int64
+            data.decode_tables = (m.block_tables  # an all-decode step: every row, every block
+                                  if len(lens) == m.block_tables.shape[0] and num_blocks == m.block_tables.shape[1]
+                                  else m.block_tables[m.decode_indices, :num_blocks])
+            if self.decode_mask:
+                positions = torch.arange(num_blocks * block_size, device=device)
+                data.decode_mask = (positions[None, :] < data.decode_lens[:, None])[:, None, None, :]
         for i in m.prefill_indices:
             q_len, seq_len = m.cu_seqlens_q[i + 1] - m.cu_seqlens_q[i], m.seq_lens[i]
             if q_len < seq_len:  # extends a cached context: query t sees keys 0 .. seq_len - q_len + t
