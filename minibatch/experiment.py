@@ -224,17 +224,19 @@ def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threa
     return model, tokenizer, runner, (lambda: WallClock(device)) if clock == "wall" else SimClock
 
 
-def decoding_engine(runner, lengths: list[int], max_new_tokens: int, seed: int = 1, extra_slots: int = 64):
-    """A paged engine on ``runner`` whose requests (one per prompt length, random token ids drawn with ``seed``,
-    ignore_eos, ``max_new_tokens`` each) are all prefilled: every step from here on is a decode of all of them
-    (the step benchmarks' setup). KV room: every prompt plus its output, plus ``extra_slots``."""
+def decoding_engine(runner, lengths: list[int], max_new_tokens: int, seed: int = 1, extra_slots: int = 64,
+                    block_size: int = 16):
+    """A paged engine on ``runner`` (KV blocks of ``block_size`` tokens) whose requests (one per prompt length, random
+    token ids drawn with ``seed``, ignore_eos, ``max_new_tokens`` each) are all prefilled: every step from here on is
+    a decode of all of them (the step benchmarks' setup). KV room: every prompt plus its output, plus
+    ``extra_slots``."""
     import torch
 
     from minibatch.clock import WallClock
     from minibatch.request import SamplingParams
 
-    engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=len(lengths), block_size=16,
-                         n_slots=sum(lengths) + len(lengths) * (max_new_tokens + 16) + extra_slots)
+    engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=len(lengths), block_size=block_size,
+                         n_slots=sum(lengths) + len(lengths) * (max_new_tokens + block_size) + extra_slots)
     g = torch.Generator().manual_seed(seed)
     for i, length in enumerate(lengths):
         prompt = torch.randint(10, runner.vocab_size, (length,), generator=g).tolist()

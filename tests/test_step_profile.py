@@ -15,8 +15,9 @@ def test_profile_command_writes_components_roofline_and_figure(tmp_path, one_thr
     out, fig = tmp_path / "profile.json", tmp_path / "profile.png"
     main(["profile", "--model", "tiny-random-llama", "--dtype", "float32", "--attention-backend", "sdpa",
           "--decode-batches", "1,4", "--prefill-lens", "24", "--context-len", "20", "--repeats", "2",
-          "--json", str(out), "--figure", str(fig)])
+          "--block-size", "8", "--json", str(out), "--figure", str(fig)])
     result = json.loads(out.read_text())
+    assert result["block_size"] == 8
     assert [(r["kind"], r["batch"], r["tokens"]) for r in result["shapes"]] == [
         ("decode", 1, 1), ("decode", 4, 4), ("prefill", 1, 24)]
     for r in result["shapes"]:
@@ -57,7 +58,8 @@ def test_module_names_map_to_components():
     assert component_of_module("model.layers.3.mlp.act_fn") is None
 
 
-@pytest.mark.parametrize("option,value", [("--decode-batches", "0"), ("--prefill-lens", "x"), ("--repeats", "0")])
+@pytest.mark.parametrize("option,value", [("--decode-batches", "0"), ("--prefill-lens", "x"), ("--repeats", "0"),
+                                          ("--block-size", "0"), ("--block-size", "100000")])
 def test_bad_profile_options_are_one_line(option, value, capsys):
     with pytest.raises(SystemExit) as e:
         main(["profile", "--model", "tiny-random-llama", option, value])

@@ -1,31 +1,31 @@
 """Where a step's time goes: ``python -m minibatch profile``.
 
-Real engine steps (the paged policy on a ModelRunner), one shape at a time: decode steps of B requests whose
-contexts hold ``context_len`` tokens, and prefill steps of one prompt of N tokens. Each shape is timed without the
-profiler (the median of ``repeats`` steps: ``step_s``), then profiled with torch's profiler, every event's self
-time credited to the component it ran in:
+Real engine steps (the paged policy on a ModelRunner, KV blocks of ``block_size`` tokens), one shape at a time: decode
+steps of B requests whose contexts hold ``context_len`` tokens, and prefill steps of one prompt of N tokens. Each shape
+is timed without the profiler (the median of ``repeats`` steps: ``step_s``), then profiled with torch's profiler, every
+event's self time credited to the component it ran in:
 
-* projections ``qkv_proj`` / ``o_proj``, ``mlp``, ``norms``, ``embedding``, ``logits`` (the LM head): module
-  forward hooks around the model's own modules, found by name (fused decode layers, ``runner.fused_layers``, call none
-  of a layer's modules: their C++ ranges are named after these components, the rest of the layer is ``other_ops``);
-* ``attention`` (the backend's attend) and ``kv_write`` (its K/V stores: index_copy_ / index_put_ ops inside
-  it); ``rotary_and_reshapes``: the rest of the attention module (RoPE, views, transposes);
+* projections ``qkv_proj`` / ``o_proj``, ``mlp``, ``norms``, ``embedding``, ``logits`` (the LM head): module forward
+  hooks around the model's own modules, found by name (fused decode layers, ``runner.fused_layers``, call none of a
+  layer's modules: their C++ ranges are named after these components, the rest of the layer is ``other_ops``);
+* ``attention`` (the backend's attend) and ``kv_write`` (its K/V stores: index_copy_ / index_put_ ops inside it);
+  ``rotary_and_reshapes``: the rest of the attention module (RoPE, views, transposes);
 * ``prepare_inputs`` (the packed batch's tensors and metadata), ``sampling``, ``schedule`` (the scheduler);
 * ``python_overhead``: time in no torch op at all (the interpreter between ops, hooks, the engine's bookkeeping).
 
 Each shape is placed on this machine's roofline (``minibatch.roofline``: peak matmul FLOP/s and memory bandwidth,
-measured now): FLOPs = 2 x non-embedding parameters x tokens + the LM head's rows + attention's 4 x context x
-hidden per token and layer; bytes = every weight once + the K/V read and written. ``bound_s`` = max(FLOPs / peak,
-bytes / bandwidth) and ``step_s / bound_s`` says how far the step is from it. Each roof is the best of several
-measurements, and a shared host's bandwidth moves with its other tenants; so on a CPU ``repeats`` more steps each
-follow one sum over memory (``roofline.bandwidth_probe``), and ``step_over_bound_during_steps`` is the median of
-each such step over the bound at the bandwidth measured just before it. The profiler slows the
-Python-heavy parts most: component times are its view (their shares are what to read), ``step_s`` is not.
+measured now): FLOPs = 2 x non-embedding parameters x tokens + the LM head's rows + attention's 4 x context x hidden per
+token and layer; bytes = every weight once + the K/V read and written. ``bound_s`` = max(FLOPs / peak, bytes /
+bandwidth) and ``step_s / bound_s`` says how far the step is from it. Each roof is the best of several measurements, and
+a shared host's bandwidth moves with its other tenants; so on a CPU ``repeats`` more steps each follow one sum over
+memory (``roofline.bandwidth_probe``), and ``step_over_bound_during_steps`` is the median of each such step over the
+bound at the bandwidth measured just before it. The profiler slows the Python-heavy parts most: component times are its
+view (their shares are what to read), ``step_s`` is not.
 
 On a GPU, ``components_s`` is host time (the CPU issuing each op; kernels run asynchronously) and
-``device_components_s`` the kernels' own time, credited to the op that launched them; ``device_busy_share`` =
-device time / step time. A share far below 1 means the step is launch-bound: the GPU waits for the CPU, which is
-what CUDA graphs remove (a step's kernels captured once and replayed with one launch).
+``device_components_s`` the kernels' own time, credited to the op that launched them; ``device_busy_share`` = device
+time / step time. A share far below 1 means the step is launch-bound: the GPU waits for the CPU, which is what CUDA
+graphs remove (a step's kernels captured once and replayed with one launch).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def step_counts(model, num_logits: int, tokens: int, attended: list[int], kv_rea
     return flops, params * embed.element_size() + (kv_read_tokens + tokens) * kv_bytes_per_token
 
 
-def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, probe=None) -> dict:
+def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, probe=None, block_size=16) -> dict:
     """Time and profile one shape: kind "decode" (``size`` requests with ``context_len`` cached tokens each) or
     "prefill" (one prompt of ``size`` tokens). Returns the shape's row. probe: ``roofline.bandwidth_probe``'s
     function, or None; with it, ``repeats`` more steps each right after one probe (``paired``)."""
@@ -148,14 +148,12 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
     from minibatch.policies import make_engine
     from minibatch.request import Request, SamplingParams
 
-    n_reqs = size if kind == "decode" else 1
-    max_new = 3 * repeats + 6
-    gen = torch.Generator().manual_seed(0)
+    n_reqs, max_new, gen = size if kind == "decode" else 1, 3 * repeats + 6, torch.Generator().manual_seed(0)
     if kind == "decode":  # every prompt prefilled: the steps from here on are decodes
-        engine = decoding_engine(runner, [context_len] * size, max_new, seed=0)
+        engine = decoding_engine(runner, [context_len] * size, max_new, seed=0, block_size=block_size)
     else:
-        engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=1, block_size=16,
-                             n_slots=size + max_new + 16 + 64)
+        engine = make_engine("paged", runner, WallClock(runner.device), max_num_seqs=1, block_size=block_size,
+                             n_slots=size + max_new + block_size + 64)
     added = []
 
     def add():
@@ -192,10 +190,9 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
     on_gpu = {}
     if runner.device.type == "cuda":  # the GPU's own time: a small busy share means the step is launch-bound
         busy = sum(device_parts.values())
-        kernels = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in p.events()) / repeats
+        kernels = round(sum(e.device_type == torch.autograd.DeviceType.CUDA for e in p.events()) / repeats)
         on_gpu = {"device_components_s": {k: round(v, 6) for k, v in device_parts.items() if v},
-                  "kernels_per_step": round(kernels),
-                  "device_busy_s": busy, "device_busy_share": round(busy / profiled_s, 3)}
+                  "kernels_per_step": kernels, "device_busy_s": busy, "device_busy_share": round(busy / profiled_s, 3)}
     if kind == "decode":
         tokens, attended, kv_read = n_reqs, [context_len + 1] * n_reqs, n_reqs * context_len
     else:
@@ -210,10 +207,11 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
 
 def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bfloat16", attention_backend="sdpa",
                 decode_batches=(1, 8, 32, 64), prefill_lens=(256, 1024), context_len: int = 256, repeats: int = 5,
-                threads: int | None = None, vllm_python: str | None = None) -> dict:
-    """Profile every shape on ``model_name`` and place it on this machine's roofline; returns the JSON-ready
-    result (``shapes``: one row per shape, ``roofline``: the measured roofs). With ``vllm_python`` (an interpreter
-    with vLLM), every row also gets vLLM's step time for its shape (``baselines.vllm_steps``), ``vllm_step_s``."""
+                threads: int | None = None, vllm_python: str | None = None, block_size: int = 16) -> dict:
+    """Profile every shape on ``model_name`` (KV blocks of ``block_size`` tokens) and place it on this machine's
+    roofline; returns the JSON-ready result (``shapes``: one row per shape, ``roofline``: the measured roofs). With
+    ``vllm_python`` (an interpreter with vLLM, its own default block size), every row also gets vLLM's step time for
+    its shape (``baselines.vllm_steps``), ``vllm_step_s``."""
     from minibatch.experiment import load_runner
     from minibatch.precision import dtype_name
     from minibatch.roofline import bandwidth_probe, higher_roofs, measure_device
@@ -228,7 +226,7 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     first = measure_device(runner.device, runner.dtype, packed)
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
     probe = bandwidth_probe() if runner.device.type == "cpu" else None
-    rows = [profile_shape(runner, kind, size, context_len, repeats, probe) for kind, size in shapes]
+    rows = [profile_shape(runner, kind, size, context_len, repeats, probe, block_size) for kind, size in shapes]
     del probe
     roof = higher_roofs(first, measure_device(runner.device, runner.dtype, packed), "before and after the steps")
     for (kind, size), row in zip(shapes, rows):
@@ -257,7 +255,7 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
         peer = add_vllm_steps(rows, runner.model, shapes, context_len, repeats, vllm_python)
     return {"environment": environment(load_before), "model": model_name, "dtype": dtype_name(runner.dtype),
             "attention_backend": attention_backend, "fused_decode_layers": runner.fused_decoder is not None,
-            "threads": torch.get_num_threads(), "context_len": context_len,
+            "threads": torch.get_num_threads(), "context_len": context_len, "block_size": block_size,
             "repeats": repeats, "roofline": {"name": roof.name, "peak_flop_per_s": roof.peak_flop_per_s,
                                              "bytes_per_s": roof.bytes_per_s, "source": roof.source},
             "shapes": rows} | ({"vllm": peer} if peer else {})
@@ -267,6 +265,7 @@ def add_profile_arguments(p) -> None:
     p.add_argument("--decode-batches", default="1,8,32,64", help="decode steps of this many requests (comma list)")
     p.add_argument("--prefill-lens", default="256,1024", help="prefill steps of one prompt this long (comma list)")
     p.add_argument("--context-len", type=int, default=256, help="cached tokens of every decoding request")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (vLLM's CPU backend: 128)")
     p.add_argument("--repeats", type=int, default=5, help="steps timed (and as many profiled) per shape")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--vllm-python", default=None, help="also time every shape on vLLM, run by this interpreter")
@@ -276,7 +275,7 @@ def add_profile_arguments(p) -> None:
 
 def profile_command(args, command: str) -> dict:
     """``python -m minibatch profile``: check the options, profile, print, write JSON and figure."""
-    from minibatch.checks import check_int
+    from minibatch.checks import MAX_BLOCK_SIZE, check_int
     from minibatch.files import check_output_file
     from minibatch.report import write_json
 
@@ -284,14 +283,15 @@ def profile_command(args, command: str) -> dict:
         return tuple(check_int(int(x) if x.strip().lstrip("-").isdigit() else x, name, 1, 1 << 16)
                      for x in text.split(",") if x.strip())
     batches, prefills = sizes(args.decode_batches, "--decode-batches"), sizes(args.prefill_lens, "--prefill-lens")
-    check_int(args.context_len, "--context-len", 1, 1 << 16)
-    check_int(args.repeats, "--repeats", 1, 1000)
+    for value, name, high in ((args.context_len, "--context-len", 1 << 16), (args.block_size, "--block-size",
+                              MAX_BLOCK_SIZE), (args.repeats, "--repeats", 1000)):
+        check_int(value, name, 1, high)
     for path, name in ((args.json_path, "--json"), (args.figure, "--figure")):
         if path:
             check_output_file(path, name)
     result = {"command": command} | run_profile(args.model, args.device, args.dtype, args.attention_backend, batches,
                                                 prefills, args.context_len, args.repeats, args.threads,
-                                                args.vllm_python)
+                                                args.vllm_python, args.block_size)
     if args.figure:
         from minibatch.viz.step_profile import plot_profile
 
