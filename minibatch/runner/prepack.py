@@ -155,7 +155,6 @@ def fuse_siblings(model, batch_size_hint: int = 32, layout: str = "onednn") -> i
                  "panels": lambda m: isinstance(m, PanelLinear),
                  "plain": lambda m: type(m) in (torch.nn.Linear, GroupedLinear)}[layout]
     made = 0
-    _new_generation()
     for module in model.modules():
         for names in FUSED_GROUPS:
             members = [getattr(module, n, None) for n in names]
@@ -170,6 +169,7 @@ def fuse_siblings(model, batch_size_hint: int = 32, layout: str = "onednn") -> i
                     if hasattr(m, copy):
                         delattr(m, copy)  # the group's copy serves; a lone call (another input) runs F.linear
             made += 1
+    _new_generation()  # after the changes: a reader re-reads what they made
     return made
 
 
@@ -200,7 +200,6 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
     place."""
     if not can_prepack(model):
         return 0
-    _new_generation()
     changed = retype_linears(model, PrepackedLinear)
     for module in model.modules():
         if isinstance(module, PrepackedLinear):
@@ -211,6 +210,7 @@ def prepack_linears(model, batch_size_hint: int = 32, fuse: bool = True) -> int:
         if type(module) is PrepackedLinear:  # left alone: its own weight, checked once
             module.amx = cpu_amx_linear.layout_ok(module.packed_weight, module.weight)
             module.bf16 = not module.amx and cpu_bf16_linear.layout_ok(module.packed_weight, module.weight)
+    _new_generation()  # after the changes: a reader re-reads what they made
     return changed
 
 
@@ -274,7 +274,6 @@ def pack_linears(model, fuse: bool = False) -> int:
     few rows far below the CPU's peak (``benchmarks/cpu_linear.py``, ``data/cpu/cpu_linear.json``)."""
     ok = can_pack_panels(model)
     packed = 0
-    _new_generation()
     for module in model.modules():
         layout = module.group.layout if type(module) is GroupedLinear else None
         ours = type(module) is PanelLinear or layout == "panels"  # packed or grouped on panels before
@@ -289,4 +288,5 @@ def pack_linears(model, fuse: bool = False) -> int:
                 packed += 1
     if ok and fuse:
         fuse_siblings(model, layout="panels")
+    _new_generation()  # after the changes: a reader re-reads what they made
     return packed

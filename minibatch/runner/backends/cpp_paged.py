@@ -9,7 +9,6 @@ tens of seconds, then cached); without them the backend is refused with the buil
 
 from __future__ import annotations
 
-
 from minibatch.kernels import cpu_decode
 from minibatch.runner.attention import AttentionMetadata
 from minibatch.runner.backends.base import register_backend
