@@ -203,15 +203,16 @@ class FusedDecoder:
         self.layers = [dict(parts=[module for _, _, module in parts(layer)], scale=float(layer.self_attn.scaling),
                             window=sliding_window(layer, cfg)) for layer in base.layers]
         # every (registry, name, object) the fused call relies on, checked with dict lookups each step: the layers,
-        # their parts, and the parameters of the projections and norms
-        self.slots = [(base.layers._modules, str(i), layer) for i, layer in enumerate(base.layers)]
+        # their parts, and the parameters of the projections and norms; kept as three columns (registries, names,
+        # objects), which current() checks in C
+        slots = [(base.layers._modules, str(i), layer) for i, layer in enumerate(base.layers)]
         for layer in base.layers:
-            self.slots += [(layer._modules, "self_attn", layer.self_attn), (layer._modules, "mlp", layer.mlp)]
+            slots += [(layer._modules, "self_attn", layer.self_attn), (layer._modules, "mlp", layer.mlp)]
             for registry, name, module in parts(layer):
-                self.slots.append((registry, name, module))
+                slots.append((registry, name, module))
                 if name != "act_fn":
-                    self.slots += [(module._parameters, p, module._parameters.get(p)) for p in ("weight", "bias")]
-        self._slot_columns = tuple(zip(*self.slots))  # (registries, names, objects): current() checks them in C
+                    slots += [(module._parameters, p, module._parameters.get(p)) for p in ("weight", "bias")]
+        self.slot_columns = tuple(zip(*slots))
         self.prepacked = next(model.parameters()).dtype != torch.float32  # bf16: decode_layer_prepacked
         self.weights = [(lin, lin.weight) for spec in self.layers for lin in spec["parts"][:7]]
         # each layer's parameters for the kernel, read once (through nn.Module.__getattr__ they cost more than the
@@ -234,7 +235,7 @@ class FusedDecoder:
     def current(self) -> bool:
         """Whether the model is still what this decoder read: the same layers, projections, norms, activation and
         parameters (none replaced since), every projection's panels packed from its weight as it is now."""
-        registries, names, objects = self._slot_columns
+        registries, names, objects = self.slot_columns
         if not (len(self.base.layers) == len(self.layers)
                 and all(map(operator.is_, map(dict.get, registries, names), objects))):
             return False
