@@ -14,7 +14,8 @@ import pytest
 
 import torch
 
-from minibatch.kernels import cpp_build, cpu_amx_linear, cpu_bf16_linear, cpu_decode, cpu_decode_layer, cpu_linear
+from minibatch.kernels import (cpp_build, cpu_amx_linear, cpu_bf16_linear, cpu_decode, cpu_decode_layer, cpu_linear,
+                               cpu_prefill)
 from minibatch.kernels.cpp_build import CppExtension, build_in_background
 from minibatch.runner.model_runner import start_kernel_builds
 
@@ -132,10 +133,11 @@ def test_start_kernel_builds_names_what_the_runner_loads(monkeypatch):
             start_kernel_builds(device, dtype, backend).join()
     layer = [cpu_decode.KERNEL, cpu_decode_layer.KERNEL]
     assert started[:5] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer], layer, [], []]
-    assert started[5:10] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer], [cpu_amx_linear.KERNEL, *layer],
-                             [cpu_amx_linear.KERNEL], []]
-    assert started[10:] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer], [cpu_bf16_linear.KERNEL, *layer],
-                            [cpu_bf16_linear.KERNEL], []]
+    # bf16 with the cpp backend on a CPU with AVX512-BF16 (AMX CPUs have it too): its prefill kernel last
+    assert started[5:10] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer],
+                             [cpu_amx_linear.KERNEL, *layer, cpu_prefill.KERNEL], [cpu_amx_linear.KERNEL], []]
+    assert started[10:] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer],
+                            [cpu_bf16_linear.KERNEL, *layer, cpu_prefill.KERNEL], [cpu_bf16_linear.KERNEL], []]
     monkeypatch.setattr(cpp_build, "compiler_available", lambda: False)  # nothing to build with: nothing started
     start_kernel_builds("cpu", "float32", "cpp").join()
     assert started[-1] == []

@@ -58,7 +58,7 @@ def test_smollm2_bf16_is_logprob_close_and_a_broken_engine_is_caught():
     refs = reference_outputs(model, reqs, logprobs=5)
     shared = dict(max_num_seqs=4, n_slots=512, block_size=16)
     for policy, backend in (("paged", "torch"), ("chunked", "torch"), ("paged", "sdpa"), ("chunked", "sdpa"),
-                            ("chunked", "cpp")):
+                            ("paged", "cpp"), ("chunked", "cpp")):
         good = run(policy, reqs, ModelRunner(model, tok, attention_backend=backend), SimClock(), config=shared)
         report = check_outputs(good.requests, refs, "logprob-close")
         assert report["passed"] is True, (policy, backend, report)

@@ -40,6 +40,8 @@ class SdpaAttentionData:
     decode_tables: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefill_masks: dict | None = None
+    prefill_spans: torch.Tensor | None = None  # (num_prefills, 4) int64, for a backend's own prefill kernel (cpp)
+    prefill_tables: torch.Tensor | None = None  # (num_reqs, max_blocks) int64, contiguous, for that kernel
     decode_lens: torch.Tensor | None = None  # (num_decodes,) int64 seq_lens (kernels that mask by length read it)
     decode_groups: list | None = None  # a backend's own split of the decodes (compiled: by context length)
 
@@ -65,11 +67,17 @@ class SdpaBackend(AttentionBackend):
             if self.decode_mask:
                 positions = torch.arange(num_blocks * block_size, device=device)
                 data.decode_mask = (positions[None, :] < data.decode_lens[:, None])[:, None, None, :]
+        m.data = data
+        if m.prefill_indices:
+            self.prepare_prefills(m, data)
+
+    def prepare_prefills(self, m: AttentionMetadata, data: SdpaAttentionData) -> None:
+        """The prefills' part of :meth:`prepare` (a subclass with its own prefill kernel replaces it): the causal
+        masks of the prefills that extend a cached context."""
         for i in m.prefill_indices:
             q_len, seq_len = m.cu_seqlens_q[i + 1] - m.cu_seqlens_q[i], m.seq_lens[i]
             if q_len < seq_len:  # extends a cached context: query t sees keys 0 .. seq_len - q_len + t
-                data.prefill_masks[i] = causal_mask(q_len, seq_len, device)
-        m.data = data
+                data.prefill_masks[i] = causal_mask(q_len, seq_len, m.block_tables.device)
 
     def forward(self, m: AttentionMetadata, layer: int, q, k, v, scale: float, window: int | None) -> torch.Tensor:
         data: SdpaAttentionData = m.data
@@ -82,7 +90,20 @@ class SdpaBackend(AttentionBackend):
             store_kv_ref(m.kv_cache, layer, k, v, m.slot_mapping)
         if not m.prefill_indices:  # an all-decode step: no copy of q
             return self.decode(q, k_cache, v_cache, data, scale, window)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        self.prefill(m, layer, q, k, v, scale, window, out)
+        if m.decode_indices:
+            out[data.decode_rows] = self.decode(q[data.decode_rows], k_cache, v_cache, data, scale, window)
+        return out
+
+    def prefill(self, m: AttentionMetadata, layer: int, q, k, v, scale: float, window: int | None,
+                out: torch.Tensor) -> None:
+        """The prefills' attention, into their rows of ``out`` (their K/V already in the cache; a subclass may run
+        its own kernel): ``causal_attention`` on the new tokens' own K/V, or on the context gathered from the cache
+        with a mask when the prefill extends a cached context."""
+        data: SdpaAttentionData = m.data
+        block_size = m.kv_cache.shape[3]
+        k_cache, v_cache = m.kv_cache[layer, 0], m.kv_cache[layer, 1]
         for i in m.prefill_indices:
             start, end, seq_len = m.cu_seqlens_q[i], m.cu_seqlens_q[i + 1], m.seq_lens[i]
             mask = data.prefill_masks.get(i)
@@ -95,9 +116,6 @@ class SdpaBackend(AttentionBackend):
                 ctx_k = gather_blocks(k_cache, blocks[None])[0, :, :seq_len].transpose(0, 1)  # (seq_len, h_kv, d)
                 ctx_v = gather_blocks(v_cache, blocks[None])[0, :, :seq_len].transpose(0, 1)
                 out[start:end] = causal_attention(q[start:end], ctx_k, ctx_v, scale, mask)
-        if m.decode_indices:
-            out[data.decode_rows] = self.decode(q[data.decode_rows], k_cache, v_cache, data, scale, window)
-        return out
 
     def decode(self, q, k_cache, v_cache, data: SdpaAttentionData, scale: float, window: int | None) -> torch.Tensor:
         """The one-token queries' attention (``decode_attention``; a subclass may run its own kernel)."""
