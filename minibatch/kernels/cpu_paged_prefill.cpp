@@ -56,6 +56,21 @@ struct Head {
   int64_t q_start, q_len, kv_head;
 };
 
+// e^x on 16 lanes for x <= 0 (the softmax's x - max): cpu_simd.h's exp_lanes (x = k ln2 + r, e^r by its degree-6
+// Taylor polynomial) with 2^k applied by VSCALEFPS, which stays exact for every k the clamp at -87 allows, so none of
+// exp_lanes' guards for large x are needed: about half its instructions, on the kernel's hottest elementwise step.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // -inf (a masked key) too: e^-87 is below every bf16 weight's ulp
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  for (float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, k);
+}
+
 // Pack one head's keys and values (positions [0, seq_len) through `table`) from the cache into kd and vd (sized
 // for the context padded to a whole chunk; zeros there).
 void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t block_size,
@@ -75,23 +90,34 @@ void pack_head(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* 
   }
 }
 
-// S (R rows x 4 vectors of 16 keys) = the rows' queries (pairs of dims, row i at q + i * qs) times one chunk of
-// keys (kc: [pairs][CHUNK]).
-template <int R>
+// S (R rows x NV vectors of 16 keys; the chunk's other vectors -inf) = the rows' queries (pairs of dims, q[r]) times
+// one chunk of keys (kc: [pairs][CHUNK]). NV < 4 on the diagonal: no products for keys past every row's position.
+template <int R, int NV>
 inline void scores(const uint32_t* const* q, const uint32_t* kc, int64_t pairs, __m512* s) {
-  __m512 acc[R][4];
+  __m512 acc[R][NV];
   MINIBATCH_UNROLL for (int r = 0; r < R; ++r)
-    MINIBATCH_UNROLL for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    MINIBATCH_UNROLL for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh kv[4];
-    MINIBATCH_UNROLL for (int c = 0; c < 4; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kc + p * CHUNK + c * 16);
+    __m512bh kv[NV];
+    MINIBATCH_UNROLL for (int c = 0; c < NV; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kc + p * CHUNK + c * 16);
     MINIBATCH_UNROLL for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][p]));
-      MINIBATCH_UNROLL for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, kv[c]);
+      MINIBATCH_UNROLL for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, kv[c]);
     }
   }
   MINIBATCH_UNROLL for (int r = 0; r < R; ++r)
-    MINIBATCH_UNROLL for (int c = 0; c < 4; ++c) s[r * 4 + c] = acc[r][c];
+    MINIBATCH_UNROLL for (int c = 0; c < 4; ++c)
+      s[r * 4 + c] = c < NV ? acc[r][c < NV ? c : 0] : _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+}
+
+template <int R>
+inline void scores_nv(int nv, const uint32_t* const* q, const uint32_t* kc, int64_t pairs, __m512* s) {
+  switch (nv) {
+    case 1: return scores<R, 1>(q, kc, pairs, s);
+    case 2: return scores<R, 2>(q, kc, pairs, s);
+    case 3: return scores<R, 3>(q, kc, pairs, s);
+    default: return scores<R, 4>(q, kc, pairs, s);
+  }
 }
 
 // O (R rows of hd float32, row stride hd) += P (R rows of `key_pairs` bf16 pairs, row stride CHUNK / 2) times the
@@ -151,20 +177,22 @@ void task(const Head& h, int64_t row0, const uint16_t* q, uint16_t* out, int64_t
   for (int64_t c = first; c <= last; ++c) {
     const int64_t base = c * CHUNK;
     __m512 s[R * 4];
-    scores<R>(qr, h.k + c * pairs * CHUNK, pairs, s);
+    const int64_t keys = std::min<int64_t>(CHUNK, hi_pos + 1 - base);  // the rest are masked for every row
+    scores_nv<R>(static_cast<int>((keys + 15) / 16), qr, h.k + c * pairs * CHUNK, pairs, s);
     // every row sees every key of the chunk unless the chunk reaches past the first row's position or (window)
     // below the last row's window
     const bool masked = base + CHUNK - 1 > lo_pos || (window > 0 && hi_pos - base >= window);
     for (int r = 0; r < R; ++r) {
       __m512 x[4];
+      __mmask16 seen[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
       for (int v = 0; v < 4; ++v) {
         x[v] = _mm512_mul_ps(s[r * 4 + v], _mm512_set1_ps(scale));
         if (masked) {
           const __m512 key = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(base + v * 16)));
-          __mmask16 seen = _mm512_cmp_ps_mask(key, _mm512_set1_ps(static_cast<float>(pos[r])), _CMP_LE_OQ);
+          seen[v] = _mm512_cmp_ps_mask(key, _mm512_set1_ps(static_cast<float>(pos[r])), _CMP_LE_OQ);
           if (window > 0)
-            seen &= _mm512_cmp_ps_mask(key, _mm512_set1_ps(static_cast<float>(pos[r] - window)), _CMP_GT_OQ);
-          x[v] = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x[v]);
+            seen[v] &= _mm512_cmp_ps_mask(key, _mm512_set1_ps(static_cast<float>(pos[r] - window)), _CMP_GT_OQ);
+          x[v] = _mm512_mask_blend_ps(seen[v], _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x[v]);
         }
       }
       const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
@@ -177,7 +205,8 @@ void task(const Head& h, int64_t row0, const uint16_t* q, uint16_t* out, int64_t
       const float alpha = std::exp(m[r] - m_new);  // 0 on the first visible chunk (m = -inf)
       __m512 sum = _mm512_setzero_ps();
       for (int v = 0; v < 4; ++v) {
-        const __m512 p = minibatch::exp_lanes(_mm512_sub_ps(x[v], _mm512_set1_ps(m_new)));
+        __m512 p = exp_nonpositive(_mm512_sub_ps(x[v], _mm512_set1_ps(m_new)));
+        if (masked) p = _mm512_maskz_mov_ps(seen[v], p);  // exactly 0 for a key the row does not see
         sum = _mm512_add_ps(sum, p);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + v * 8), (__m256i)_mm512_cvtneps_pbh(p));
       }
@@ -189,7 +218,6 @@ void task(const Head& h, int64_t row0, const uint16_t* q, uint16_t* out, int64_t
       }
       m[r] = m_new;
     }
-    const int64_t keys = std::min<int64_t>(CHUNK, hi_pos + 1 - base);  // the rest are masked for every row
     weighted_sum_all<R>(pb, h.v + base / 2 * hd, (keys + 1) / 2, hd, o);
   }
   for (int r = 0; r < R; ++r) {
