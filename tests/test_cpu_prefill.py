@@ -103,9 +103,10 @@ def test_refuses_inputs_outside_its_contract():
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])  # mistral: a sliding window shorter than the prompts
 def test_bf16_engines_running_it_are_logprob_close(model_type, monkeypatch):
-    """Tiny random models in bf16 under paged (whole prompts), chunked (chunks extending a cached context) and
-    paged_prefix (prompts sharing a cached prefix): the ``cpp`` backend calls the kernel for every prefill and
-    passes the bf16 rule against HF generate; the same engines with the kernel's output zeroed fail it."""
+    """Tiny random models in bf16 under paged (whole prompts), chunked (chunks extending a cached context),
+    paged_prefix (prompts sharing a cached prefix) and spec_ngram (the verification of drafted tokens runs as a short
+    prefill): the ``cpp`` backend calls the kernel for every prefill and passes the bf16 rule against HF generate;
+    the same engines with the kernel's output zeroed fail it."""
     from architectures import build_tiny_model, support_requests
 
     from minibatch import ModelRunner, Request, SamplingParams, SimClock, make_engine
@@ -129,7 +130,7 @@ def test_bf16_engines_running_it_are_logprob_close(model_type, monkeypatch):
 
     monkeypatch.setattr(cpp_paged.cpu_prefill, "paged_prefill", counted)
     options = {"paged": dict(block_size=4), "chunked": dict(block_size=4, max_num_batched_tokens=8),
-               "paged_prefix": dict(block_size=4)}
+               "paged_prefix": dict(block_size=4), "spec_ngram": dict(block_size=4)}
     for policy, extra in options.items():
         engine = make_engine(policy, runner, SimClock(), config={"n_slots": 512}, **extra)
         done = engine.generate([r.copy() for r in requests])
