@@ -33,9 +33,9 @@ def calls(monkeypatch):
     return count
 
 
-def decoding_pair(model, n=3):
-    """Two runners on one model, fused and not, each with an engine holding the same n greedy requests; each
-    runner's forward_packed records its logits (runner.logged)."""
+def decoding_pair(model, n=3, policy="paged", **options):
+    """Two runners on one model, fused and not, each with an engine (``policy``, with ``options``) holding the same
+    n greedy requests; each runner's forward_packed records its logits (runner.logged)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size, (5 + 4 * i,), generator=g).tolist() for i in range(n)]
     engines = []
@@ -50,9 +50,11 @@ def decoding_pair(model, n=3):
             return logits, ids
 
         runner.forward_packed = logged
-        engine = make_engine("paged", runner, SimClock(), max_num_seqs=n, block_size=4, n_slots=256)
+        engine = make_engine(policy, runner, SimClock(), **({"max_num_seqs": n, "block_size": 4, "n_slots": 256}
+                                                            | options))
         for i, p in enumerate(prompts):
             engine.add_request(Request(f"r{i}", p, 12, SamplingParams(ignore_eos=True)))
+        engine.model_runner = runner  # the executor itself, or what a speculative executor verifies with
         engines.append(engine)
     return engines
 
@@ -79,6 +81,39 @@ def test_fused_decode_steps_give_the_modules_logits(model_type, dtype, calls):
         else:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert calls[0] >= 11 * model.config.num_hidden_layers  # every decode step, every layer
+
+
+@pytest.mark.parametrize("policy,options", [("chunked", dict(max_num_batched_tokens=8)), ("spec_ngram", {})])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_bf16_steps_with_prefills_give_the_modules_logits(model_type, policy, options, calls):
+    """bf16 with the prefill kernel (``kernels.cpu_prefill``): steps with rows of several tokens run fused too,
+    whole prompts, chunks extending a cached context mixed with decodes (chunked), verifications (spec_ngram), and
+    give the modules' logits bit for bit (both attend with the same kernels)."""
+    from minibatch.kernels import cpu_prefill
+
+    model = build_tiny_model(model_type).to(torch.bfloat16)
+    if not (prepack.can_prepack(model) and cpu_prefill.available()):
+        pytest.skip("no oneDNN bf16 or no AVX512-BF16 here: prefill steps are not fused")
+    fused, plain = decoding_pair(model, 3, policy, **options)
+    steps = {}
+    original = fused.model_runner.fused_decoder.hidden_states
+
+    def counted(batch, kv_cache):
+        out = original(batch, kv_cache)
+        kind = "mixed" if batch.attn_metadata.prefill_indices and batch.attn_metadata.decode_indices else \
+            "prefill" if batch.attn_metadata.prefill_indices else "decode"
+        steps[kind] = steps.get(kind, 0) + (out is not None)
+        return out
+
+    fused.model_runner.fused_decoder.hidden_states = counted
+    for engine in (fused, plain):
+        engine.generate([])
+    assert len(fused.model_runner.logged) == len(plain.model_runner.logged) >= 12
+    for (a, ids_a), (b, ids_b) in zip(fused.model_runner.logged, plain.model_runner.logged):
+        assert ids_a == ids_b and torch.equal(a, b)
+    assert steps.get("prefill", 0) + steps.get("mixed", 0) > 0 and steps.get("decode", 0) > 0, steps
+    if policy == "chunked":
+        assert steps.get("mixed", 0) > 0, steps
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])

@@ -235,6 +235,9 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
 // oneDNN's matmul (mkldnn::_linear_pointwise), or our AMX kernel on the same bytes for at most amx_rows rows; q/k/v
 // and gate/up each as one product. x: (n, hidden); weights: {qkv, o, gate_up, down}, each prepacked by
 // mkldnn::_reorder_linear_weight; biases: qkv's and o's (or None); the rest as decode_layer's, caches in x's dtype.
+// A step with prefills (or chunks, or verifications: rows of several tokens) passes spans and prefill_tables, as
+// paged_prefill's (cpu_paged_prefill.cpp, the cpp backend's bf16 prefill kernel), and decode_rows ((d,) int64, the
+// one-token rows, whose tables and seq_lens are then those d rows'): the same kernels the backend runs for them.
 namespace {
 
 // x (m, k) times a prepacked weight of n outputs: on AMX from the same bytes (cpu_amx_linear.cpp) for at most
@@ -344,8 +347,12 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
                                      torch::Tensor cos,
                                      torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor slot_mapping, torch::Tensor tables, torch::Tensor seq_lens,
-                                     double scale, int64_t window) {
+                                     double scale, int64_t window, c10::optional<torch::Tensor> spans,
+                                     c10::optional<torch::Tensor> prefill_tables,
+                                     c10::optional<torch::Tensor> decode_rows) {
   RECORD_FUNCTION("minibatch::decode_layer", std::vector<c10::IValue>());
+  TORCH_CHECK(spans.has_value() == prefill_tables.has_value() && (!decode_rows.has_value() || spans.has_value()),
+              "decode_layer_prepacked: spans and prefill_tables come together, decode_rows only with them");
   TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 4 && dims.size() == 5,
               "decode_layer_prepacked: 2 norms, 2 epsilons, 4 prepacked weights and 5 dims");
   const int64_t hidden = dims[0], inter = dims[1], heads = dims[2], kv_heads = dims[3], hd = dims[4];
@@ -393,7 +400,15 @@ torch::Tensor decode_layer_prepacked(torch::Tensor x, std::vector<torch::Tensor>
   }
   {
     RECORD_FUNCTION("minibatch::attention", std::vector<c10::IValue>());
-    attn = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, window);
+    if (!spans.has_value()) {
+      attn = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, window);
+    } else {  // a step with prefills: theirs on the prefill kernel, the decode rows (if any) on the decode kernel
+      attn = torch::empty_like(q);
+      paged_prefill(q, k_cache, v_cache, *prefill_tables, *spans, scale, window, attn);
+      if (decode_rows.has_value() && decode_rows->numel() > 0)
+        attn.index_copy_(0, *decode_rows, paged_decode(q.index_select(0, *decode_rows), k_cache, v_cache, tables,
+                                                       seq_lens, scale, window));
+    }
   }
   torch::Tensor out;
   {

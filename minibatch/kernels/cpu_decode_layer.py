@@ -9,7 +9,7 @@ packed matrix product (``kernels.cpu_linear``) and the paged decode kernel (``ke
 runner side is ``runner.fused_layers``. vLLM's and SGLang's model code exists for the same reason (fewer, larger
 operations per layer); here it is a loop nest over transformers' own weights, not a second model definition.
 
-Built on first use from the five sources (``kernels.cpp_build``), then loaded from torch's extension cache.
+Built on first use from the six sources (``kernels.cpp_build``), then loaded from torch's extension cache.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SOURCE = os.path.join(_HERE, "cpu_decode_layer.cpp")
 KERNEL = CppExtension(SOURCE, "the C++ fused decode layer",
                       extra_sources=tuple(os.path.join(_HERE, f)
                                           for f in ("cpu_linear.cpp", "cpu_paged_decode.cpp", "cpu_amx_linear.cpp",
-                                                    "cpu_bf16_linear.cpp")),
+                                                    "cpu_bf16_linear.cpp", "cpu_paged_prefill.cpp")),
                       extra_cflags=("-DMINIBATCH_KERNEL_LIBRARY",))
 
 
@@ -56,7 +56,9 @@ def decode_layer(x: torch.Tensor, norms: list, eps: list, panels: list, biases: 
 def decode_layer_prepacked(x: torch.Tensor, norms: list, eps: list, weights: list, biases: list, kernel_rows: list,
                            dims: list, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, window: int | None, spans: torch.Tensor | None = None,
+                           prefill_tables: torch.Tensor | None = None,
+                           decode_rows: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`decode_layer` for a bf16 model whose linears are prepacked for oneDNN (``runner.prepack``): the
     operators transformers' modules run, in their order and dtype, called from C++ (outputs bit for bit the
     modules'). x: (n, hidden) bf16; weights: the fused q/k/v product's, o_proj's, the fused gate/up product's and
@@ -64,13 +66,16 @@ def decode_layer_prepacked(x: torch.Tensor, norms: list, eps: list, weights: lis
     bf16_rows], products of at most amx_rows rows run ``kernels.cpu_amx_linear``, else of at most bf16_rows rows
     ``kernels.cpu_bf16_linear``, on the same prepacked weights, as the modules' do in the engine's steps
     (``runner.prepack.prepacked_product``; 0: none); cos, sin: (n, head_dim) in x's dtype; caches in x's dtype; the
-    rest as :func:`decode_layer`'s. Returns (n, hidden) in x's dtype.
+    rest as :func:`decode_layer`'s. A step with rows of several tokens (prefills, chunks, verifications) passes
+    ``spans`` and ``prefill_tables`` as ``kernels.cpu_prefill.paged_prefill``'s (their attention runs that kernel)
+    and ``decode_rows`` ((d,) int64: the one-token rows, whose ``tables`` and ``seq_lens`` are then those d rows',
+    or None). Returns (n, hidden) in x's dtype.
 
     Raises:
         RuntimeError: the kernel could not be built, or the shapes/dtypes break the contract."""
     return KERNEL.load().decode_layer_prepacked(x, norms, eps, weights, *biases, *map(int, kernel_rows), dims, cos,
                                                 sin, k_cache, v_cache, slot_mapping, tables, seq_lens, float(scale),
-                                                int(window or 0))
+                                                int(window or 0), spans, prefill_tables, decode_rows)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,7 +19,7 @@
 //
 // Intel, "Intel Architecture Instruction Set Extensions Programming Reference", VDPBF16PS. Built with -march=native
 // (kernels/cpp_build.py); without AVX512-BF16 `available()` is false and the callers keep torch's attention.
-#include <torch/extension.h>
+#include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -336,7 +336,9 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 #endif
 }
 
+#ifndef MINIBATCH_KERNEL_LIBRARY  // also linked into the fused layer's extension: no module of its own there
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_available", &prefill_available, "whether this build runs paged_prefill (AVX512-BF16)");
   m.def("paged_prefill", &paged_prefill, "causal bf16 attention of prefills over the paged cache, into out");
 }
+#endif

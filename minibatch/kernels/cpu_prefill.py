@@ -1,8 +1,8 @@
 """A CPU paged prefill-attention kernel for bf16 with AVX512-BF16 (``cpu_paged_prefill.cpp``), built on first use.
 
-Why: torch's CPU flash attention (what the ``sdpa`` backend calls for a prefill) multiplies in float32 and runs a
-1024-token prefill's attention at about a quarter of the bf16 matrix products' rate on an AVX512-BF16 CPU, and a
-chunk that extends a cached context first copies the context out of the paged cache and builds a mask. This kernel
+Why: torch's CPU flash attention (what the ``sdpa`` backend calls for a prefill) ran a 1024-token prefill's
+attention at about a quarter of the bf16 matrix products' rate on a 2-core AVX512-BF16 CPU, and a chunk that
+extends a cached context first copies the context out of the paged cache and builds a mask. This kernel
 reads every position, cached or new, through the block table, and runs both products of FlashAttention's tiling
 (Dao et al., NeurIPS'22, §3.1) on VDPBF16PS, bf16 pairs into float32 sums; the softmax's weights are rounded to bf16
 for the product with V, as torch's CPU flash attention does for bf16 inputs (``benchmarks/prefill_attention.py``,

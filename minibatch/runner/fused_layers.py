@@ -1,4 +1,4 @@
-"""Fused decode layers: an all-decode packed step of a Llama-family model with one C++ call per decoder layer.
+"""Fused decode layers: a packed step of a Llama-family model with one C++ call per decoder layer.
 
 The packed forward (``ModelRunner.forward_packed``) runs the unmodified transformers model: per layer ~40 small
 operators (two RMSNorms, rotary embedding, views, residual adds, SiLU) around 7 matrix products and attention. At
@@ -18,8 +18,10 @@ It applies only where the result is the same computation: a float32 model on a C
 (``runner.prepack.pack_linears``) or a bf16 one whose linears are prepacked and grouped
 (``runner.prepack.prepack_linears``), the ``cpp`` attention backend, and a model, model body and decoder layers
 whose classes are exactly transformers' Llama, Mistral or Qwen2 ones, with a SiLU MLP (:func:`unsupported` says why
-not). Every other step (one with a row of several tokens: a prefill, a chunk, a speculative verification; the
-support probe; a module replaced or a weight edited after packing) runs the model's own forward. float32 outputs
+not). In bf16, where the ``cpp`` backend runs its prefill kernel (``kernels.cpu_prefill``: AVX512-BF16), steps
+with rows of several tokens (prefills, chunks, speculative verifications; mixed with decodes or not) run fused too,
+their attention on that kernel. Every other step (rows of several tokens otherwise; the support probe; a module
+replaced or a weight edited after packing) runs the model's own forward. float32 outputs
 are float32 sums in another order than the modules' in the last bits (the mean of squares, like the packed
 products); the engine's float32 tokens stay exact against Hugging Face ``generate``, and bf16 steps give the
 modules' logits exactly (tests/test_fused_layers.py).
@@ -226,6 +228,7 @@ class FusedDecoder:
         # bf16: every layer's prepacked_weights (None where a layer has none), read again when layers were packed,
         # prepacked or grouped since (runner.prepack.GENERATION); current() vouches for the modules themselves
         self._prepacked, self._prepacked_at = None, None
+        self.none = torch.zeros(0, dtype=torch.long)  # a step without decodes: their (empty) tables and seq_lens
 
     def forget_cache(self) -> None:
         """Drop the per-layer views of the KV cache (the runner calls it before allocating another: the views would
@@ -244,14 +247,17 @@ class FusedDecoder:
 
     def hidden_states(self, batch, kv_cache: torch.Tensor) -> torch.Tensor | None:
         """The final norm's output at ``batch.logits_indices`` ((num_logits, hidden) in the model's dtype), or None
-        when this step is not for the fused layers (a row of several tokens: a prefill, a chunk or a speculative
-        verification; the support probe; more rows than the packed linears take; a module replaced or a weight
-        edited since): then the caller runs the model's own forward. kv_cache: (num_layers, 2, num_blocks,
+        when this step is not for the fused layers (a row of several tokens, a prefill, a chunk or a speculative
+        verification, unless in bf16 with the ``cpp`` backend's prefill kernel; the support probe; more rows than the
+        packed linears take; a module replaced or a weight edited since): then the caller runs the model's own
+        forward. kv_cache: (num_layers, 2, num_blocks,
         block_size, num_kv_heads, head_dim)."""
-        m = batch.attn_metadata
+        m, data = batch.attn_metadata, batch.attn_metadata.data
         n = batch.input_ids.shape[0]
-        if m.prefill_indices or m.probe_calls is not None or len(m.decode_indices) != n or n > PANEL_MAX_ROWS \
-                or getattr(m.data, "decode_lens", None) is None or not self.current():
+        spans = getattr(data, "prefill_spans", None)  # rows of several tokens on the cpp backend's bf16 prefill kernel
+        if (m.prefill_indices and (spans is None or not self.prepacked)) or m.probe_calls \
+                is not None or (not m.prefill_indices and (len(m.decode_indices) != n or data.decode_lens is None)) \
+                or (n > PANEL_MAX_ROWS and not self.prepacked) or not self.current():
             return None
         # bf16: each layer's prepacked products, read again after any packing (prepacking again, e.g. by a second
         # runner, makes new ones); a layer no longer grouped and prepacked runs the model's own forward
@@ -267,7 +273,8 @@ class FusedDecoder:
         x = self.base.embed_tokens(batch.input_ids)  # (n, hidden)
         cos, sin = self.base.rotary_emb(x[None], batch.positions[None])  # (1, n, head_dim) each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
-        data = m.data
+        tables, lens = (data.decode_tables, data.decode_lens) if m.decode_indices else (self.none, self.none)
+        prefills = (spans, data.prefill_tables, data.decode_rows) if m.prefill_indices else ()
         if kv_cache is not self.kv_cache:
             self.kv_cache, self.kv_views = kv_cache, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(len(self.layers))]
         for i, (spec, (k_cache, v_cache)) in enumerate(zip(self.layers, self.kv_views)):
@@ -276,10 +283,10 @@ class FusedDecoder:
             eps = [float(norm_in.variance_epsilon), float(norm_post.variance_epsilon)]
             if prepacked is not None:
                 x = cpu_decode_layer.decode_layer_prepacked(x, norms, eps, *prepacked[i], self.dims, cos, sin,
-                                                            k_cache, v_cache, m.slot_mapping, data.decode_tables,
-                                                            data.decode_lens, spec["scale"], spec["window"])
+                                                            k_cache, v_cache, m.slot_mapping, tables, lens,
+                                                            spec["scale"], spec["window"], *prefills)
                 continue
             x = cpu_decode_layer.decode_layer(x, norms, eps, [lin.panels for lin in lins], biases, self.dims, cos,
-                                              sin, k_cache, v_cache, m.slot_mapping, data.decode_tables,
-                                              data.decode_lens, spec["scale"], spec["window"])
+                                              sin, k_cache, v_cache, m.slot_mapping, tables, lens, spec["scale"],
+                                              spec["window"])
         return self.base.norm(x[batch.logits_indices])

@@ -49,10 +49,10 @@ class CppBackend(SdpaBackend):
             data.decode_tables = data.decode_tables.contiguous()
 
     def prepare_prefills(self, m: AttentionMetadata, data: SdpaAttentionData) -> None:
-        """The prefills' spans for the prefill kernel where it takes this cache (else ``sdpa``'s masks): one row
-        [first query row, query rows, seq_len, block-table row] per prefill."""
+        """The prefills' spans for the prefill kernel where it takes this cache and every new token's K/V is written
+        to it (else ``sdpa``'s masks): one row [first query row, query rows, seq_len, block-table row] per prefill."""
         kv = m.kv_cache
-        if not (kv.device.type == "cpu" and kv.dtype == torch.bfloat16 and kv.shape[-1] % 16 == 0
+        if not (data.write_all and kv.device.type == "cpu" and kv.dtype == torch.bfloat16 and kv.shape[-1] % 16 == 0
                 and kv.shape[-1] <= 256 and cpu_prefill.available()):
             return super().prepare_prefills(m, data)
         data.prefill_spans = torch.tensor([[m.cu_seqlens_q[i], m.cu_seqlens_q[i + 1] - m.cu_seqlens_q[i],
