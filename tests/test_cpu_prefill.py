@@ -98,7 +98,8 @@ def test_refuses_inputs_outside_its_contract():
         call(q=q.float())
     with pytest.raises(RuntimeError, match="out must be"):
         call(out=torch.empty(10, 64, 4, dtype=torch.bfloat16).transpose(1, 2))
-    assert not cpu_prefill.supports(q.float(), k_cache) and cpu_prefill.supports(q, k_cache)
+    assert cpu_prefill.supports(k_cache) and not cpu_prefill.supports(k_cache.float())
+    assert not cpu_prefill.supports(torch.zeros(4, 16, 2, 24, dtype=torch.bfloat16))  # head_dim 24
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])  # mistral: a sliding window shorter than the prompts

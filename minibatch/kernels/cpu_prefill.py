@@ -27,12 +27,12 @@ def available() -> bool:
     return cpu_has_avx512_bf16() and KERNEL.available() and bool(KERNEL.load().prefill_available())
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether :func:`paged_prefill` takes these: bf16 on the CPU, head_dim a multiple of 16 up to 256, and
-    :func:`available`."""
-    hd = q.shape[-1]
-    return (q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
-            and hd % 16 == 0 and hd <= 256 and available())
+def supports(kv_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_prefill` takes a model with this KV cache (any layout whose last dimension is head_dim):
+    bf16 on the CPU, head_dim a multiple of 16 up to 256, and :func:`available`."""
+    hd = kv_cache.shape[-1]
+    return kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu" and hd % 16 == 0 and hd <= 256 \
+        and available()
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

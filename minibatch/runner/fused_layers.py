@@ -250,14 +250,14 @@ class FusedDecoder:
         when this step is not for the fused layers (a row of several tokens, a prefill, a chunk or a speculative
         verification, unless in bf16 with the ``cpp`` backend's prefill kernel; the support probe; more rows than the
         packed linears take; a module replaced or a weight edited since): then the caller runs the model's own
-        forward. kv_cache: (num_layers, 2, num_blocks,
-        block_size, num_kv_heads, head_dim)."""
+        forward. kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)."""
         m, data = batch.attn_metadata, batch.attn_metadata.data
         n = batch.input_ids.shape[0]
-        spans = getattr(data, "prefill_spans", None)  # rows of several tokens on the cpp backend's bf16 prefill kernel
-        if (m.prefill_indices and (spans is None or not self.prepacked)) or m.probe_calls \
-                is not None or (not m.prefill_indices and (len(m.decode_indices) != n or data.decode_lens is None)) \
-                or (n > PANEL_MAX_ROWS and not self.prepacked) or not self.current():
+        if m.prefill_indices:  # rows of several tokens: only in bf16, on the cpp backend's prefill kernel
+            fits = self.prepacked and getattr(data, "prefill_spans", None) is not None
+        else:
+            fits = len(m.decode_indices) == n and getattr(data, "decode_lens", None) is not None
+        if not fits or m.probe_calls is not None or (n > PANEL_MAX_ROWS and not self.prepacked) or not self.current():
             return None
         # bf16: each layer's prepacked products, read again after any packing (prepacking again, e.g. by a second
         # runner, makes new ones); a layer no longer grouped and prepacked runs the model's own forward
@@ -274,7 +274,7 @@ class FusedDecoder:
         cos, sin = self.base.rotary_emb(x[None], batch.positions[None])  # (1, n, head_dim) each
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         tables, lens = (data.decode_tables, data.decode_lens) if m.decode_indices else (self.none, self.none)
-        prefills = (spans, data.prefill_tables, data.decode_rows) if m.prefill_indices else ()
+        prefills = (data.prefill_spans, data.prefill_tables, data.decode_rows) if m.prefill_indices else ()
         if kv_cache is not self.kv_cache:
             self.kv_cache, self.kv_views = kv_cache, [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(len(self.layers))]
         for i, (spec, (k_cache, v_cache)) in enumerate(zip(self.layers, self.kv_views)):

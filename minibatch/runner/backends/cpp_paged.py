@@ -51,9 +51,7 @@ class CppBackend(SdpaBackend):
     def prepare_prefills(self, m: AttentionMetadata, data: SdpaAttentionData) -> None:
         """The prefills' spans for the prefill kernel where it takes this cache and every new token's K/V is written
         to it (else ``sdpa``'s masks): one row [first query row, query rows, seq_len, block-table row] per prefill."""
-        kv = m.kv_cache
-        if not (data.write_all and kv.device.type == "cpu" and kv.dtype == torch.bfloat16 and kv.shape[-1] % 16 == 0
-                and kv.shape[-1] <= 256 and cpu_prefill.available()):
+        if not (data.write_all and cpu_prefill.supports(m.kv_cache)):
             return super().prepare_prefills(m, data)
         data.prefill_spans = torch.tensor([[m.cu_seqlens_q[i], m.cu_seqlens_q[i + 1] - m.cu_seqlens_q[i],
                                             m.seq_lens[i], i] for i in m.prefill_indices])
