@@ -1,9 +1,10 @@
 // Paged prefill attention on a CPU in bf16 with AVX512-BF16: the causal attention of every prefill (or prefill
 // chunk) in a step, reading its whole context, cached and new, through its block table.
 //
-// Why: torch's CPU flash attention runs a 1024-token SmolLM2-135M prefill's attention at ~100 GFLOP/s on a 2-core
-// AVX512-BF16 CPU, a quarter of what its bf16 matrix products reach there (benchmarks/prefill_attention.py), and a
-// chunk that extends a cached context first copies the context out of the cache and builds a mask. This kernel is
+// Why: torch's CPU flash attention ran SmolLM2-135M's prefill attention at 46-114 GFLOP/s on a 2-core AVX512-BF16
+// CPU, a quarter or less of what its bf16 matrix products reach there (benchmarks/prefill_attention.py,
+// data/cpu/prefill_attention.json), and a chunk that extends a cached context first copies the context out of the
+// cache and builds a mask. This kernel is
 // FlashAttention's tiling (Dao et al., NeurIPS'22, section 3.1, Algorithm 1: per block of query rows, the keys in
 // chunks with a running max and sum) with both products on VDPBF16PS (bf16 pairs multiplied into float32 sums), on
 // vLLM's paged cache (Kwon et al., SOSP'23, section 4.1).
