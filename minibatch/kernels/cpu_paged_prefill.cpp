@@ -53,7 +53,7 @@ constexpr int CHUNK = 64;  // keys per step of the running softmax: 4 vectors of
 struct Head {
   const uint32_t* k;   // [chunks][pairs][CHUNK]
   const uint32_t* v;   // [keys / 2][head_dim]
-  int64_t seq_len, ctx;  // context length; the first new token's position (seq_len - q_len)
+  int64_t ctx;  // the first new token's position (seq_len - q_len)
   int64_t q_start, q_len, kv_head;
 };
 
@@ -309,11 +309,10 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   at::parallel_for(0, n_spans * h_kv, 1, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {
       const int64_t i = j / h_kv, g = j % h_kv, seq_len = sp[4 * i + 2];
-      const int64_t padded = (seq_len + CHUNK - 1) / CHUNK * CHUNK;
       uint32_t* kd = packed.get() + offsets[j];
-      uint32_t* vd = kd + padded * hd / 2;
+      uint32_t* vd = kd + (offsets[j + 1] - offsets[j]) / 2;  // K's pairs, then V's
       pack_head(kc, vc, tb + sp[4 * i + 3] * max_blocks, block_size, h_kv, hd, g, seq_len, kd, vd);
-      head[j] = Head{kd, vd, seq_len, seq_len - sp[4 * i + 1], sp[4 * i], sp[4 * i + 1], g};
+      head[j] = Head{kd, vd, seq_len - sp[4 * i + 1], sp[4 * i], sp[4 * i + 1], g};
     }
   });
   // the tasks, longest first (the last rows of the longest contexts), handed out from a shared counter

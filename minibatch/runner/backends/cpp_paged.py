@@ -59,7 +59,7 @@ class CppBackend(SdpaBackend):
 
     def prefill(self, m: AttentionMetadata, layer: int, q, k, v, scale: float, window: int | None, out) -> None:
         data: SdpaAttentionData = m.data
-        if data.prefill_spans is None or q.dtype != torch.bfloat16:
+        if data.prefill_spans is None:  # prepare_prefills built sdpa's masks instead
             return super().prefill(m, layer, q, k, v, scale, window, out)
         cpu_prefill.paged_prefill(q.contiguous(), m.kv_cache[layer, 0], m.kv_cache[layer, 1], data.prefill_tables,
                                   data.prefill_spans, scale, window, out)
