@@ -132,11 +132,13 @@ def test_start_kernel_builds_names_what_the_runner_loads(monkeypatch):
                                        ("cuda", "float32", "cpp")]:
             start_kernel_builds(device, dtype, backend).join()
     layer = [cpu_decode.KERNEL, cpu_decode_layer.KERNEL]
-    assert started[:5] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer], layer, [], []]
-    # bf16 with the cpp backend on a CPU with AVX512-BF16 (AMX CPUs have it too): its prefill kernel last
-    assert started[5:10] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer],
+    # the cpp backend's prefill kernel last: float32 on any CPU (AVX2 or AVX-512), bf16 with AVX512-BF16 (AMX CPUs
+    # have it too)
+    float32_cpp = [cpu_linear.KERNEL, *layer, cpu_prefill.KERNEL]
+    assert started[:5] == [[cpu_linear.KERNEL], float32_cpp, layer, [], []]
+    assert started[5:10] == [[cpu_linear.KERNEL], float32_cpp,
                              [cpu_amx_linear.KERNEL, *layer, cpu_prefill.KERNEL], [cpu_amx_linear.KERNEL], []]
-    assert started[10:] == [[cpu_linear.KERNEL], [cpu_linear.KERNEL, *layer],
+    assert started[10:] == [[cpu_linear.KERNEL], float32_cpp,
                             [cpu_bf16_linear.KERNEL, *layer, cpu_prefill.KERNEL], [cpu_bf16_linear.KERNEL], []]
     monkeypatch.setattr(cpp_build, "compiler_available", lambda: False)  # nothing to build with: nothing started
     start_kernel_builds("cpu", "float32", "cpp").join()

@@ -22,7 +22,8 @@ bool amx_layout_ok(torch::Tensor packed, torch::Tensor weight);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias);
 bool bf16_layout_ok(torch::Tensor packed, torch::Tensor weight);
 
-// cpu_paged_prefill.cpp: causal bf16 attention of the prefills in spans (P, 4) int64 [q_start, q_len, seq_len,
-// table_row] over the caches through tables (N, max_blocks) int64, into those rows of out (q's shape); window 0 = none.
+// cpu_paged_prefill.cpp: causal bf16 or float32 attention of the prefills in spans (P, 4) int64 [q_start, q_len,
+// seq_len, table_row] over the caches through tables (N, max_blocks) int64, into those rows of out (q's shape);
+// window 0 = none.
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                    torch::Tensor spans, double scale, int64_t window, torch::Tensor out);

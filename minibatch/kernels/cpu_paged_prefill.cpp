@@ -1,5 +1,6 @@
-// Paged prefill attention on a CPU in bf16 with AVX512-BF16: the causal attention of every prefill (or prefill
-// chunk) in a step, reading its whole context, cached and new, through its block table.
+// Paged prefill attention on a CPU, bf16 with AVX512-BF16 or float32 with AVX2 and FMA (or AVX-512): the causal
+// attention of every prefill (or prefill chunk) in a step, reading its whole context, cached and new, through its
+// block table.
 //
 // Why: torch's CPU flash attention ran SmolLM2-135M's prefill attention at 46-114 GFLOP/s on a 2-core AVX512-BF16
 // CPU, a quarter or less of what its bf16 matrix products reach there (benchmarks/prefill_attention.py,
@@ -18,8 +19,13 @@
 // for bf16 inputs (l sums the float32 P); O = O e^(m_old - m) + P V (float32). Out: O / l rounded to bf16. Tasks are
 // handed out longest first from a shared counter, so the causal mask's uneven rows do not leave a thread idle.
 //
+// float32 (below the bf16 path) is the same tiling on cpu_simd.h's lanes with fused multiply-adds: keys packed
+// transposed per chunk, values read in place through the table, P kept in float32. On the same 2-core CPU it ran
+// the float32 cases at 88-148 GFLOP/s against torch's 43-117 (data/cpu/prefill_attention_float32.json).
+//
 // Intel, "Intel Architecture Instruction Set Extensions Programming Reference", VDPBF16PS. Built with -march=native
-// (kernels/cpp_build.py); without AVX512-BF16 `available()` is false and the callers keep torch's attention.
+// (kernels/cpp_build.py); prefill_available(dtype) says which paths this build has, and the callers keep torch's
+// attention for the others.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -32,6 +38,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -48,14 +55,16 @@ constexpr int ROWS = 6;    // query rows per task: 6 x 4 score accumulators + 4 
 constexpr int CHUNK = 64;  // keys per step of the running softmax: 4 vectors of 16
 #define MINIBATCH_UNROLL _Pragma("GCC unroll 8")
 
-#if defined(MINIBATCH_PREFILL_BF16)
-// One (request, KV head)'s keys and values in VNNI pairs (see the top), and where its query rows are.
+// One (request, KV head): its packed keys (and values), its block table, and where its query rows are.
 struct Head {
-  const uint32_t* k;   // [chunks][pairs][CHUNK]
-  const uint32_t* v;   // [keys / 2][head_dim]
+  const uint32_t* k;      // bf16: [chunks][pairs][CHUNK] VNNI pairs; float32: [chunks][head_dim][CHUNK] floats
+  const uint32_t* v;      // bf16: [keys / 2][head_dim] VNNI pairs; float32: unused (read through the table)
+  const int64_t* table;   // the request's block table row
   int64_t ctx;  // the first new token's position (seq_len - q_len)
   int64_t q_start, q_len, kv_head;
 };
+
+#if defined(MINIBATCH_PREFILL_BF16)
 
 // e^x on 16 lanes for x <= 0 (the softmax's x - max): cpu_simd.h's exp_lanes (x = k ln2 + r, e^r by its degree-6
 // Taylor polynomial) with 2^k applied by VSCALEFPS, which stays exact for every k the clamp at -87 allows, so none of
@@ -243,27 +252,195 @@ void run_task(int rows, const Head& h, int64_t row0, const uint16_t* q, uint16_t
 }
 #endif
 
+#if defined(MINIBATCH_SIMD)
+// The float32 path: the same tiling on the machine's fp32 lanes (cpu_simd.h: 16 with AVX-512, 8 with AVX2 and FMA,
+// what most laptops have), both products on fused multiply-adds. Only the keys are packed, transposed per chunk
+// ([chunk][dim][CHUNK keys]: a row's scores for W keys are one multiply-add per dim); the values are read in place
+// through the block table. P stays float32.
+using minibatch::Simd;
+constexpr int W = Simd::W;
+constexpr int VG = W == 16 ? 4 : 2;  // vectors per register block: ROWS x VG sums + VG loads + 1 fit 32 zmm / 16 ymm
+
+void pack_keys(const float* k_cache, const int64_t* table, int64_t block_size, int64_t h_kv, int64_t hd,
+               int64_t kv_head, int64_t seq_len, float* kd) {
+  const int64_t chunks = (seq_len + CHUNK - 1) / CHUNK;
+  std::memset(kd, 0, chunks * CHUNK * hd * sizeof(float));
+  const minibatch::PagedRows<float> row{k_cache, table, block_size, block_size * h_kv * hd, h_kv * hd, kv_head * hd};
+  for (int64_t pos = 0; pos < seq_len; ++pos) {
+    const float* k = row(pos);
+    float* kc = kd + (pos / CHUNK) * hd * CHUNK + pos % CHUNK;
+    for (int64_t d = 0; d < hd; ++d) kc[d * CHUNK] = k[d];
+  }
+}
+
+// s[r][v0 W .. (v0 + N) W) = the R rows' queries times N vectors of the chunk's keys (kc: [hd][CHUNK]).
+template <int R, int N>
+inline void scores_f32(const float* const* q, const float* kc, int64_t hd, int v0, float* s) {
+  Simd::V acc[R][N];
+  MINIBATCH_UNROLL for (int r = 0; r < R; ++r)
+    MINIBATCH_UNROLL for (int c = 0; c < N; ++c) acc[r][c] = Simd::zero();
+  for (int64_t d = 0; d < hd; ++d) {
+    Simd::V kv[N];
+    MINIBATCH_UNROLL for (int c = 0; c < N; ++c) kv[c] = Simd::load(kc + d * CHUNK + (v0 + c) * W);
+    MINIBATCH_UNROLL for (int r = 0; r < R; ++r) {
+      const Simd::V a = Simd::set1(q[r][d]);
+      MINIBATCH_UNROLL for (int c = 0; c < N; ++c) acc[r][c] = Simd::fmadd(a, kv[c], acc[r][c]);
+    }
+  }
+  MINIBATCH_UNROLL for (int r = 0; r < R; ++r)
+    MINIBATCH_UNROLL for (int c = 0; c < N; ++c) Simd::store(s + r * CHUNK + (v0 + c) * W, acc[r][c]);
+}
+
+// o[r][d0 .. d0 + N W) += sum over the chunk's first `keys` keys j of p[r][j] v_j (vrow[j]: key j's values).
+template <int R, int N>
+inline void weighted_sum_f32(const float* p, const float* const* vrow, int64_t keys, int64_t hd, int64_t d0,
+                             float* o) {
+  Simd::V acc[R][N];
+  MINIBATCH_UNROLL for (int r = 0; r < R; ++r)
+    MINIBATCH_UNROLL for (int c = 0; c < N; ++c) acc[r][c] = Simd::load(o + r * hd + d0 + c * W);
+  for (int64_t j = 0; j < keys; ++j) {
+    Simd::V vv[N];
+    MINIBATCH_UNROLL for (int c = 0; c < N; ++c) vv[c] = Simd::load(vrow[j] + d0 + c * W);
+    MINIBATCH_UNROLL for (int r = 0; r < R; ++r) {
+      const Simd::V a = Simd::set1(p[r * CHUNK + j]);
+      MINIBATCH_UNROLL for (int c = 0; c < N; ++c) acc[r][c] = Simd::fmadd(a, vv[c], acc[r][c]);
+    }
+  }
+  MINIBATCH_UNROLL for (int r = 0; r < R; ++r)
+    MINIBATCH_UNROLL for (int c = 0; c < N; ++c) Simd::store(o + r * hd + d0 + c * W, acc[r][c]);
+}
+
+// the two products over n (1..N) vectors: the register block's size as a template argument
+template <int R, int N>
+inline void scores_upto(int n, const float* const* q, const float* kc, int64_t hd, int v0, float* s) {
+  if constexpr (N > 1)
+    if (n < N) return scores_upto<R, N - 1>(n, q, kc, hd, v0, s);
+  scores_f32<R, N>(q, kc, hd, v0, s);
+}
+
+template <int R, int N>
+inline void weighted_sum_upto(int n, const float* p, const float* const* vrow, int64_t keys, int64_t hd, int64_t d0,
+                              float* o) {
+  if constexpr (N > 1)
+    if (n < N) return weighted_sum_upto<R, N - 1>(n, p, vrow, keys, hd, d0, o);
+  weighted_sum_f32<R, N>(p, vrow, keys, hd, d0, o);
+}
+
+// task()'s float32 twin: R query rows of one (request, KV head), the keys from h.k, the values through the table
+template <int R>
+void task_f32(const Head& h, int64_t row0, const float* q, float* out, const minibatch::PagedRows<float>& values,
+              int64_t heads, int64_t group, int64_t hd, float scale, int64_t window) {
+  const float* qr[R];
+  int64_t pos[R], offset[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t t = (row0 + r) / group, g = (row0 + r) % group;
+    offset[r] = ((h.q_start + t) * heads + h.kv_head * group + g) * hd;
+    qr[r] = q + offset[r];
+    pos[r] = h.ctx + t;
+  }
+  const int64_t lo_pos = pos[0], hi_pos = pos[R - 1];
+  const int64_t first = window > 0 ? std::max<int64_t>(0, lo_pos - window + 1) / CHUNK : 0;
+  const int64_t last = hi_pos / CHUNK;
+  alignas(64) float o[R * 256];
+  alignas(64) float s[R * CHUNK];
+  alignas(64) float lanes[W];
+  const float* vrow[CHUNK];
+  for (int i = 0; i < W; ++i) lanes[i] = static_cast<float>(i);
+  const Simd::V lane = Simd::load(lanes), neg_inf = Simd::set1(-std::numeric_limits<float>::infinity());
+  std::fill(o, o + R * hd, 0.0f);
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.0f;
+  minibatch::PagedRows<float> v = values;
+  v.table = h.table;
+  v.lo = h.kv_head * hd;
+  const float* kd = reinterpret_cast<const float*>(h.k);
+  for (int64_t c = first; c <= last; ++c) {
+    const int64_t base = c * CHUNK;
+    const int64_t keys = std::min<int64_t>(CHUNK, hi_pos + 1 - base);
+    const int nv = static_cast<int>((keys + W - 1) / W);
+    for (int v0 = 0; v0 < nv; v0 += VG) scores_upto<R, VG>(std::min(VG, nv - v0), qr, kd + c * hd * CHUNK, hd, v0, s);
+    const bool masked = base + CHUNK - 1 > lo_pos || (window > 0 && hi_pos - base >= window);
+    for (int r = 0; r < R; ++r) {  // s becomes P in place
+      Simd::V x[CHUNK / W];
+      Simd::V top = neg_inf;
+      for (int i = 0; i < nv; ++i) {
+        x[i] = Simd::mul(Simd::load(s + r * CHUNK + i * W), Simd::set1(scale));
+        if (masked) {
+          const Simd::V key = Simd::add(lane, Simd::set1(static_cast<float>(base + i * W)));
+          x[i] = Simd::select_le(key, Simd::set1(static_cast<float>(pos[r])), x[i], neg_inf);
+          if (window > 0)
+            x[i] = Simd::select_le(key, Simd::set1(static_cast<float>(pos[r] - window)), neg_inf, x[i]);
+        }
+        top = Simd::max(top, x[i]);
+      }
+      const float m_new = std::max(m[r], Simd::reduce_max(top));
+      float* prow = s + r * CHUNK;
+      if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible yet (a window's first chunks)
+        std::fill(prow, prow + CHUNK, 0.0f);
+        continue;
+      }
+      const float alpha = std::exp(m[r] - m_new);
+      Simd::V sum = Simd::zero();
+      for (int i = 0; i < nv; ++i) {  // e^-inf = 0 exactly (exp_lanes: 0 below -87)
+        const Simd::V p = minibatch::exp_lanes(Simd::sub(x[i], Simd::set1(m_new)));
+        sum = Simd::add(sum, p);
+        Simd::store(prow + i * W, p);
+      }
+      l[r] = l[r] * alpha + Simd::reduce_add(sum);
+      if (alpha != 1.0f) {
+        float* orow = o + r * hd;
+        for (int64_t d = 0; d < hd; d += W) Simd::store(orow + d, Simd::mul(Simd::load(orow + d), Simd::set1(alpha)));
+      }
+      m[r] = m_new;
+    }
+    for (int64_t j = 0; j < keys; ++j) vrow[j] = v(base + j);
+    for (int64_t d0 = 0; d0 < hd; d0 += VG * W)
+      weighted_sum_upto<R, VG>(static_cast<int>(std::min<int64_t>(VG, (hd - d0) / W)), s, vrow, keys, hd, d0, o);
+  }
+  for (int r = 0; r < R; ++r) {
+    const Simd::V inv = Simd::set1(1.0f / l[r]);
+    for (int64_t d = 0; d < hd; d += W) Simd::store(out + offset[r] + d, Simd::mul(Simd::load(o + r * hd + d), inv));
+  }
+}
+
+void run_task_f32(int rows, const Head& h, int64_t row0, const float* q, float* out,
+                  const minibatch::PagedRows<float>& values, int64_t heads, int64_t group, int64_t hd, float scale,
+                  int64_t window) {
+  switch (rows) {
+    case 6: return task_f32<6>(h, row0, q, out, values, heads, group, hd, scale, window);
+    case 5: return task_f32<5>(h, row0, q, out, values, heads, group, hd, scale, window);
+    case 4: return task_f32<4>(h, row0, q, out, values, heads, group, hd, scale, window);
+    case 3: return task_f32<3>(h, row0, q, out, values, heads, group, hd, scale, window);
+    case 2: return task_f32<2>(h, row0, q, out, values, heads, group, hd, scale, window);
+    default: return task_f32<1>(h, row0, q, out, values, heads, group, hd, scale, window);
+  }
+}
+#endif
+
 }  // namespace
 
-bool prefill_available() {
+bool prefill_available(const std::string& dtype) {
 #if defined(MINIBATCH_PREFILL_BF16)
-  return true;
-#else
-  return false;
+  if (dtype == "bfloat16") return true;
 #endif
+#if defined(MINIBATCH_SIMD)
+  if (dtype == "float32") return true;
+#endif
+  return false;
 }
 
 // Causal attention for the prefills described by spans (P, 4) int64 rows [q_start, q_len, seq_len, table_row]: the
-// q_len query rows from q_start in q (T, num_heads, head_dim) bf16 are the context's last q_len positions, and see
-// its keys [0, position] (and, window > 0, only the last `window` of those) in k_cache, v_cache (num_blocks,
-// block_size, num_kv_heads, head_dim) bf16 through tables[table_row] (N, max_blocks) int64. The K/V of every
-// position, the new ones too, must already be in the cache. Writes those rows of out (T, num_heads, head_dim) bf16;
-// other rows are left as they are.
+// q_len query rows from q_start in q (T, num_heads, head_dim) bf16 or float32 are the context's last q_len
+// positions, and see its keys [0, position] (and, window > 0, only the last `window` of those) in k_cache, v_cache
+// (num_blocks, block_size, num_kv_heads, head_dim) in q's dtype through tables[table_row] (N, max_blocks) int64.
+// The K/V of every position, the new ones too, must already be in the cache. Writes those rows of out (T,
+// num_heads, head_dim), q's dtype; other rows are left as they are.
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                    torch::Tensor spans, double scale, int64_t window, torch::Tensor out) {
   RECORD_FUNCTION("minibatch::paged_prefill", std::vector<c10::IValue>());
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kBFloat16 && q.is_contiguous() && q.device().is_cpu(),
-              "paged_prefill: q must be (T, num_heads, head_dim) bf16, contiguous, on the CPU");
+  const bool bf16 = q.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(q.dim() == 3 && (bf16 || q.scalar_type() == torch::kFloat) && q.is_contiguous() && q.device().is_cpu(),
+              "paged_prefill: q must be (T, num_heads, head_dim) bf16 or float32, contiguous, on the CPU");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
               "paged_prefill: out must be q's shape and dtype, contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
@@ -291,28 +468,34 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
       TORCH_CHECK(tb[row * max_blocks + b] >= 0 && tb[row * max_blocks + b] < k_cache.size(0),
                   "paged_prefill: block id ", tb[row * max_blocks + b], " outside the cache");
   }
-#if !defined(MINIBATCH_PREFILL_BF16)
-  (void)scale;
-  (void)window;
-  TORCH_CHECK(false, "paged_prefill: this CPU or build has no AVX512-BF16 (check prefill_available first)");
-#else
-  // the packed K/V of every (span, KV head), one buffer
+  TORCH_CHECK(prefill_available(bf16 ? "bfloat16" : "float32"), "paged_prefill: this CPU or build has no ",
+              bf16 ? "AVX512-BF16" : "AVX2 with FMA or AVX-512", " (check prefill_available first)");
+#if defined(MINIBATCH_PREFILL_BF16) || defined(MINIBATCH_SIMD)
+  // the packed keys (bf16: and values) of every (span, KV head), one buffer: padded x head_dim 4-byte words each
   std::vector<int64_t> offsets(n_spans * h_kv + 1, 0);
   for (int64_t i = 0; i < n_spans; ++i) {
-    const int64_t padded = (sp[4 * i + 2] + CHUNK - 1) / CHUNK * CHUNK;  // K and V: padded x hd / 2 pairs each
+    const int64_t padded = (sp[4 * i + 2] + CHUNK - 1) / CHUNK * CHUNK;
     for (int64_t g = 0; g < h_kv; ++g) offsets[i * h_kv + g + 1] = offsets[i * h_kv + g] + padded * hd;
   }
-  std::unique_ptr<uint32_t[]> packed(new uint32_t[offsets.back()]);  // pack_head writes every element
+  std::unique_ptr<uint32_t[]> packed(new uint32_t[offsets.back()]);  // the packing writes every element
   std::vector<Head> head(n_spans * h_kv);
-  const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
   at::parallel_for(0, n_spans * h_kv, 1, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {
       const int64_t i = j / h_kv, g = j % h_kv, seq_len = sp[4 * i + 2];
+      const int64_t* table = tb + sp[4 * i + 3] * max_blocks;
       uint32_t* kd = packed.get() + offsets[j];
-      uint32_t* vd = kd + (offsets[j + 1] - offsets[j]) / 2;  // K's pairs, then V's
-      pack_head(kc, vc, tb + sp[4 * i + 3] * max_blocks, block_size, h_kv, hd, g, seq_len, kd, vd);
-      head[j] = Head{kd, vd, seq_len - sp[4 * i + 1], sp[4 * i], sp[4 * i + 1], g};
+      uint32_t* vd = kd + (offsets[j + 1] - offsets[j]) / 2;  // bf16: K's pairs, then V's
+#if defined(MINIBATCH_PREFILL_BF16)
+      if (bf16)
+        pack_head(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                  reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table, block_size, h_kv, hd, g,
+                  seq_len, kd, vd);
+#endif
+#if defined(MINIBATCH_SIMD)
+      if (!bf16)
+        pack_keys(k_cache.data_ptr<float>(), table, block_size, h_kv, hd, g, seq_len, reinterpret_cast<float*>(kd));
+#endif
+      head[j] = Head{kd, vd, table, seq_len - sp[4 * i + 1], sp[4 * i], sp[4 * i + 1], g};
     }
   });
   // the tasks, longest first (the last rows of the longest contexts), handed out from a shared counter
@@ -322,15 +505,26 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& a, const auto& b) {
     return head[a.first].ctx + a.second / group > head[b.first].ctx + b.second / group;
   });
-  const auto* qs = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (int64_t t; (t = next.fetch_add(1)) < n_tasks;) {
       const Head& h = head[tasks[t].first];
       const int64_t row0 = tasks[t].second, rows = std::min<int64_t>(ROWS, h.q_len * group - row0);
-      run_task(static_cast<int>(rows), h, row0, qs, os, heads, group, hd, static_cast<float>(scale), window);
+#if defined(MINIBATCH_PREFILL_BF16)
+      if (bf16)
+        run_task(static_cast<int>(rows), h, row0, reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), heads, group, hd,
+                 static_cast<float>(scale), window);
+#endif
+#if defined(MINIBATCH_SIMD)
+      if (!bf16) {
+        const minibatch::PagedRows<float> values{v_cache.data_ptr<float>(), nullptr, block_size,
+                                                 block_size * h_kv * hd, h_kv * hd, 0};
+        run_task_f32(static_cast<int>(rows), h, row0, q.data_ptr<float>(), out.data_ptr<float>(), values, heads,
+                     group, hd, static_cast<float>(scale), window);
+      }
+#endif
     }
   });
 #endif
@@ -338,7 +532,9 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 
 #ifndef MINIBATCH_KERNEL_LIBRARY  // also linked into the fused layer's extension: no module of its own there
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prefill_available", &prefill_available, "whether this build runs paged_prefill (AVX512-BF16)");
-  m.def("paged_prefill", &paged_prefill, "causal bf16 attention of prefills over the paged cache, into out");
+  m.def("prefill_available", &prefill_available,
+        "whether this build runs paged_prefill in a dtype ('bfloat16': AVX512-BF16; 'float32': AVX2 with FMA or "
+        "AVX-512)");
+  m.def("paged_prefill", &paged_prefill, "causal attention of prefills over the paged cache, into out");
 }
 #endif

@@ -1,6 +1,6 @@
-// Vector lanes shared by the C++ CPU kernels (cpu_paged_decode.cpp, cpu_decode_layer.cpp): the Simd operations over
-// the machine's width and e^x on lanes. MINIBATCH_SIMD is defined where they exist (AVX-512, or AVX2 with FMA);
-// elsewhere the kernels run their plain C++ loops.
+// Vector lanes shared by the C++ CPU kernels (cpu_paged_decode.cpp, cpu_decode_layer.cpp, cpu_paged_prefill.cpp's
+// float32 path): the Simd operations over the machine's width and e^x on lanes. MINIBATCH_SIMD is defined where
+// they exist (AVX-512, or AVX2 with FMA); elsewhere the kernels run their plain C++ loops.
 #pragma once
 
 #include <torch/extension.h>
@@ -44,6 +44,8 @@ struct Simd {
   static V zero_below(V x, float limit, V value) {
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_NLT_UQ), value);
   }
+  // lanes where a <= b: x, else y (a mask's blend)
+  static V select_le(V a, V b, V x, V y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LE_OQ), y, x); }
   static float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
   static V load(const at::BFloat16* p) {
@@ -90,6 +92,7 @@ struct Simd {
   static V zero_below(V x, float limit, V value) {
     return _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_NLT_UQ), value);
   }
+  static V select_le(V a, V b, V x, V y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LE_OQ)); }
   static float reduce_max(V v) {
     float lanes[8];
     _mm256_storeu_ps(lanes, v);

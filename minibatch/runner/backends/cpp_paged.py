@@ -3,9 +3,10 @@
 * Decodes: a paged-attention kernel (``minibatch.kernels.cpu_decode``): no padded copy of the context, fp32 scores
   and softmax, one task per request on torch's threads. vLLM's PagedAttention decode (Kwon et al., SOSP'23, §4.1)
   as a CPU loop nest.
-* Prefills in bf16 on a CPU with AVX512-BF16: a paged prefill kernel (``minibatch.kernels.cpu_prefill``):
-  FlashAttention's tiling (Dao et al., NeurIPS'22, §3.1) on VDPBF16PS over the whole context, cached and new, all
-  the step's prefills in one call. Elsewhere (float32, other CPUs) prefills run ``sdpa``'s path.
+* Prefills: a paged prefill kernel (``minibatch.kernels.cpu_prefill``): FlashAttention's tiling (Dao et al.,
+  NeurIPS'22, §3.1) over the whole context, cached and new, all the step's prefills in one call; bf16 on VDPBF16PS
+  (CPUs with AVX512-BF16), float32 on fused multiply-adds (AVX2 with FMA, or AVX-512). Elsewhere (bf16 without
+  AVX512-BF16, float16, CPUs without AVX2) prefills run ``sdpa``'s path.
 
 The kernels are compiled the first time the backend is used on a machine (a C++ compiler with OpenMP and ninja;
 tens of seconds each, then cached); without them the backend is refused with the build error, and ``sdpa``
@@ -24,8 +25,8 @@ from minibatch.runner.backends.sdpa import SdpaAttentionData, SdpaBackend
 
 class CppBackend(SdpaBackend):
     name = "cpp"
-    description = ("C++ paged-attention kernels reading K/V by block table: decodes, and bf16 prefills with "
-                   "AVX512-BF16 (else sdpa's prefill path) (CPU)")
+    description = ("C++ paged-attention kernels reading K/V by block table: decodes, and prefills in float32 "
+                   "(AVX2) or bf16 (AVX512-BF16; else sdpa's prefill path) (CPU)")
     devices = ("cpu",)
 
     def check(self, device, dtype, block_size=None) -> None:
