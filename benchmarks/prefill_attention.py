@@ -7,6 +7,9 @@ own ``prefill`` methods, after the new tokens' K/V are in the cache.
     python benchmarks/prefill_attention.py --json data/cpu/prefill_attention.json
     python benchmarks/prefill_attention.py --dtype float32 --json data/cpu/prefill_attention_float32.json
 
+and, for the float32 path at AVX2's width on a CPU with AVX-512 (what laptops without AVX-512 run), the float32
+command with ``--kernel-cflags=-mno-avx512f --json data/cpu/prefill_attention_float32_avx2.json``.
+
 Cases: one prompt of 256, 1024 and 2048 tokens with nothing cached; a 512-token chunk after 1536 cached tokens
 (chunked prefill); 8 prompts of 128 tokens in one step. Times are medians of ``--repeats`` calls, taking turns;
 GFLOP/s counts the causal attention's multiply-adds (4 x head_dim per visible query-key pair and head). The outputs
@@ -22,7 +25,7 @@ import sys
 import torch
 
 from minibatch.experiment import alternating_ms
-from minibatch.kernels import cpu_prefill
+from minibatch.kernels import cpp_build, cpu_prefill
 from minibatch.report import environment, machine_load, write_json
 from minibatch.runner.attention import AttentionMetadata
 from minibatch.runner.backends.base import get_backend
@@ -58,9 +61,13 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--kernel-cflags", default="", help="extra compiler flags for the kernel, e.g. -mno-avx512f: "
+                   "the float32 path at AVX2's width (8 lanes, 16 registers, as on laptops) on an AVX-512 CPU")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    if args.kernel_cflags:
+        cpu_prefill.KERNEL.module = cpp_build.build(cpu_prefill.SOURCE, tuple(args.kernel_cflags.split()))
     if not cpu_prefill.available(dtype):
         raise SystemExit(f"the paged prefill kernel has no {args.dtype} path here (bf16 needs AVX512-BF16, float32 "
                          "AVX2 with FMA or AVX-512, both a C++ compiler)")
@@ -93,6 +100,7 @@ def main(argv=None) -> dict:
     result = {"command": "python benchmarks/prefill_attention.py " + " ".join(argv if argv is not None
                                                                                else sys.argv[1:]),
               "environment": environment(load_before), "threads": args.threads, "dtype": args.dtype,
+              "kernel_cflags": args.kernel_cflags,
               "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "rows": rows}
     write_json(result, args.json_path)
     return result

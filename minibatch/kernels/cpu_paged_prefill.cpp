@@ -21,7 +21,8 @@
 //
 // float32 (below the bf16 path) is the same tiling on cpu_simd.h's lanes with fused multiply-adds: keys packed
 // transposed per chunk, values read in place through the table, P kept in float32. On the same 2-core CPU it ran
-// the float32 cases at 88-148 GFLOP/s against torch's 43-117 (data/cpu/prefill_attention_float32.json).
+// the benchmark's float32 cases at 105-154 GFLOP/s against torch's 49-121 (1.27-2.14x), and built at AVX2's width
+// at 84-128 (0.97-1.90x; data/cpu/prefill_attention_float32*.json).
 //
 // Intel, "Intel Architecture Instruction Set Extensions Programming Reference", VDPBF16PS. Built with -march=native
 // (kernels/cpp_build.py); prefill_available(dtype) says which paths this build has, and the callers keep torch's
