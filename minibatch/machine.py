@@ -1,6 +1,7 @@
 """What machine this is: the CPU model and its vector instruction sets, read from /proc/cpuinfo, and its last-level
-caches' size (sysfs); and how its C allocator treats the memory a step frees (``keep_freed_memory``); and a
-process-level helper for its native libraries' stderr (``native_stderr_hidden``).
+caches' size (sysfs); how its C allocator treats the memory a step frees (``keep_freed_memory``); a KV cache on
+2 MiB pages (``huge_page_zeros``); and a process-level helper for its native libraries' stderr
+(``native_stderr_hidden``).
 
 Results record the first three (``report.environment``); the C++ kernels' build name covers the first two
 (``kernels.cpp_build``).
@@ -11,6 +12,8 @@ from __future__ import annotations
 import functools
 import os
 from contextlib import contextmanager
+
+import torch
 
 
 def cpu_model() -> str:
@@ -139,6 +142,56 @@ def malloc_state() -> str:
     """"kept freed memory" once ``keep_freed_memory`` applied in this process, else "default" (with why, once it was
     asked and did not apply)."""
     return _malloc_state
+
+
+MADV_HUGEPAGE = 14  # Linux's <sys/mman.h>
+HUGE_PAGE_BYTES = 2 << 20
+_huge_pages_state = "not asked"
+
+
+def transparent_huge_pages(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str:
+    """This Linux kernel's transparent huge page mode: "always", "madvise" or "never" ("" where unknown)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else ""
+
+
+def huge_page_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor of ``shape`` and ``dtype`` whose memory the kernel is asked to back with 2 MiB pages
+    (``madvise(MADV_HUGEPAGE)`` on the whole 2 MiB pages inside it, before its pages are first written).
+
+    Why: a decode step reads the KV cache a block at a time through block tables, the blocks scattered over the
+    whole cache, so with 4 KiB pages most block reads also miss the TLB (2 MiB pages: 512 times fewer entries).
+    ``benchmarks/kv_huge_pages.py`` measures it (``data/cpu/kv_huge_pages.json``). Applies on Linux where the
+    transparent huge page mode is "madvise" (where it is "always" the kernel does it unasked); elsewhere, or with
+    ``MINIBATCH_HUGE_PAGES=0`` in the environment (for A/B runs), it is ``torch.zeros``. ``huge_pages_state()``
+    says what the last call did (results record it)."""
+    global _huge_pages_state
+    mode = transparent_huge_pages()
+    why_not = ("MINIBATCH_HUGE_PAGES=0" if os.environ.get("MINIBATCH_HUGE_PAGES", "1") == "0"
+               else None if mode == "madvise" else f"transparent huge pages: {mode or 'unknown'}")
+    t = torch.empty(shape, dtype=dtype)
+    begin = -(-t.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if why_not is None and end > begin:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        why_not = f"madvise failed (errno {ctypes.get_errno()})" if libc.madvise(begin, end - begin,
+                                                                                 MADV_HUGEPAGE) else None
+    _huge_pages_state = ("advised" if why_not is None and end > begin
+                         else f"not advised ({why_not or 'under one 2 MiB page'})")
+    return t.zero_()
+
+
+def huge_pages_state() -> str:
+    """What the last ``huge_page_zeros`` did: "advised", "not advised (why)", or "not asked" in this process."""
+    return _huge_pages_state
 
 
 @contextmanager

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from minibatch.machine import cpu_isa, cpu_model, malloc_state
+from minibatch.machine import cpu_isa, cpu_model, huge_pages_state, malloc_state
 
 
 def write_json(result: dict, path: str | Path | None) -> None:
@@ -33,7 +33,8 @@ def environment(load_before: dict | None = None) -> dict:
     env = {"minibatch": __version__, "python": platform.python_version(), "torch": torch.__version__,
            "transformers": transformers.__version__,
            "machine": platform.machine(), "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
-           "torch_threads": torch.get_num_threads(), "malloc": malloc_state()}
+           "torch_threads": torch.get_num_threads(), "malloc": malloc_state(),
+           "kv_huge_pages": huge_pages_state()}
     if hasattr(os, "getloadavg"):  # other processes on the machine slow every step: record how busy it was
         env["load_average_1m"] = round(os.getloadavg()[0], 2)
     if torch.cuda.is_available():

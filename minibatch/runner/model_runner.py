@@ -17,7 +17,7 @@ import inspect
 
 import torch
 
-from minibatch.machine import keep_freed_memory
+from minibatch.machine import huge_page_zeros, keep_freed_memory
 from minibatch.models import eos_token_ids, pad_token_id, set_attention
 from minibatch.request import Request
 from minibatch.runner import attention
@@ -146,7 +146,8 @@ class ModelRunner(KVOwnership):
             if self.fused_decoder is not None:
                 self.fused_decoder.forget_cache()  # its per-layer views would keep the old cache alive
             self.kv_cache = None  # free the old one first
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = (huge_page_zeros(shape, self.dtype) if self.device.type == "cpu"  # fewer TLB misses
+                             else torch.zeros(shape, dtype=self.dtype, device=self.device))
         if new_cpu:
             self.cpu_kv_cache = None
             self.cpu_kv_cache = torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
