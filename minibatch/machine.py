@@ -3,8 +3,8 @@ caches' size (sysfs); how its C allocator treats the memory a step frees (``keep
 2 MiB pages (``huge_page_zeros``); and a process-level helper for its native libraries' stderr
 (``native_stderr_hidden``).
 
-Results record the first three (``report.environment``); the C++ kernels' build name covers the first two
-(``kernels.cpp_build``).
+Results record the CPU model, its instruction sets, the allocator's state and the KV cache's pages
+(``report.environment``); the C++ kernels' build name covers the first two (``kernels.cpp_build``).
 """
 
 from __future__ import annotations
