@@ -65,6 +65,23 @@ struct Head {
   int64_t q_start, q_len, kv_head;
 };
 
+// A task's R query rows from flattened row `row0` of head h (rows are (token t, query head g of the group), t-major,
+// so in token order): each row's element offset in q and out and its position, and the chunks of keys the rows see,
+// [first, last] (last: the chunk of the last row's own key; first: the first row's window's, else 0).
+template <int R>
+struct TaskRows {
+  int64_t offset[R], pos[R], first, last;
+  TaskRows(const Head& h, int64_t row0, int64_t heads, int64_t group, int64_t hd, int64_t window) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t t = (row0 + r) / group, g = (row0 + r) % group;
+      offset[r] = ((h.q_start + t) * heads + h.kv_head * group + g) * hd;
+      pos[r] = h.ctx + t;
+    }
+    first = window > 0 ? std::max<int64_t>(0, pos[0] - window + 1) / CHUNK : 0;
+    last = pos[R - 1] / CHUNK;
+  }
+};
+
 #if defined(MINIBATCH_PREFILL_BF16)
 
 // e^x on 16 lanes for x <= 0 (the softmax's x - max): cpu_simd.h's exp_lanes (x = k ln2 + r, e^r by its degree-6
@@ -163,22 +180,16 @@ void weighted_sum_all(const uint32_t* pb, const uint32_t* vc, int64_t key_pairs,
   }
 }
 
-// The R query rows from flattened row `row0` of head h: rows are (token t, query head g of the group), t-major.
+// The R query rows of a task (TaskRows) over the keys their masks let them see, on VDPBF16PS.
 template <int R>
 void task(const Head& h, int64_t row0, const uint16_t* q, uint16_t* out, int64_t heads, int64_t group, int64_t hd,
           float scale, int64_t window) {
   const int64_t pairs = hd / 2;
+  const TaskRows<R> rows(h, row0, heads, group, hd, window);
+  const int64_t *pos = rows.pos, *offset = rows.offset, first = rows.first, last = rows.last;
   const uint32_t* qr[R];
-  int64_t pos[R], offset[R];
-  for (int r = 0; r < R; ++r) {
-    const int64_t t = (row0 + r) / group, g = (row0 + r) % group;
-    offset[r] = ((h.q_start + t) * heads + h.kv_head * group + g) * hd;
-    qr[r] = reinterpret_cast<const uint32_t*>(q + offset[r]);
-    pos[r] = h.ctx + t;
-  }
-  const int64_t lo_pos = pos[0], hi_pos = pos[R - 1];  // rows are in token order
-  const int64_t first = window > 0 ? std::max<int64_t>(0, lo_pos - window + 1) / CHUNK : 0;
-  const int64_t last = hi_pos / CHUNK;  // the chunk of the last row's own key
+  for (int r = 0; r < R; ++r) qr[r] = reinterpret_cast<const uint32_t*>(q + offset[r]);
+  const int64_t lo_pos = pos[0], hi_pos = pos[R - 1];
   alignas(64) float o[R * 256];
   alignas(64) uint32_t pb[R * CHUNK / 2];
   std::fill(o, o + R * hd, 0.0f);
@@ -331,17 +342,11 @@ inline void weighted_sum_upto(int n, const float* p, const float* const* vrow, i
 template <int R>
 void task_f32(const Head& h, int64_t row0, const float* q, float* out, const minibatch::PagedRows<float>& values,
               int64_t heads, int64_t group, int64_t hd, float scale, int64_t window) {
+  const TaskRows<R> rows(h, row0, heads, group, hd, window);
+  const int64_t *pos = rows.pos, *offset = rows.offset, first = rows.first, last = rows.last;
   const float* qr[R];
-  int64_t pos[R], offset[R];
-  for (int r = 0; r < R; ++r) {
-    const int64_t t = (row0 + r) / group, g = (row0 + r) % group;
-    offset[r] = ((h.q_start + t) * heads + h.kv_head * group + g) * hd;
-    qr[r] = q + offset[r];
-    pos[r] = h.ctx + t;
-  }
+  for (int r = 0; r < R; ++r) qr[r] = q + offset[r];
   const int64_t lo_pos = pos[0], hi_pos = pos[R - 1];
-  const int64_t first = window > 0 ? std::max<int64_t>(0, lo_pos - window + 1) / CHUNK : 0;
-  const int64_t last = hi_pos / CHUNK;
   alignas(64) float o[R * 256];
   alignas(64) float s[R * CHUNK];
   alignas(64) float lanes[W];
@@ -508,23 +513,26 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   });
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  const void* qp = q.data_ptr();
+  void* op = out.data_ptr();
+#if defined(MINIBATCH_SIMD)
+  // float32: the values are read in place (each task sets its table and KV head)
+  const minibatch::PagedRows<float> values{static_cast<const float*>(v_cache.data_ptr()), nullptr, block_size,
+                                           block_size * h_kv * hd, h_kv * hd, 0};
+#endif
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     for (int64_t t; (t = next.fetch_add(1)) < n_tasks;) {
       const Head& h = head[tasks[t].first];
       const int64_t row0 = tasks[t].second, rows = std::min<int64_t>(ROWS, h.q_len * group - row0);
 #if defined(MINIBATCH_PREFILL_BF16)
       if (bf16)
-        run_task(static_cast<int>(rows), h, row0, reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), heads, group, hd,
-                 static_cast<float>(scale), window);
+        run_task(static_cast<int>(rows), h, row0, static_cast<const uint16_t*>(qp), static_cast<uint16_t*>(op),
+                 heads, group, hd, static_cast<float>(scale), window);
 #endif
 #if defined(MINIBATCH_SIMD)
-      if (!bf16) {
-        const minibatch::PagedRows<float> values{v_cache.data_ptr<float>(), nullptr, block_size,
-                                                 block_size * h_kv * hd, h_kv * hd, 0};
-        run_task_f32(static_cast<int>(rows), h, row0, q.data_ptr<float>(), out.data_ptr<float>(), values, heads,
-                     group, hd, static_cast<float>(scale), window);
-      }
+      if (!bf16)
+        run_task_f32(static_cast<int>(rows), h, row0, static_cast<const float*>(qp), static_cast<float*>(op), values,
+                     heads, group, hd, static_cast<float>(scale), window);
 #endif
     }
   });
