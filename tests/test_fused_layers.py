@@ -325,6 +325,49 @@ def test_the_layers_silu_matches_torch_at_every_magnitude():
         kernel.silu_mul(g, u[:-1])
 
 
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """bf16 tensors equal bit for bit, NaN where the other's is NaN (its payload aside)."""
+    nan = want.isnan()
+    return (got.shape == want.shape and torch.equal(got.isnan(), nan)
+            and torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)))
+
+
+def test_the_bf16_layers_rotary_and_residual_add_are_the_modules_bit_for_bit():
+    """The bf16 layer's rotary embedding (q cos + rotate_half(q) sin, each operator rounded to bf16) and residual
+    add, on vector lanes with scalar tails, give transformers' and torch's numbers bit for bit: every head_dim whose
+    half is or is not a multiple of the lanes, one row to a prefill's rows split over threads, tiny, huge, infinite
+    and NaN values, and q read in place from the fused q/k/v product's strided rows."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    kernel = cpu_decode_layer.KERNEL.load()
+    g = torch.Generator().manual_seed(0)
+
+    def mixed(*shape):
+        scale = torch.tensor([1e-30, 1e-3, 1.0, 7.0, 1e30])[torch.randint(0, 5, shape, generator=g)]
+        x = (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+        flat = x.view(-1)
+        flat[torch.randint(0, flat.numel(), (3,), generator=g)] = torch.tensor([float("inf"), -float("inf"),
+                                                                                float("nan")], dtype=x.dtype)
+        return x
+
+    for n, heads, hd in ((1, 9, 64), (7, 3, 64), (5, 2, 80), (3, 4, 96), (2, 2, 128), (4, 1, 6), (300, 4, 64)):
+        fused = mixed(n, (heads + 2) * hd)  # the q/k/v product's rows: q is a strided view of them
+        q = fused[:, : heads * hd].view(n, heads, hd)
+        angle = torch.rand(n, hd // 2, generator=g) * 100
+        cos = torch.cat([angle.cos(), angle.cos()], -1).to(torch.bfloat16)
+        sin = torch.cat([angle.sin(), angle.sin()], -1).to(torch.bfloat16)
+        want = q * cos[:, None] + rotate_half(q) * sin[:, None]
+        assert (n == 1 or not q.is_contiguous()) and same_bits(kernel.rotary_like_modules(q, cos, sin), want), n
+        assert same_bits(kernel.rotary_like_modules(q.contiguous(), cos, sin), want)
+    for count in (1, 15, 16, 17, 576 * 32 + 5, 300_001):
+        x, y = mixed(count), mixed(count)
+        assert same_bits(kernel.add_like_modules(x, y), x + y), count
+    with pytest.raises(RuntimeError, match="head_dim must be even"):
+        kernel.rotary_like_modules(mixed(2, 1, 5), mixed(2, 5), mixed(2, 5))
+    with pytest.raises(RuntimeError, match="add_like_modules: x and y"):
+        kernel.add_like_modules(mixed(4), mixed(5))
+
+
 def test_the_bf16_layers_rms_norm_is_the_modules_bit_for_bit():
     """The bf16 layer's RMSNorm (torch's mean of the float32 squares, summed in torch's order without calling it
     where that order is found, the elementwise steps as loops) gives transformers' LlamaRMSNorm output bit for bit,

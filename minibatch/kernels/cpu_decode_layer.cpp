@@ -32,6 +32,10 @@
 
 namespace {
 
+#if defined(MINIBATCH_SIMD)
+using minibatch::Simd;
+#endif
+
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #define MINIBATCH_NO_CONTRACT
@@ -85,7 +89,6 @@ MINIBATCH_NO_CONTRACT void rotary(float* x, const float* cos, const float* sin, 
 MINIBATCH_NO_CONTRACT void silu_mul(float* g, const float* u, int64_t count) {
   at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
 #if defined(MINIBATCH_SIMD)
-    using minibatch::Simd;
     constexpr int W = Simd::W;
     auto lanes = [](float* gp, const float* up) {
       const Simd::V gv = Simd::load(gp);
@@ -240,6 +243,10 @@ torch::Tensor decode_layer(torch::Tensor x, std::vector<torch::Tensor> norms, st
 // one-token rows, whose tables and seq_lens are then those d rows'): the same kernels the backend runs for them.
 namespace {
 
+// Elements per task of the layer's elementwise loops: a decode step's few rows stay on one thread (a fork costs more
+// than their work), a prefill's thousands split over the pool.
+constexpr int64_t ELEMENTWISE_GRAIN = 65536;
+
 // x (m, k) times a prepacked weight of n outputs: on AMX from the same bytes (cpu_amx_linear.cpp) for at most
 // amx_rows rows, else with AVX512-BF16 from the same bytes (cpu_bf16_linear.cpp) for at most bf16_rows rows, else
 // oneDNN's matmul (runner/prepack.py's prepacked_product, which the modules run in the engine's steps: the same rule).
@@ -268,7 +275,7 @@ MINIBATCH_NO_CONTRACT torch::Tensor rms_norm_like_modules(const torch::Tensor& x
   const bf16* ws = w.data_ptr<bf16>();
   const int mode = minibatch::row_sum_mode(d);
   std::vector<float> var(n);
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(d, 1));  // rows per task: prefills split
+  const int64_t grain = std::max<int64_t>(1, ELEMENTWISE_GRAIN / std::max<int64_t>(d, 1));  // rows per task
   if (mode == 0) {  // at::mean on the float32 squares
     auto squares = torch::empty({n, d}, xc.options().dtype(torch::kFloat32));
     float* sq = squares.data_ptr<float>();
@@ -289,7 +296,14 @@ MINIBATCH_NO_CONTRACT torch::Tensor rms_norm_like_modules(const torch::Tensor& x
       if (mode == 16) var[r] = minibatch::aten_mean_of_squares<16>(xr, d);
       if (mode == 8) var[r] = minibatch::aten_mean_of_squares<8>(xr, d);
       const float inv = 1.0f / std::sqrt(var[r] + static_cast<float>(eps));
-      for (int64_t c = 0; c < d; ++c) {
+      int64_t c = 0;
+#if defined(MINIBATCH_SIMD)
+      for (const Simd::V scale = Simd::set1(inv); c + Simd::W <= d; c += Simd::W) {
+        const Simd::V h = Simd::round_bf16(Simd::mul(Simd::load(xr + c), scale));
+        Simd::store(o + r * d + c, Simd::round_bf16(Simd::mul(Simd::load(ws + c), h)));
+      }
+#endif
+      for (; c < d; ++c) {
         const bf16 h = static_cast<float>(xr[c]) * inv;
         o[r * d + c] = static_cast<float>(ws[c]) * static_cast<float>(h);
       }
@@ -300,41 +314,74 @@ MINIBATCH_NO_CONTRACT torch::Tensor rms_norm_like_modules(const torch::Tensor& x
 
 // x + y for bf16 tensors of one shape, as torch's bf16 add rounds it (each sum in float32, then to bf16 by
 // round-to-nearest-even): the residual adds without a call into torch (its dispatch runs with cold caches inside a
-// step). x is the residual stream, contiguous; y a product's fresh output.
-torch::Tensor add_like_modules(const torch::Tensor& x, const torch::Tensor& y) {
+// step). x is the residual stream, contiguous; y a product's fresh output. On vector lanes where there are some
+// (cpu_simd.h's round_bf16 rounds as at::BFloat16 does), over the thread pool for a prefill's many rows.
+MINIBATCH_NO_CONTRACT torch::Tensor add_like_modules(const torch::Tensor& x, const torch::Tensor& y) {
   using bf16 = at::BFloat16;
   const auto xc = x.contiguous(), yc = y.contiguous();
   auto out = torch::empty_like(xc);
   const bf16* a = xc.data_ptr<bf16>();
   const bf16* b = yc.data_ptr<bf16>();
   bf16* o = out.data_ptr<bf16>();
-  for (int64_t i = 0, count = xc.numel(); i < count; ++i) o[i] = static_cast<float>(a[i]) + static_cast<float>(b[i]);
+  at::parallel_for(0, xc.numel(), ELEMENTWISE_GRAIN, [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+#if defined(MINIBATCH_SIMD)
+    for (; i + Simd::W <= i1; i += Simd::W)
+      Simd::store(o + i, Simd::round_bf16(Simd::add(Simd::load(a + i), Simd::load(b + i))));
+#endif
+    for (; i < i1; ++i) o[i] = static_cast<float>(a[i]) + static_cast<float>(b[i]);
+  });
   return out;
 }
 
 // transformers' q * cos + rotate_half(q) * sin on t (n, heads, hd) with cos, sin (n, hd), all bf16: each operator
-// computes in float32 and rounds to bf16 (as torch's bf16 kernels do), so these loops give its numbers exactly.
-torch::Tensor rotary_like_modules(const torch::Tensor& t, const torch::Tensor& cos, const torch::Tensor& sin) {
+// computes in float32 and rounds to bf16 (as torch's bf16 kernels do), so these loops give its numbers exactly, on
+// vector lanes where there are some, over the thread pool for a prefill's many rows. t may be a view of the fused
+// q/k/v product's rows (its heads contiguous, rows strided): read in place, written to a new contiguous tensor.
+MINIBATCH_NO_CONTRACT torch::Tensor rotary_like_modules(const torch::Tensor& t, const torch::Tensor& cos,
+                                                        const torch::Tensor& sin) {
   using bf16 = at::BFloat16;
-  auto src = t.contiguous();
-  auto out = torch::empty_like(src);
-  const int64_t n = src.size(0), heads = src.size(1), hd = src.size(2), half = hd / 2;
+  const int64_t n = t.size(0), heads = t.size(1), hd = t.size(2), half = hd / 2;
+  TORCH_CHECK(hd % 2 == 0, "rotary_like_modules: head_dim must be even (rotate_half splits it in two)");
+  const auto src = (t.stride(2) == 1 && t.stride(1) == hd) ? t : t.contiguous();
+  auto out = torch::empty({n, heads, hd}, t.options());
+  const int64_t row_stride = src.stride(0);
   const bf16* x = src.data_ptr<bf16>();
   bf16* o = out.data_ptr<bf16>();
-  for (int64_t r = 0; r < n; ++r) {
-    const bf16* c = cos.data_ptr<bf16>() + r * hd;
-    const bf16* s = sin.data_ptr<bf16>() + r * hd;
-    for (int64_t h = 0; h < heads; ++h) {
-      const bf16* v = x + (r * heads + h) * hd;
-      bf16* w = o + (r * heads + h) * hd;
-      for (int64_t i = 0; i < hd; ++i) {
-        const float rotated = i < half ? -static_cast<float>(v[i + half]) : static_cast<float>(v[i - half]);
-        const bf16 a = static_cast<float>(v[i]) * static_cast<float>(c[i]);
-        const bf16 b = static_cast<float>(bf16(rotated)) * static_cast<float>(s[i]);
-        w[i] = static_cast<float>(a) + static_cast<float>(b);
+  // one output element: a = x cos, b = rotate_half(x) sin, each rounded to bf16, then a + b rounded
+  auto one = [](float v, float rotated, float c, float s) -> bf16 {
+    const bf16 a = v * c;
+    const bf16 b = static_cast<float>(bf16(rotated)) * s;
+    return static_cast<float>(a) + static_cast<float>(b);
+  };
+  at::parallel_for(0, n * heads, std::max<int64_t>(1, ELEMENTWISE_GRAIN / std::max<int64_t>(hd, 1)),
+                   [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t r = j / heads, h = j % heads;
+      const bf16* c = cos.data_ptr<bf16>() + r * hd;
+      const bf16* s = sin.data_ptr<bf16>() + r * hd;
+      const bf16* v = x + r * row_stride + h * hd;
+      bf16* w = o + j * hd;
+      for (int64_t lo = 0; lo < hd; lo += half) {  // the first half's partner is -x[i + half], the second's x[i - half]
+        const int64_t partner = lo == 0 ? half : -half;
+        int64_t i = lo;
+#if defined(MINIBATCH_SIMD)
+        const Simd::V sign = Simd::set1(lo == 0 ? -1.0f : 1.0f);  // exact: a bf16 value times +-1
+        for (; i + Simd::W <= lo + half; i += Simd::W) {
+          const Simd::V a = Simd::round_bf16(Simd::mul(Simd::load(v + i), Simd::load(c + i)));
+          const Simd::V rotated = Simd::round_bf16(Simd::mul(Simd::load(v + i + partner), sign));
+          const Simd::V b = Simd::round_bf16(Simd::mul(rotated, Simd::load(s + i)));
+          Simd::store(w + i, Simd::round_bf16(Simd::add(a, b)));
+        }
+#endif
+        for (; i < lo + half; ++i) {
+          const float partner_value = static_cast<float>(v[i + partner]);
+          w[i] = one(static_cast<float>(v[i]), lo == 0 ? -partner_value : partner_value, static_cast<float>(c[i]),
+                     static_cast<float>(s[i]));
+        }
       }
     }
-  }
+  });
   return out;
 }
 
@@ -441,6 +488,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     silu_mul(out.data_ptr<float>(), uc.data_ptr<float>(), out.numel());
     return out;
   }, "SiLU(g) * u as the fused layer computes it");
+  m.def("rotary_like_modules", [](torch::Tensor t, torch::Tensor cos, torch::Tensor sin) {  // for tests
+    TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kBFloat16 && t.device().is_cpu() && cos.dim() == 2 &&
+                    cos.size(0) == t.size(0) && cos.size(1) == t.size(2) && sin.sizes() == cos.sizes() &&
+                    cos.scalar_type() == torch::kBFloat16 && sin.scalar_type() == torch::kBFloat16,
+                "rotary_like_modules: t (n, heads, head_dim), cos and sin (n, head_dim), all bf16 on the CPU");
+    return rotary_like_modules(t, cos.contiguous(), sin.contiguous());
+  }, "transformers' rotary embedding in bf16, bit for bit: t (n, heads, head_dim), cos and sin (n, head_dim)");
+  m.def("add_like_modules", [](torch::Tensor x, torch::Tensor y) {  // for tests
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && y.scalar_type() == torch::kBFloat16 && x.sizes() == y.sizes() &&
+                    x.device().is_cpu() && y.device().is_cpu(),
+                "add_like_modules: x and y must be bf16 CPU tensors of one shape");
+    return add_like_modules(x, y);
+  }, "x + y in bf16 as torch rounds it, bit for bit");
   m.def("row_sum_mode", &minibatch::row_sum_mode, "the lane count whose order gives torch's row mean here (0: none)");
   m.def("rms_norm_like_modules", [](torch::Tensor x, torch::Tensor weight, double eps) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu() && weight.dim() == 1 &&

@@ -53,6 +53,20 @@ struct Simd {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
   static V load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // the lanes rounded to bf16 as at::BFloat16(float) rounds (to nearest, ties to even; any NaN -> 0x7FC0), as float32
+  // lanes; store: lanes that are already bf16 values (round_bf16's) as W bf16
+  static V round_bf16(V v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    return _mm512_castsi512_ps(
+        _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000)));
+  }
+  static void store(at::BFloat16* p, V v) {
+    const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(v), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits));
+  }
   // W dot products' partial sums in, their W totals out: lane j of the result is the sum of v[j]'s lanes. A
   // transposing tree (pairs within 128-bit lanes, then across them): 45 shuffles and adds for 16 sums instead of a
   // full horizontal reduction per sum.
@@ -106,6 +120,19 @@ struct Simd {
   static V load(const at::BFloat16* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  }
+  static V round_bf16(V v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                          _mm256_set1_epi32(0x7FFF));
+    const __m256 r = _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  static void store(at::BFloat16* p, V v) {
+    const __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
   }
   static V load(const at::Half* p) {
 #if defined(__F16C__)
