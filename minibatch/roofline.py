@@ -131,34 +131,55 @@ def bandwidth_probe(read_bytes: int | None = None):
     return probe
 
 
+def peak_probe(dtype: torch.dtype = torch.float32, matmul_size: int = 2048, packed_kernel: bool = False):
+    """A function that times one ``matmul_size``-square matrix product in ``dtype`` (in float32 with
+    ``packed_kernel``, also the same product on our packed kernel, ``kernels.cpu_linear``, where it builds: the
+    faster of the two counts) and returns its FLOP/s: the compute this moment gives, as :func:`bandwidth_probe` gives
+    the bandwidth. :func:`measure_cpu`'s peak is the best of several calls; the step profile pairs single ones with
+    its steps (on a shared host another tenant can take a core's cycles for a while). ``probe.what`` names what it
+    times; the matrices live as long as the function."""
+    n = matmul_size
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    products, what = [lambda: a @ b], "matmul"
+    if packed_kernel and dtype == torch.float32:
+        from minibatch.kernels import cpu_linear
+
+        if cpu_linear.available():
+            panels = cpu_linear.pack_weight(b.t())
+            products.append(lambda: cpu_linear.packed_linear(a, panels, n))
+            what = "matmul (the faster of torch's and our packed kernel's)"
+
+    def probe() -> float:
+        best = 0.0
+        for product in products:
+            t0 = time.perf_counter()
+            product()
+            best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+        return best
+
+    probe.what = what
+    return probe
+
+
 def measure_cpu(num_threads: int | None = 1, dtype: torch.dtype = torch.float32, matmul_size: int = 2048,
                 read_bytes: int | None = None, repeats: int = 5, packed_kernel: bool = False) -> Roofline:
     """This CPU's roofs, measured (about two seconds): peak = the FLOP/s of a ``matmul_size``-square matrix product
-    in ``dtype``; bandwidth = the bytes/s of summing a ``read_bytes`` tensor (default :func:`stream_bytes`: four
-    times the last-level caches, at least 256 MiB); each the
-    best of ``repeats`` (a roof is the most the machine does; a busy moment only lowers a run). num_threads: torch
-    threads while measuring (restored; None leaves them). packed_kernel: in float32, also time the same product on
-    our packed kernel (``kernels.cpu_linear``, where it builds) and keep the higher peak: on some CPUs it beats
-    torch's own (MKL's) product, and a roof below what a kernel reaches would not bound anything."""
+    in ``dtype`` (:func:`peak_probe`); bandwidth = the bytes/s of summing a ``read_bytes`` tensor (default
+    :func:`stream_bytes`: four times the last-level caches, at least 256 MiB; :func:`bandwidth_probe`); each the
+    best of ``repeats`` calls after a warm-up (a roof is the most the machine does; a busy moment only lowers a run).
+    num_threads: torch threads while measuring (restored; None leaves them). packed_kernel: in float32, also time
+    the same product on our packed kernel (``kernels.cpu_linear``, where it builds) and keep the higher peak: on some
+    CPUs it beats torch's own (MKL's) product, and a roof below what a kernel reaches would not bound anything."""
     threads = num_threads or torch.get_num_threads()
-    what = "matmul"
     with torch_threads(num_threads):
-        a, b = torch.randn(matmul_size, matmul_size, dtype=dtype), torch.randn(matmul_size, matmul_size, dtype=dtype)
-        peak = 2 * matmul_size**3 / min_time_s(lambda: a @ b, repeats)
-        if packed_kernel and dtype == torch.float32:
-            from minibatch.kernels import cpu_linear
-
-            if cpu_linear.available():
-                panels = cpu_linear.pack_weight(b.t())
-                ours = 2 * matmul_size**3 / min_time_s(lambda: cpu_linear.packed_linear(a, panels, matmul_size),
-                                                       repeats)
-                what = "matmul (the faster of torch's and our packed kernel's)"
-                peak = max(peak, ours)
+        compute = peak_probe(dtype, matmul_size, packed_kernel)
+        compute()  # warm-up: first calls allocate and pick kernels
+        peak, what = max(compute() for _ in range(repeats)), compute.what
         read_bytes = read_bytes or stream_bytes()
         probe = bandwidth_probe(read_bytes)
         probe()  # warm-up: the first pass faults the pages in
         bandwidth = max(probe() for _ in range(repeats))
-        del probe
+        del probe, compute
     return Roofline(f"this CPU, {threads} thread{'s' * (threads > 1)}", peak, bandwidth,
                     f"measured: {matmul_size}x{matmul_size} {str(dtype).removeprefix('torch.')} {what}, "
                     f"sum of {read_bytes // 2**20} MiB, best of {repeats}")

@@ -9,8 +9,9 @@ from minibatch import ModelRunner
 from minibatch.lessons.step_cost import knee_tokens, measure_step_cost, time_linear_layers
 from minibatch.models import load_model
 from minibatch.machine import last_level_cache_bytes
-from minibatch.roofline import (H100_SXM, Roofline, bandwidth_probe, measure_cpu, ridge_tokens, roofline_step_s,
-                                stream_bytes)
+from minibatch.kernels import cpu_linear
+from minibatch.roofline import (H100_SXM, Roofline, bandwidth_probe, measure_cpu, peak_probe, ridge_tokens,
+                                roofline_step_s, stream_bytes)
 
 
 def test_the_bound_is_the_weight_read_then_the_arithmetic():
@@ -30,6 +31,15 @@ def test_the_cpu_roofs_are_measured_and_positive():
     cpu = measure_cpu(num_threads=1, matmul_size=128, read_bytes=8 * 2**20, repeats=2)
     assert isinstance(cpu, Roofline) and cpu.peak_flop_per_s > 1e8 and cpu.bytes_per_s > 1e8
     assert cpu.source.startswith("measured") and cpu.ridge_tokens(4) > 0
+
+
+def test_a_peak_probe_times_one_product_each_call():
+    for packed in (False, True):  # float32 with our packed kernel: the faster of the two products counts
+        probe = peak_probe(torch.float32, matmul_size=128, packed_kernel=packed)
+        rates = [probe() for _ in range(3)]  # FLOP/s of one 128-square product each: a moment's peak
+        assert all(r > 1e7 for r in rates) and len(set(rates)) > 1 and "matmul" in probe.what
+    assert "packed kernel" in probe.what or not cpu_linear.available()
+    assert peak_probe(torch.bfloat16, matmul_size=64)() > 0 and peak_probe(torch.bfloat16).what == "matmul"
 
 
 def test_a_bandwidth_probe_measures_one_sum_each_call():

@@ -27,12 +27,14 @@ def test_profile_command_writes_components_roofline_and_figure(tmp_path, one_thr
         assert parts["qkv_proj"] > 0 and parts["attention"] > 0 and parts["mlp"] > 0 and parts["sampling"] > 0
         assert 0 < r["overhead_share"] < 1 and r["bound_s"] > 0 and r["step_over_bound"] == pytest.approx(
             r["step_s"] / r["bound_s"], rel=0.01)
-        paired, roof = r["paired"], result["roofline"]  # on a CPU: steps paired with the bandwidth just before them
-        assert len(paired["step_s"]) == len(paired["bytes_per_s"]) == 2 and min(paired["bytes_per_s"]) > 0
-        bounds = [max(r["flops"] / roof["peak_flop_per_s"], r["bytes"] / b) for b in paired["bytes_per_s"]]
+        paired = r["paired"]  # on a CPU: steps paired with the peak and the bandwidth measured just before them
+        peaks, bws = paired["peak_flop_per_s"], paired["bytes_per_s"]
+        assert len(paired["step_s"]) == len(peaks) == len(bws) == 2 and min(peaks) > 0 and min(bws) > 0
+        bounds = [max(r["flops"] / f, r["bytes"] / b) for f, b in zip(peaks, bws)]  # each moment's own roofs
         assert r["step_over_bound_during_steps"] == pytest.approx(
             sum(s / b for s, b in zip(paired["step_s"], bounds)) / 2, abs=0.006)  # the median of two, rounded
-        assert r["bytes_per_s_during_steps"] == pytest.approx(sum(paired["bytes_per_s"]) / 2)
+        assert r["bytes_per_s_during_steps"] == pytest.approx(sum(bws) / 2)
+        assert r["peak_flop_per_s_during_steps"] == pytest.approx(sum(peaks) / 2)
     assert result["roofline"]["peak_flop_per_s"] > 0 and fig.stat().st_size > 0 and result["command"].startswith(
         "python -m minibatch profile")
 

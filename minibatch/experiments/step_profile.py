@@ -17,10 +17,11 @@ Each shape is placed on this machine's roofline (``minibatch.roofline``: peak ma
 measured now): FLOPs = 2 x non-embedding parameters x tokens + the LM head's rows + attention's 4 x context x hidden per
 token and layer; bytes = every weight once + the K/V read and written. ``bound_s`` = max(FLOPs / peak, bytes /
 bandwidth) and ``step_s / bound_s`` says how far the step is from it. Each roof is the best of several measurements, and
-a shared host's bandwidth moves with its other tenants; so on a CPU ``repeats`` more steps each follow one sum over
-memory (``roofline.bandwidth_probe``), and ``step_over_bound_during_steps`` is the median of each such step over the
-bound at the bandwidth measured just before it. The profiler slows the Python-heavy parts most: component times are its
-view (their shares are what to read), ``step_s`` is not.
+a shared host's bandwidth and compute move with its other tenants; so on a CPU ``repeats`` more steps each follow one
+matrix product of the peak's (``roofline.peak_probe``) and one sum over memory (``roofline.bandwidth_probe``), and
+``step_over_bound_during_steps`` is the median of each such step over the bound at the roofs measured just before it.
+The profiler slows the Python-heavy parts most: component times are its view (their shares are what to read),
+``step_s`` is not.
 
 On a GPU, ``components_s`` is host time (the CPU issuing each op; kernels run asynchronously) and
 ``device_components_s`` the kernels' own time, credited to the op that launched them; ``device_busy_share`` = device
@@ -128,18 +129,17 @@ def step_counts(model, num_logits: int, tokens: int, attended: list[int], kv_rea
     how many keys each new token attends to, ``kv_read_tokens``: K/V token slots read from the cache."""
     cfg = model.config.get_text_config()
     params = sum(p.numel() for p in model.parameters())  # a tied LM head is counted once
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     body = params - embed.numel() - (0 if head is embed else head.numel())  # what every token goes through
     attention = 4 * cfg.hidden_size * cfg.num_hidden_layers * sum(attended)
     flops = 2 * body * tokens + 2 * head.numel() * num_logits + attention
     return flops, params * embed.element_size() + (kv_read_tokens + tokens) * kv_bytes_per_token
 
 
-def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, probe=None, block_size=16) -> dict:
+def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, probes=None, block_size=16) -> dict:
     """Time and profile one shape: kind "decode" (``size`` requests with ``context_len`` cached tokens each) or
-    "prefill" (one prompt of ``size`` tokens). Returns the shape's row. probe: ``roofline.bandwidth_probe``'s
-    function, or None; with it, ``repeats`` more steps each right after one probe (``paired``)."""
+    "prefill" (one prompt of ``size`` tokens). Returns the shape's row. probes: ``roofline``'s (peak_probe,
+    bandwidth_probe) functions, or None; with them, ``repeats`` more steps each after one call of each (``paired``)."""
     from torch.profiler import ProfilerActivity, profile
 
     from minibatch.clock import WallClock
@@ -173,16 +173,16 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
             engine.abort_request(added[-1].request_id)
         return elapsed
 
-    timed_step(), timed_step()  # warm-up: first calls allocate, pick kernels, compile
-    times = [timed_step() for _ in range(repeats)]
+    times = [timed_step() for _ in range(repeats + 2)][2:]  # after two warm-ups: first calls allocate, compile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
     with labelled(runner.model, engine):
         timed_step()  # the hooks' own first call
         with native_stderr_hidden(), profile(activities=activities) as p:
             prof_times = [timed_step() for _ in range(repeats)]
-    paired = {"step_s": [], "bytes_per_s": []}  # each step right after a measure of the bandwidth it then had
-    for _ in range(repeats if probe is not None else 0):
-        paired["bytes_per_s"].append(probe())
+    paired = {"step_s": [], "peak_flop_per_s": [], "bytes_per_s": []}  # each step right after the roofs it then had
+    for _ in range(repeats if probes is not None else 0):
+        paired["peak_flop_per_s"].append(probes[0]())
+        paired["bytes_per_s"].append(probes[1]())
         paired["step_s"].append(timed_step())
     parts, device_parts = breakdown(p.events(), repeats)  # per step: means over the profiled steps
     profiled_s = statistics.mean(prof_times)
@@ -202,7 +202,7 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
             "step_s": statistics.median(times), "profiled_step_s": profiled_s, "flops": flops, "bytes": nbytes,
             "components_s": {k: round(v, 6) for k, v in parts.items()},
             "overhead_share": round((parts["python_overhead"] + parts["schedule"]) / profiled_s, 3)} | on_gpu | (
-        {"paired": paired} if probe is not None else {})
+        {"paired": paired} if probes is not None else {})
 
 
 def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bfloat16", attention_backend="sdpa",
@@ -214,33 +214,33 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     its shape (``baselines.vllm_steps``), ``vllm_step_s``."""
     from minibatch.experiment import load_runner
     from minibatch.precision import dtype_name
-    from minibatch.roofline import bandwidth_probe, higher_roofs, measure_device
+    from minibatch.roofline import bandwidth_probe, higher_roofs, measure_device, peak_probe
     from minibatch.report import environment, machine_load
+    from minibatch.runner.prepack import PanelLinear
 
     load_before = machine_load()
     model, _, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
                                       attention_backend=attention_backend)
-    from minibatch.runner.prepack import PanelLinear
-
     packed = any(isinstance(m, PanelLinear) for m in model.modules())
     first = measure_device(runner.device, runner.dtype, packed)
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
-    probe = bandwidth_probe() if runner.device.type == "cpu" else None
-    rows = [profile_shape(runner, kind, size, context_len, repeats, probe, block_size) for kind, size in shapes]
-    del probe
+    probes = (peak_probe(runner.dtype, packed_kernel=packed), bandwidth_probe()) if runner.device.type == "cpu" \
+        else None
+    rows = [profile_shape(runner, kind, size, context_len, repeats, probes, block_size) for kind, size in shapes]
+    del probes
     roof = higher_roofs(first, measure_device(runner.device, runner.dtype, packed), "before and after the steps")
     for (kind, size), row in zip(shapes, rows):
         row["bound_s"] = max(row["flops"] / roof.peak_flop_per_s, row["bytes"] / roof.bytes_per_s)
         row["bound"] = "compute" if row["flops"] * roof.bytes_per_s >= row["bytes"] * roof.peak_flop_per_s else "memory"
         row["step_over_bound"] = round(row["step_s"] / row["bound_s"], 2)
         paired = ""
-        if "paired" in row:  # each paired step over the bound at the bandwidth measured just before it
-            steps, bws = row["paired"]["step_s"], row["paired"]["bytes_per_s"]
-            row["bytes_per_s_during_steps"] = statistics.median(bws)
-            row["step_over_bound_during_steps"] = round(statistics.median(  # the bound above at each bandwidth
-                s / max(row["flops"] / roof.peak_flop_per_s, row["bytes"] / b) for s, b in zip(steps, bws)), 2)
-            paired = (f" ({row['step_over_bound_during_steps']:.1f}x at the {row['bytes_per_s_during_steps'] / 1e9:.1f}"
-                      " GB/s measured between steps)")
+        if "paired" in row:  # each paired step over the bound at the roofs measured just before it
+            steps, peaks, bws = (row["paired"][k] for k in ("step_s", "peak_flop_per_s", "bytes_per_s"))
+            row["peak_flop_per_s_during_steps"], row["bytes_per_s_during_steps"] = map(statistics.median, (peaks, bws))
+            row["step_over_bound_during_steps"] = round(statistics.median(  # the bound above at each moment's roofs
+                s / max(row["flops"] / f, row["bytes"] / b) for s, f, b in zip(steps, peaks, bws)), 2)
+            paired = (f" ({row['step_over_bound_during_steps']:.1f}x at the {statistics.median(peaks) / 1e9:.0f} "
+                      f"GFLOP/s and {statistics.median(bws) / 1e9:.1f} GB/s measured between steps)")
         top = sorted(row["components_s"].items(), key=lambda kv: -kv[1])[:3]
         print(f"{kind} {size:>5}: step {row['step_s'] * 1e3:7.1f} ms, roofline bound {row['bound_s'] * 1e3:6.1f} ms "
               f"({row['bound']}-bound), {row['step_over_bound']:.1f}x{paired}; "
