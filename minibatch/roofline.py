@@ -194,12 +194,16 @@ def measure_device(device: torch.device, dtype: torch.dtype, packed_kernel: bool
     return measure_cpu(torch.get_num_threads(), dtype, repeats=repeats, packed_kernel=packed_kernel)
 
 
-def higher_roofs(a: Roofline, b: Roofline, when: str) -> Roofline:
+def higher_roofs(a: Roofline, b: Roofline, when: str, peaks=(), bandwidths=()) -> Roofline:
     """Two measurements of one machine's roofs (``when``: e.g. "before and after the steps") as one, each roof the
-    higher of the two: a busy moment on a shared machine only lowers a measured roof."""
-    return replace(a, peak_flop_per_s=max(a.peak_flop_per_s, b.peak_flop_per_s),
-                   bytes_per_s=max(a.bytes_per_s, b.bytes_per_s),
-                   source=f"{a.source}, the higher of two runs ({when})")
+    higher of the two: a busy moment on a shared machine only lowers a measured roof. ``peaks``, ``bandwidths``:
+    single calls of :func:`peak_probe` and :func:`bandwidth_probe` taken in between (the step profile's paired
+    ones), which measure the same roofs: where one saw more, it is the roof (a slow minute can lower both best-of
+    measurements of a run, and a roof measured low would put every step closer to it than it is)."""
+    peak, bandwidth = max(a.peak_flop_per_s, b.peak_flop_per_s, *peaks), max(a.bytes_per_s, b.bytes_per_s, *bandwidths)
+    probed = f" and {len(peaks)} single probes between them" if len(peaks) or len(bandwidths) else ""
+    return replace(a, peak_flop_per_s=peak, bytes_per_s=bandwidth,
+                   source=f"{a.source}, the higher of two runs ({when}){probed}")
 
 
 def measure_cuda(dtype: torch.dtype = torch.bfloat16, matmul_size: int = 8192, copy_bytes: int = 2**30,

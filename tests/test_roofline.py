@@ -10,8 +10,8 @@ from minibatch.lessons.step_cost import knee_tokens, measure_step_cost, time_lin
 from minibatch.models import load_model
 from minibatch.machine import last_level_cache_bytes
 from minibatch.kernels import cpu_linear
-from minibatch.roofline import (H100_SXM, Roofline, bandwidth_probe, measure_cpu, peak_probe, ridge_tokens,
-                                roofline_step_s, stream_bytes)
+from minibatch.roofline import (H100_SXM, Roofline, bandwidth_probe, higher_roofs, measure_cpu, peak_probe,
+                                ridge_tokens, roofline_step_s, stream_bytes)
 
 
 def test_the_bound_is_the_weight_read_then_the_arithmetic():
@@ -40,6 +40,17 @@ def test_a_peak_probe_times_one_product_each_call():
         assert all(r > 1e7 for r in rates) and len(set(rates)) > 1 and "matmul" in probe.what
     assert "packed kernel" in probe.what or not cpu_linear.available()
     assert peak_probe(torch.bfloat16, matmul_size=64)() > 0 and peak_probe(torch.bfloat16).what == "matmul"
+
+
+def test_the_roofs_are_the_most_any_measurement_saw():
+    """Two best-of runs and the single probes between them measure the same roofs: each roof is the highest (a
+    slow minute can lower both best-of runs, and a roof measured low would flatter every step)."""
+    before, after = Roofline("cpu", 300e9, 40e9, "measured"), Roofline("cpu", 250e9, 45e9, "measured")
+    roof = higher_roofs(before, after, "before and after")
+    assert (roof.peak_flop_per_s, roof.bytes_per_s) == (300e9, 45e9) and "higher of two runs (before and after)" in (
+        roof.source)
+    probed = higher_roofs(after, after, "before and after", [410e9, 390e9], [30e9, 44e9])
+    assert (probed.peak_flop_per_s, probed.bytes_per_s) == (410e9, 45e9) and "2 single probes" in probed.source
 
 
 def test_a_bandwidth_probe_measures_one_sum_each_call():

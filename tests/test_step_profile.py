@@ -35,6 +35,8 @@ def test_profile_command_writes_components_roofline_and_figure(tmp_path, one_thr
             sum(s / b for s, b in zip(paired["step_s"], bounds)) / 2, abs=0.006)  # the median of two, rounded
         assert r["bytes_per_s_during_steps"] == pytest.approx(sum(bws) / 2)
         assert r["peak_flop_per_s_during_steps"] == pytest.approx(sum(peaks) / 2)
+        roof = result["roofline"]  # the same roofs: no probe saw more than the roofs the bounds use
+        assert roof["peak_flop_per_s"] >= max(peaks) and roof["bytes_per_s"] >= max(bws)
     assert result["roofline"]["peak_flop_per_s"] > 0 and fig.stat().st_size > 0 and result["command"].startswith(
         "python -m minibatch profile")
 

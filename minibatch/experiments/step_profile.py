@@ -156,14 +156,12 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
                              n_slots=size + max_new + block_size + 64)
     added = []
 
-    def add():
-        added.append(Request(f"p{len(added)}", torch.randint(10, runner.vocab_size, (size,), generator=gen).tolist(),
-                             max_new, SamplingParams(ignore_eos=True)))
-        engine.add_request(added[-1])
-
     def timed_step() -> float:
         if kind == "prefill":  # a new prompt each time: every timed step is its prefill
-            add()
+            added.append(Request(f"p{len(added)}", torch.randint(10, runner.vocab_size, (size,),
+                                                                 generator=gen).tolist(), max_new,
+                                 SamplingParams(ignore_eos=True)))
+            engine.add_request(added[-1])
         t0 = time.perf_counter()
         engine.step()
         if runner.device.type == "cuda":
@@ -193,10 +191,8 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
         kernels = round(sum(e.device_type == torch.autograd.DeviceType.CUDA for e in p.events()) / repeats)
         on_gpu = {"device_components_s": {k: round(v, 6) for k, v in device_parts.items() if v},
                   "kernels_per_step": kernels, "device_busy_s": busy, "device_busy_share": round(busy / profiled_s, 3)}
-    if kind == "decode":
-        tokens, attended, kv_read = n_reqs, [context_len + 1] * n_reqs, n_reqs * context_len
-    else:
-        tokens, attended, kv_read = size, list(range(1, size + 1)), 0
+    tokens, attended, kv_read = ((n_reqs, [context_len + 1] * n_reqs, n_reqs * context_len) if kind == "decode"
+                                 else (size, list(range(1, size + 1)), 0))
     flops, nbytes = step_counts(runner.model, n_reqs, tokens, attended, kv_read, runner.kv_bytes_per_token)
     return {"kind": kind, "batch": n_reqs, "tokens": tokens, "context_len": context_len if kind == "decode" else 0,
             "step_s": statistics.median(times), "profiled_step_s": profiled_s, "flops": flops, "bytes": nbytes,
@@ -224,11 +220,14 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     packed = any(isinstance(m, PanelLinear) for m in model.modules())
     first = measure_device(runner.device, runner.dtype, packed)
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
-    probes = (peak_probe(runner.dtype, packed_kernel=packed), bandwidth_probe()) if runner.device.type == "cpu" \
-        else None
+    on_cpu = runner.device.type == "cpu"
+    probes = (peak_probe(runner.dtype, packed_kernel=packed), bandwidth_probe()) if on_cpu else None
     rows = [profile_shape(runner, kind, size, context_len, repeats, probes, block_size) for kind, size in shapes]
     del probes
-    roof = higher_roofs(first, measure_device(runner.device, runner.dtype, packed), "before and after the steps")
+    probe_peaks, probe_bws = ([x for r in rows for x in r.get("paired", {}).get(k, [])]  # the same roofs, probed
+                              for k in ("peak_flop_per_s", "bytes_per_s"))
+    roof = higher_roofs(first, measure_device(runner.device, runner.dtype, packed), "before and after the steps",
+                        probe_peaks, probe_bws)
     for (kind, size), row in zip(shapes, rows):
         row["bound_s"] = max(row["flops"] / roof.peak_flop_per_s, row["bytes"] / roof.bytes_per_s)
         row["bound"] = "compute" if row["flops"] * roof.bytes_per_s >= row["bytes"] * roof.peak_flop_per_s else "memory"
