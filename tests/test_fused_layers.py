@@ -362,8 +362,10 @@ def test_the_bf16_layers_rotary_and_residual_add_are_the_modules_bit_for_bit():
     for count in (1, 15, 16, 17, 576 * 32 + 5, 300_001):
         x, y = mixed(count), mixed(count)
         assert same_bits(kernel.add_like_modules(x, y), x + y), count
-    with pytest.raises(RuntimeError, match="head_dim must be even"):
-        kernel.rotary_like_modules(mixed(2, 1, 5), mixed(2, 5), mixed(2, 5))
+    for hd in (5, 0):
+        with pytest.raises(RuntimeError, match="head_dim must be even and positive"):
+            kernel.rotary_like_modules(*(torch.ones(shape, dtype=torch.bfloat16) for shape in ((2, 1, hd), (2, hd),
+                                                                                            (2, hd))))
     with pytest.raises(RuntimeError, match="add_like_modules: x and y"):
         kernel.add_like_modules(mixed(4), mixed(5))
 

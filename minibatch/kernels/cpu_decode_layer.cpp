@@ -342,7 +342,8 @@ MINIBATCH_NO_CONTRACT torch::Tensor rotary_like_modules(const torch::Tensor& t, 
                                                         const torch::Tensor& sin) {
   using bf16 = at::BFloat16;
   const int64_t n = t.size(0), heads = t.size(1), hd = t.size(2), half = hd / 2;
-  TORCH_CHECK(hd % 2 == 0, "rotary_like_modules: head_dim must be even (rotate_half splits it in two)");
+  TORCH_CHECK(hd > 0 && hd % 2 == 0, "rotary_like_modules: head_dim must be even and positive (rotate_half splits it "
+              "in two)");
   const auto src = (t.stride(2) == 1 && t.stride(1) == hd) ? t : t.contiguous();
   auto out = torch::empty({n, heads, hd}, t.options());
   const int64_t row_stride = src.stride(0);
