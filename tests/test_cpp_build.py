@@ -78,6 +78,41 @@ def test_a_lock_file_left_by_a_killed_build_does_not_block_the_next(monkeypatch,
     assert calls == [(name, folder)] and not os.path.exists(os.path.join(folder, "lock"))
 
 
+def test_another_checkout_of_the_same_sources_loads_the_module_built_before(monkeypatch, tmp_path):
+    """``build`` hands torch's builder copies of the sources (headers beside them) in the build folder, each
+    rewritten only when its bytes differ: a second checkout (another folder, files written later) passes the same
+    paths with the same times, so ninja finds the module built; changed bytes are a new extension."""
+    import torch.utils.cpp_extension
+
+    seen = []
+
+    def load(name, sources, *, build_directory, **kwargs):
+        folder = os.path.dirname(sources[0])
+        seen.append((name, {f: (os.stat(os.path.join(folder, f)).st_mtime_ns, open(os.path.join(folder, f)).read())
+                            for f in sorted(os.listdir(folder))}, [os.path.basename(s) for s in sources]))
+        assert folder == os.path.join(build_directory, "src")
+        return name
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    for checkout, value in (("a", 1), ("b", 1), ("c", 2)):
+        folder = tmp_path / checkout
+        folder.mkdir()
+        (folder / "k.cpp").write_text('#include "k.h"\nint f() { return K; }\n')
+        (folder / "k.h").write_text(f"#define K {value}\n")
+        (folder / "extra.cpp").write_text("int g() { return 2; }\n")
+        cpp_build.build(str(folder / "k.cpp"), (), (str(folder / "extra.cpp"),))
+        time.sleep(0.01)  # the next checkout's files are newer
+    (a, b, c) = seen
+    assert a == b and a[2] == ["k.cpp", "extra.cpp"] and set(a[1]) == {"k.cpp", "k.h", "extra.cpp"}
+    assert c[0] != a[0] and c[1]["k.h"][1] == "#define K 2\n"
+    (tmp_path / "d").mkdir()
+    for f in ("k.cpp", "k.h"):
+        (tmp_path / "d" / f).write_text("")
+    with pytest.raises(ValueError, match="distinct file names"):
+        cpp_build.build(str(tmp_path / "d" / "k.cpp"), (), (str(tmp_path / "a" / "k.h"),))
+
+
 HOLD = """
 import sys, time
 from minibatch.kernels.cpp_build import exclusive

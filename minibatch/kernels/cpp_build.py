@@ -1,7 +1,8 @@
 """Building this package's C++ CPU kernels (``*.cpp`` beside this file) on first use, once per machine.
 
 ``torch.utils.cpp_extension.load`` compiles a source (a C++ compiler with OpenMP; ninja) into torch's extension
-cache the first time it is used on a machine (tens of seconds), then loads it from there. :class:`CppExtension`
+cache the first time it is used on a machine (tens of seconds), then loads it from there, from any checkout of the
+same sources (:func:`source_copies`). :class:`CppExtension`
 keeps the module, or the first line of why it could not be built, for the message.
 
 A build interrupted by a kill (Ctrl-C during a first ``compare``) leaves torch's lock file (``lock``) in its build
@@ -33,16 +34,21 @@ def compiler_available() -> bool:
     return shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
+def build_inputs(source: str, extra_sources: tuple[str, ...] = ()) -> list[str]:
+    """Every file a build of ``source`` reads: it, ``extra_sources``, then the headers (``*.h``) beside it."""
+    folder = os.path.dirname(os.path.abspath(source))
+    headers = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".h"))
+    return [source, *extra_sources, *headers]
+
+
 def build_name(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[str, ...] = ()) -> str:
     """The extension's name: ``minibatch_`` + the source's file name + a hash of the sources, the headers beside
     them, flags, torch version, CPU model and vector instruction sets (``-march=native`` code is only valid on the
     CPU it was built for, so another CPU sharing the cache builds its own, also one with the same model string)."""
     from minibatch.machine import cpu_isa, cpu_model
 
-    folder = os.path.dirname(os.path.abspath(source))
-    headers = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".h"))
     key = b""
-    for path in [source, *extra_sources, *headers]:
+    for path in build_inputs(source, extra_sources):
         with open(path, "rb") as f:
             key += f.read()
     machine = [torch.__version__, platform.machine(), cpu_model(), cpu_isa()]
@@ -84,8 +90,9 @@ def exclusive(folder: str):
 def build(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[str, ...] = ()):
     """Compile ``source`` (with ``extra_sources`` linked into the same module, and ``extra_cflags`` after
     :data:`CFLAGS`, e.g. a ``-D`` a test builds a variant with) into :func:`build_directory`, or load it from there;
-    returns the module. Holds :func:`exclusive` on the folder meanwhile, and clears a lock file torch left there
-    when a build was killed. Raises whatever the build raises."""
+    returns the module. It compiles :func:`source_copies` of the files, so that another checkout of the same bytes
+    loads the module built before. Holds :func:`exclusive` on the folder meanwhile, and clears a lock file torch left
+    there when a build was killed. Raises whatever the build raises (ValueError: two inputs of one file name)."""
     from torch.utils.cpp_extension import load as load_extension
 
     name = build_name(source, extra_cflags, extra_sources)
@@ -94,8 +101,38 @@ def build(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[
         stale = os.path.join(folder, "lock")  # torch's lock; only a killed build can have left it while we hold ours
         if os.path.exists(stale):
             os.remove(stale)
-        return load_extension(name, [source, *extra_sources], extra_cflags=CFLAGS + list(extra_cflags),
+        copies = source_copies(folder, build_inputs(source, extra_sources))
+        return load_extension(name, copies[:1 + len(extra_sources)], extra_cflags=CFLAGS + list(extra_cflags),
                               extra_ldflags=["-fopenmp"], build_directory=folder, verbose=False)
+
+
+def source_copies(folder: str, paths: list[str]) -> list[str]:
+    """Copies of ``paths`` (by file name) in ``folder``/src, the build compiles those: each written only where its
+    bytes differ, so they keep their paths and times from one checkout to the next. torch's builder runs ninja, which
+    rebuilds what is older than its sources or was built from other paths: from the files themselves, a fresh clone
+    (all files newer than the objects) or one in another folder would compile again a kernel that :func:`build_name`,
+    a hash of the same bytes, says is built. Returns the copies' paths, in ``paths``' order."""
+    names = [os.path.basename(p) for p in paths]
+    if len(set(names)) != len(names):
+        raise ValueError(f"build inputs must have distinct file names: {names}")
+    src = os.path.join(folder, "src")
+    os.makedirs(src, exist_ok=True)
+    copies = []
+    for path in paths:
+        with open(path, "rb") as f:
+            data = f.read()
+        copy = os.path.join(src, os.path.basename(path))
+        try:
+            with open(copy, "rb") as f:
+                same = f.read() == data
+        except OSError:
+            same = False
+        if not same:
+            with open(copy + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(copy + ".tmp", copy)  # a build killed mid-write leaves no half file under the name
+        copies.append(copy)
+    return copies
 
 
 class CppExtension:
