@@ -2,8 +2,8 @@
 
 ``torch.utils.cpp_extension.load`` compiles a source (a C++ compiler with OpenMP; ninja) into torch's extension
 cache the first time it is used on a machine (tens of seconds), then loads it from there, from any checkout of the
-same sources (:func:`source_copies`). :class:`CppExtension`
-keeps the module, or the first line of why it could not be built, for the message.
+same sources (:func:`source_copies`). :class:`CppExtension` keeps the module, or the first line of why it could not
+be built, for the message.
 
 A build interrupted by a kill (Ctrl-C during a first ``compare``) leaves torch's lock file (``lock``) in its build
 folder, and every later ``load`` of that extension would wait for it forever, silently. So :func:`build` holds an
