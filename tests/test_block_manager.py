@@ -267,6 +267,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             kv = [self.gpu[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] for p in range(r.num_computed_tokens)]
             assert kv == r.all_token_ids[: r.num_computed_tokens]
 
+    @invariant()
+    def slots_used_counts_each_physical_slot_once(self):
+        reqs = list(self.running.values())
+        slots = {(self.bm.block_tables[r.request_id][p // BLOCK_SIZE], p % BLOCK_SIZE)
+                 for r in reqs for p in range(r.num_computed_tokens)}
+        assert self.bm.num_slots_used(reqs) == len(slots)
+        if reqs:  # a request listed twice holds nothing more
+            assert self.bm.num_slots_used(reqs + reqs[:1]) == len(slots)
+
     def teardown(self):
         for rid in list(self.running):
             self.bm.free(rid)

@@ -369,6 +369,10 @@ class BlockManager:
     # ------------------------------------------------------------------ accounting
     def num_slots_used(self, requests) -> int:
         """Physical slots holding computed KV of ``requests`` (a shared block counts once)."""
+        tables = [(r.num_computed_tokens, self.block_tables.get(r.request_id, ())) for r in requests]
+        blocks = [b for _, table in tables for b in table]
+        if len(set(blocks)) == len(blocks):  # no block shared (every step's record asks: this is the common case)
+            return sum(min(computed, len(table) * self.block_size) for computed, table in tables if computed > 0)
         fill: dict[int, int] = {}
         for r in requests:
             for j, b in enumerate(self.block_tables.get(r.request_id, ())):
