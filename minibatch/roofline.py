@@ -201,7 +201,8 @@ def higher_roofs(a: Roofline, b: Roofline, when: str, peaks=(), bandwidths=()) -
     ones), which measure the same roofs: where one saw more, it is the roof (a slow minute can lower both best-of
     measurements of a run, and a roof measured low would put every step closer to it than it is)."""
     peak, bandwidth = max(a.peak_flop_per_s, b.peak_flop_per_s, *peaks), max(a.bytes_per_s, b.bytes_per_s, *bandwidths)
-    probed = f" and {len(peaks)} single probes between them" if len(peaks) or len(bandwidths) else ""
+    count = max(len(peaks), len(bandwidths))
+    probed = f" and {count} single probes between them" if count else ""
     return replace(a, peak_flop_per_s=peak, bytes_per_s=bandwidth,
                    source=f"{a.source}, the higher of two runs ({when}){probed}")
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,10 +88,10 @@ def test_another_checkout_of_the_same_sources_loads_the_module_built_before(monk
     seen = []
 
     def load(name, sources, *, build_directory, **kwargs):
-        folder = os.path.dirname(sources[0])
-        seen.append((name, {f: (os.stat(os.path.join(folder, f)).st_mtime_ns, open(os.path.join(folder, f)).read())
-                            for f in sorted(os.listdir(folder))}, [os.path.basename(s) for s in sources]))
-        assert folder == os.path.join(build_directory, "src")
+        folder = Path(sources[0]).parent
+        seen.append((name, {f.name: (f.stat().st_mtime_ns, f.read_text()) for f in sorted(folder.iterdir())},
+                     [Path(s).name for s in sources]))
+        assert folder == Path(build_directory) / "src"
         return name
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", load)

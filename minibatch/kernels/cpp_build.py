@@ -118,10 +118,10 @@ def source_copies(folder: str, paths: list[str]) -> list[str]:
     src = os.path.join(folder, "src")
     os.makedirs(src, exist_ok=True)
     copies = []
-    for path in paths:
+    for path, name in zip(paths, names):
         with open(path, "rb") as f:
             data = f.read()
-        copy = os.path.join(src, os.path.basename(path))
+        copy = os.path.join(src, name)
         try:
             with open(copy, "rb") as f:
                 same = f.read() == data

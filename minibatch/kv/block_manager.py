@@ -374,9 +374,9 @@ class BlockManager:
         if len(set(blocks)) == len(blocks):  # no block shared (every step's record asks: this is the common case)
             return sum(min(computed, len(table) * self.block_size) for computed, table in tables if computed > 0)
         fill: dict[int, int] = {}
-        for r in requests:
-            for j, b in enumerate(self.block_tables.get(r.request_id, ())):
-                n = min(self.block_size, r.num_computed_tokens - j * self.block_size)
+        for computed, table in tables:
+            for j, b in enumerate(table):
+                n = min(self.block_size, computed - j * self.block_size)
                 if n > 0:
                     fill[b] = max(fill.get(b, 0), n)
         return sum(fill.values())
