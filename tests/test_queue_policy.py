@@ -5,8 +5,11 @@ aging is overtaken only by requests that arrived less than (its priority) x agin
 
 import pytest
 
-from minibatch import Request, SamplingParams, SimClock, SimExecutor, make_engine
-from minibatch.scheduler import FCFS, SJF, Priority, make_queue_policy
+from minibatch import Engine, Request, SamplingParams, SimClock, SimExecutor, make_engine
+from minibatch.scheduler import (
+    FCFS, SJF, ChunkedPrefillScheduler, OrcaScheduler, PagedScheduler, PrefillFirstScheduler, Priority,
+    make_queue_policy,
+)
 
 GREEDY = SamplingParams(ignore_eos=True)
 ITERATION_LEVEL = ["orca", "paged", "prefill_first", "chunked"]
@@ -108,3 +111,32 @@ def test_keys_and_errors():
     with pytest.raises(ValueError, match="priority"):
         Request("x", [1], 1, priority=1.5)
     assert Request("x", [1], 1, priority=2).copy().priority == 2
+
+
+class CountingSJF(SJF):
+    """SJF that counts how often it is asked for a key; ``static`` as given."""
+
+    def __init__(self, static: bool):
+        self.static, self.calls = static, 0
+
+    def key(self, request):
+        self.calls += 1
+        return super().key(request)
+
+
+@pytest.mark.parametrize("scheduler_cls", [OrcaScheduler, PagedScheduler, PrefillFirstScheduler,
+                                           ChunkedPrefillScheduler])
+def test_a_static_policys_keys_are_computed_once_per_request(scheduler_cls):
+    """A static policy (its keys fixed at arrival) is asked once per request, however many steps
+    sort the queues; the schedule is the one the same policy gives when asked every time."""
+    runs = {}
+    for static in (True, False):
+        reqs = stream_with_one_low(low_prompt=40, n_stream=60)
+        counting = CountingSJF(static)
+        engine = Engine(scheduler_cls(max_num_seqs=2, queue_policy=counting), SimExecutor(), SimClock())
+        engine.generate(reqs)
+        runs[static] = (counting.calls, [(r.request_id, r.first_scheduled_time_s, r.finish_time_s) for r in reqs])
+    assert runs[True][0] == len(reqs)
+    assert runs[False][0] > 10 * len(reqs)  # every step's sort asks again
+    assert runs[True][1] == runs[False][1]
+    assert all(p.static for p in (FCFS(), SJF(), Priority()))

@@ -47,10 +47,16 @@ class Scheduler:
         self.swapped: list[Request] = []  # preempted with their KV swapped to CPU memory (paged schedulers)
         self.rows: dict[str, int] = {}  # request_id -> batch row (Gantt row) of running requests
         self.queue_policy = make_queue_policy(queue_policy)
-        self._arrival_order: dict[str, int] = {}  # request_id -> order of arrival (the tie-breaker)
+        self._num_added = 0  # requests added so far: the next one's order of arrival (the tie-breaker)
+        self._arrival_order: dict[str, int] = {}  # request_id -> order of arrival
+        # request_id -> sort key, computed once when the request is added: only for a policy whose keys never change
+        self._keys: dict[str, tuple] | None = {} if self.queue_policy.static else None
 
     def sort_key(self, request: Request) -> tuple:
-        """Smaller = served first (and preempted last): the queue policy's key, then arrival order."""
+        """Smaller = served first (and preempted last): the queue policy's key, then arrival order.
+        Every step sorts the waiting queue by it, so a static policy's keys are looked up, not rebuilt."""
+        if self._keys is not None:
+            return self._keys[request.request_id]
         return (*self.queue_policy.key(request), self._arrival_order[request.request_id])
 
     def take_row(self, request_id: str) -> int:
@@ -60,7 +66,11 @@ class Scheduler:
         return self.rows[request_id]
 
     def add_request(self, request: Request) -> None:
-        self._arrival_order[request.request_id] = len(self._arrival_order)
+        rid, self._num_added = request.request_id, self._num_added + 1
+        if self._keys is not None:
+            self._keys[rid] = (*self.queue_policy.key(request), self._num_added)
+        else:
+            self._arrival_order[rid] = self._num_added
         self.waiting.append(request)
 
     def observe_step(self, record) -> None:

@@ -28,9 +28,16 @@ from minibatch.request import Request
 
 
 class QueuePolicy:
-    """Base class: ``key(request)`` is a sort key, smaller = served first."""
+    """Base class: ``key(request)`` is a sort key, smaller = served first.
+
+    static: True when ``key(request)`` depends only on what a request has when it arrives (its
+    arrival time, prompt length, max_new_tokens, priority): the scheduler then computes each key
+    once, when the request is added, instead of at every step's sort. Leave it False for a key
+    that changes while the request is served (e.g. its output tokens so far).
+    """
 
     name = "base"
+    static = False
 
     def key(self, request: Request) -> tuple:
         raise NotImplementedError
@@ -43,6 +50,7 @@ class FCFS(QueuePolicy):
     """First come, first served: by arrival_time_s (ties: the order requests were added)."""
 
     name = "fcfs"
+    static = True
 
     def key(self, request: Request) -> tuple:
         return (request.arrival_time_s,)
@@ -52,6 +60,7 @@ class SJF(QueuePolicy):
     """Shortest job first: by prompt + max_new_tokens tokens (ties: arrival)."""
 
     name = "sjf"
+    static = True
 
     def key(self, request: Request) -> tuple:
         return (request.max_num_tokens, request.arrival_time_s)
@@ -65,6 +74,7 @@ class Priority(QueuePolicy):
     """
 
     name = "priority"
+    static = True
 
     def __init__(self, aging_s: float | None = 1.0):
         if aging_s is not None and not aging_s > 0:
