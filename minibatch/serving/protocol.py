@@ -47,7 +47,8 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     """Fields both endpoints take: sampling (greedy when temperature is 0), stop strings, streaming."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan: a NaN or Infinity (Python's json reads both) is refused as not finite, not as out of range
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
