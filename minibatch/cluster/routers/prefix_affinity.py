@@ -2,7 +2,9 @@
 bounded so that no replica takes far more than its share.
 
 The key is a hash of the prompt's first ``prefix_tokens`` tokens (a conversation's system prompt and first turn:
-every later turn of the conversation starts with them). Replicas sit on a consistent-hashing ring (Karger et al.,
+every later turn of the conversation starts with them). A first prompt shorter than that hashes differently from
+the turns after it, whose first ``prefix_tokens`` tokens reach into the answer; from the first turn that fills
+them on, the conversation keeps one key. Replicas sit on a consistent-hashing ring (Karger et al.,
 STOC'97) at ``virtual_nodes`` points each; a key goes to the first replica clockwise from it. Consistent hashing
 with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA'18, §2): a replica whose outstanding requests would
 exceed ``ceil((1 + epsilon) x the mean)`` is skipped for the next one on the ring, so a hot prefix spills over
