@@ -51,7 +51,9 @@ def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=Comp
         default = SIM_DEFAULT_POLICIES if command == "sim" and f.name == "policies" else f.default
         flag = m["flag"] or opt(f.name)
         if m["kind"] == "bool":
-            p.add_argument(flag, dest=f.name, action="store_false" if default else "store_true", help=m["help"])
+            # a flag that turns a default-on setting off says so: "--no-reference: do not compare ..."
+            shown = f"turn off (on by default): {m['help']}" if default else m["help"]
+            p.add_argument(flag, dest=f.name, action="store_false" if default else "store_true", help=shown)
             continue
         kind = {"int": int, "real": float}.get(m["kind"], str)
         shown = ",".join(default) if f.name == "policies" else default

@@ -17,7 +17,7 @@ among the other side's top-k logprobs, and the comparison stops at that first di
 * across the trace at least ``MIN_MATCHED_FRACTION`` of the reference tokens come before the first
   divergence of their request, counting each request's first ``MATCH_WINDOW`` tokens, so a trace
   cannot pass on near-ties alone. (The window keeps the floor independent of output length: in bf16
-  SmolLM2's logits are rounded to steps of 1/8 to 1/4, exact ties are common, and a correct engine
+  SmolLM2's logits are rounded to steps of 1/32 to 1/4, exact ties are common, and a correct engine
   flips about one token in 40; over whole 256-token outputs most tokens would follow a flip.)
 
 At an **exact tie** the reference had no preference: its logprobs of its own token and of ours are

@@ -182,8 +182,8 @@ def mean_batch_size(trace: list[StepRecord]) -> float:
 
 def kv_waste_fraction(trace: list[StepRecord]) -> float:
     """1 - KV slots used / KV slots reserved, summed over steps: slots reserved but not (yet)
-    written, e.g. Orca's prompt + max_new_tokens reservation. Static batching counts its padded
-    (B, T) cache as used, so its padding shows in padding_waste_fraction instead."""
+    written, e.g. Orca's prompt + max_new_tokens reservation. Static batching reserves its whole padded
+    (B, T) cache, so its padding counts here as waste too (and shows in padding_waste_fraction)."""
     reserved = sum(r.num_kv_slots_reserved for r in trace)
     return 1.0 - sum(r.num_kv_slots_used for r in trace) / reserved if reserved else 0.0
 
