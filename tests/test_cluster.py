@@ -1,19 +1,22 @@
 """A simulated cluster (minibatch/cluster): one replica is exactly ``simulate``; routers balance and keep prefixes
-together; the admission limit holds requests at the router; disaggregated replicas prefill on one side and decode
-on the other with the KV transferred; multi-turn conversations carry each answer into the next prompt; bad
-options get one line naming them; a router from a --policy-module file runs by name."""
+together (cache_aware from the replicas' caches themselves); the admission limit holds requests at the router;
+disaggregated replicas prefill on one side and decode on the other with the KV transferred; multi-turn
+conversations carry each answer into the next prompt; bad options get one line naming them; a router from a
+--policy-module file runs by name."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from minibatch.__main__ import main
 from minibatch.cluster.cluster import Cluster, KVLink
 from minibatch.cluster.multiturn import make_conversations
-from minibatch.cluster.routers import ROUTERS, get_router
+from minibatch.cluster.routers import ROUTERS, Replica, get_router
 from minibatch.cluster.simulate import (ClusterConfig, build_cluster, cluster_rows, conversation_sizing,
                                         run_cluster_simulation)
 from minibatch.compare import CompareConfig, build_trace
+from minibatch.request import Request
 from minibatch.sim.cost_model import Profile
 from minibatch.sim.simulator import run_simulation
 
@@ -63,6 +66,27 @@ def test_prefix_affinity_hits_the_cache_more_than_round_robin():
     _, pa = multiturn_run("prefix_affinity")
     assert pa["overall"]["prefix_cache_hit_rate"] > rr["overall"]["prefix_cache_hit_rate"] + 0.05
     assert pa["overall"]["load_imbalance"] <= 2.0  # the load bound keeps hot prefixes from piling up
+
+
+def test_cache_aware_finds_more_of_the_conversations_than_prefix_affinity():
+    _, pa = multiturn_run("prefix_affinity")
+    _, ca = multiturn_run("cache_aware")
+    assert ca["overall"]["prefix_cache_hit_rate"] > pa["overall"]["prefix_cache_hit_rate"]
+    assert ca["overall"]["load_imbalance"] <= 2.0
+
+
+def test_cache_aware_picks_the_longest_cached_prefix_within_the_load_bound():
+    def replica(index, cached, outstanding):
+        blocks = SimpleNamespace(get_computed_blocks=lambda request: list(range(cached)))
+        return Replica(index, SimpleNamespace(scheduler=SimpleNamespace(block_manager=blocks)), outstanding=outstanding)
+
+    router, request = get_router("cache_aware"), Request("r", [1] * 64, 4)
+    # one outstanding each: the bound is ceil(1.25 x (3 + 1) / 3) = 2, all may take it; the longest cached prefix
+    assert router.route(request, [replica(0, 0, 1), replica(1, 3, 1), replica(2, 2, 1)], 0.0).index == 1
+    # the bound is ceil(1.25 x (6 + 1) / 3) = 3: replica 1 (3 outstanding) would pass it, so the next longest prefix
+    assert router.route(request, [replica(0, 0, 1), replica(1, 3, 3), replica(2, 2, 2)], 0.0).index == 2
+    # cached nowhere: the fewest outstanding, then the lowest index
+    assert router.route(request, [replica(0, 0, 2), replica(1, 0, 1), replica(2, 0, 1)], 0.0).index == 1
 
 
 def test_every_router_finishes_every_request_and_least_outstanding_balances():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from minibatch.request import Request
@@ -50,6 +51,13 @@ class Router:
 
     def route(self, request: Request, replicas: list[Replica], now_s: float) -> Replica:
         raise NotImplementedError
+
+
+def load_bound(replicas: list[Replica], epsilon: float) -> int:
+    """The most outstanding requests a replica may have after taking one more: ceil((1 + epsilon) x the mean over
+    ``replicas`` with that request counted), consistent hashing with bounded loads (Mirrokni, Thorup,
+    Zadimoghaddam, SODA'18, §2). At least one replica is always under it (the least loaded)."""
+    return math.ceil((1 + epsilon) * (sum(r.outstanding for r in replicas) + 1) / len(replicas))
 
 
 ROUTERS: dict[str, type[Router]] = {}  # name -> Router class, like the policy table POLICIES

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 from array import array
 
-from minibatch.cluster.routers.base import Router, register_router
+from minibatch.cluster.routers.base import Router, load_bound, register_router
 
 
 def stable_hash(data: bytes) -> int:
@@ -50,7 +49,7 @@ class PrefixAffinity(Router):
         total = max(r.index for r in replicas) + 1
         ring = self.ring(total)
         key = stable_hash(array("q", request.prompt_token_ids[: self.prefix_tokens]).tobytes())
-        bound = math.ceil((1 + self.epsilon) * (sum(r.outstanding for r in replicas) + 1) / len(replicas))
+        bound = load_bound(replicas, self.epsilon)
         start = bisect.bisect(ring, (key, total))
         first = None
         for k in range(len(ring)):
