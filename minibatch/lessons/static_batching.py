@@ -26,6 +26,7 @@ from minibatch.experiment import run
 from minibatch.policies import make_engine
 from minibatch.request import Request, SamplingParams
 from minibatch.roofline import torch_threads
+from minibatch.runner.prepack import engine_linears
 from minibatch.sim.executor import SimExecutor
 from minibatch.clock import WallClock
 from minibatch.prompts import chat_prompt_ids
@@ -124,7 +125,8 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
     """Best-of-``repeats`` wall time (s) of one prefill of ``prompts`` three ways:
 
     * "padded (B, T)": a static engine's first step (prompts left-padded to the longest);
-    * "separate": one unpadded forward per prompt, one after the other;
+    * "separate": one unpadded forward per prompt, one after the other (with the engine's linear kernels, as
+      the two engine steps have them, so the three differ only in how the prompts are batched);
     * "packed (1, num_tokens)": an Orca engine's first step (selective batching, no padding).
     num_threads: torch CPU threads while timing (restored afterwards; None = leave as is). The default, 1,
     keeps the comparison steady on a shared CPU: when other processes hold the cores, multi-threaded
@@ -141,8 +143,9 @@ def time_prefill(model, runner, prompts: list[list[int]], repeats: int = 3,
     def separate() -> float:
         set_attention(model, "sdpa")
         t0 = time.perf_counter()
-        for ids in prompts:
-            model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
+        with engine_linears():
+            for ids in prompts:
+                model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
         return time.perf_counter() - t0
 
     timers = {"padded (B, T)": lambda: engine_step("static"), "separate": separate,
