@@ -92,7 +92,8 @@ def _divergence(r: Request, ref: ReferenceOutput | list[int], i: int, rule: str)
 
 
 def check_outputs(requests: list[Request], refs: dict, rule: str = "exact") -> dict:
-    """Compare every greedy request that has a reference with it, by ``rule`` ("exact" or "logprob-close").
+    """Compare every request whose id is in ``refs`` with its reference, by ``rule`` ("exact" or "logprob-close"); the
+    callers put only greedy requests in ``refs``.
 
     Args:
         requests: finished requests (their ``output_token_ids``, and ``logprobs`` if recorded).

@@ -8,7 +8,9 @@ Two layouts, chosen by the scheduler:
 * **padded** (static batching): a (B, T) batch, prompts left-padded, an attention mask, and
   transformers' own SDPA attention and DynamicCache, so padding costs real compute.
 
-The model itself is unmodified: we only register an attention function with transformers.
+The model's code is not modified: we register an attention function with transformers, and on a CPU the
+Linear and RMSNorm modules may be repacked or re-classed in place (``prepack_weights``, ``fuse_decode_layers``), the
+same arithmetic on the same weights.
 """
 
 from __future__ import annotations

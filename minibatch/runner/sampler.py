@@ -114,7 +114,7 @@ class Sampler:
 
     def generator(self, request_id: str, params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
         """The request's generator, seeded with ``params.seed`` on first use (no seed: a fresh
-        random one, without reseeding, and so disturbing, torch's global generator)."""
+        random one, without reseeding, and so without disturbing, torch's global generator)."""
         gen = self.generators.get(request_id)
         if gen is None:
             gen = torch.Generator(device=device)

@@ -40,7 +40,8 @@ class StaticConfig(SchedulerConfig):
 
 @dataclass(frozen=True)
 class IterationConfig(SchedulerConfig):
-    """An iteration-level scheduler (Orca §3.2): a batch re-formed every step, a KV cache of n_slots."""
+    """An iteration-level scheduler (Orca §3.1; Algorithm 1 in §4.2): a batch re-formed every step, a KV cache of
+    n_slots."""
 
     max_num_seqs: int = option(8, "most requests running at once", "int", low=1, high=MAX_NUM_SEQS)
     n_slots: int = option(4096, "KV cache size, token slots", "int", low=1, high=MAX_KV_SLOTS)
