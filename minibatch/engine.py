@@ -159,6 +159,7 @@ class Engine:
         result = self.executor.execute(plan)            # the forward pass (or the simulator)
         outputs_before = [s.request.num_output_tokens for s in plan.scheduled]
         finished = self.scheduler.update(plan, result)
+        self.scheduler.forget(finished)
         self.executor.free([r.request_id for r in finished])
         entries = StepRecord.entries_of(plan, result, outputs_before)
         shape = StepShape.of_entries(entries, plan.num_padding_tokens, plan.layout)

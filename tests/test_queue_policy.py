@@ -136,6 +136,8 @@ def test_a_static_policys_keys_are_computed_once_per_request(scheduler_cls):
         engine = Engine(scheduler_cls(max_num_seqs=2, queue_policy=counting), SimExecutor(), SimClock())
         engine.generate(reqs)
         runs[static] = (counting.calls, [(r.request_id, r.first_scheduled_time_s, r.finish_time_s) for r in reqs])
+        # finished requests leave no order-of-service state behind (a server runs for days)
+        assert not engine.scheduler._keys and not engine.scheduler._arrival_order
     assert runs[True][0] == len(reqs)
     assert runs[False][0] > 10 * len(reqs)  # every step's sort asks again
     assert runs[True][1] == runs[False][1]

@@ -73,6 +73,14 @@ class Scheduler:
             self._arrival_order[rid] = self._num_added
         self.waiting.append(request)
 
+    def forget(self, requests: list[Request]) -> None:
+        """Drop the order-of-service state of requests that left for good (finished or aborted), so a long-running
+        server's scheduler holds it only for the requests it still serves. The engine calls it after each step."""
+        for r in requests:
+            self._arrival_order.pop(r.request_id, None)
+            if self._keys is not None:
+                self._keys.pop(r.request_id, None)
+
     def observe_step(self, record) -> None:
         """Called by the engine after every step with its StepRecord (the measured or simulated
         duration included); schedulers that adapt to step times (adaptive chunking) override it."""
@@ -93,6 +101,7 @@ class Scheduler:
             queue[:] = [r for r in queue if r.request_id != rid]
         self.rows.pop(rid, None)
         self.free_kv(request)
+        self.forget([request])
         request.spec_token_ids = []
         request.finish_reason = reason
         request.status = RequestStatus.FINISHED
