@@ -145,6 +145,8 @@ class Engine:
             RuntimeError: the executor is in use by another engine that holds KV in it.
             ValueError: this engine's KV cache does not fit in the device's free memory (found
                 when the engine first claims the executor; nothing is admitted or changed).
+            RuntimeError: the scheduler can schedule none of its waiting requests and nothing will
+                arrive or wake it (the message lists them).
         """
         if not self.has_unfinished():
             return None

@@ -1,5 +1,6 @@
 """Sampling: filters and per-request seeded generators."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,6 +38,8 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
     assert a == b
     g = Sampler().sample_batch(["a", "b", "c"], logits, [SamplingParams()] * 3)
     assert list(g.values()) == logits.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="equally many"):  # a row left over would be dropped silently
+        Sampler().sample_batch(["a", "b"], logits, [SamplingParams()] * 2)
 
 
 @settings(max_examples=60, deadline=None)

@@ -264,6 +264,10 @@ class BlockManager:
         must already equal len(computed_blocks) * block_size). Returns the copy-on-write copies
         the runner must make before the forward, as (src_block, dst_block) pairs, or None (and
         changes nothing) if there are not enough free blocks.
+
+        Raises:
+            ValueError: a request without blocks yet whose num_computed_tokens is not
+                len(computed_blocks) x block_size.
         """
         if not self.can_allocate(request, num_new_tokens, computed_blocks, use_watermark):
             return None
@@ -301,7 +305,12 @@ class BlockManager:
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """Share the blocks holding the parent's first ``num_tokens`` tokens with a new child
-        (parallel sampling): ref_cnt + 1 each, nothing copied until one of them writes."""
+        (parallel sampling, vLLM §4.4): ref_cnt + 1 each, the partly filled last block too, nothing copied until
+        one of them writes into a shared block (copy-on-write in :meth:`allocate_slots`).
+
+        Raises:
+            ValueError: the child already holds blocks.
+            KeyError: the parent holds none."""
         if child_id in self.block_tables:
             raise ValueError(f"request {child_id!r} already holds blocks")
         shared = self.block_tables[parent_id][: self.num_blocks_for(num_tokens)]

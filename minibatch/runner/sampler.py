@@ -132,7 +132,14 @@ class Sampler:
 
     def sample_batch(self, request_ids: list[str], logits: torch.Tensor,
                      params: list[SamplingParams]) -> dict[str, int]:
-        """logits: (num_requests, vocab_size). Greedy rows share one argmax (:func:`greedy_tokens`)."""
+        """logits: (num_requests, vocab_size), row i for ``request_ids[i]`` with ``params[i]``. Greedy rows share one
+        argmax (:func:`greedy_tokens`). Returns request_id -> token id.
+
+        Raises:
+            ValueError: request_ids, params and the logits' rows are not equally many."""
+        if not len(request_ids) == len(params) == logits.shape[0]:
+            raise ValueError(f"sample_batch: {len(request_ids)} request_ids, {len(params)} params and "
+                             f"{logits.shape[0]} logit rows must be equally many")
         greedy = greedy_tokens(logits).tolist()
         return {
             rid: greedy[i] if p.is_greedy else self.sample(rid, logits[i], p)

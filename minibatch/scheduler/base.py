@@ -113,6 +113,9 @@ class Scheduler:
             self.block_manager.free_any(request.request_id)
 
     def schedule(self, now_s: float) -> SchedulerOutput:
+        """This step's plan at time ``now_s`` (seconds on the engine's clock): which requests run and how many new
+        tokens each computes (``num_new_tokens``), their block tables, and the blocks to copy, swap out and swap
+        in before the forward. An empty plan may carry ``wake_time_s``, when to ask again."""
         raise NotImplementedError
 
     def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
