@@ -1,7 +1,7 @@
 """Chunked prefill (Sarathi-Serve, Agrawal et al. OSDI'24): notebook 05 and ``benchmarks/chunked_prefill.py``.
 
 A long prompt's prefill, run whole, makes every running decode wait for it (a *generation stall*,
-§3.3); cutting prompts into chunks under a per-step token budget and batching the chunks with the
+§3.2); cutting prompts into chunks under a per-step token budget and batching the chunks with the
 decodes (*stall-free batching*, §4.2) bounds the wait by one budget's step time, at a small cost in
 throughput (chunks re-read earlier KV; more steps). The schedulers are ``minibatch/scheduler/chunked.py``;
 these functions run them through ``minibatch.experiment.run`` and return plain, JSON-ready rows:

@@ -2,7 +2,7 @@
 
 Sarathi-Serve (Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM Inference with
 Sarathi-Serve", OSDI'24): a long prompt's prefill, run whole, makes every running decode wait
-for it (a *generation stall*, §3.3); cutting prompts into chunks under a per-step token budget
+for it (a *generation stall*, §3.2); cutting prompts into chunks under a per-step token budget
 and batching the chunks with the decodes (*stall-free batching*, §4.2) bounds the wait by one
 budget's step time, at a small cost in throughput (chunks re-read earlier KV; more steps).
 The experiments are ``minibatch.experiments.chunked`` (the stall, the budget sweep, prefill

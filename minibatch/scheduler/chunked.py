@@ -3,9 +3,9 @@
 Sarathi-Serve (Agrawal et al., "Taming Throughput-Latency Tradeoff in LLM Inference with
 Sarathi-Serve", OSDI'24): a step's time grows with the tokens it computes, so a step that
 prefills a 2000-token prompt makes every running decode wait for it: a *generation stall*
-(§3.3, Figure 1). Two ways to schedule that prompt:
+(§3.2, Figure 7). Two ways to schedule that prompt:
 
-* **prefill-first** (vLLM v0, nano-vllm; Sarathi §3.2 "prefill-prioritizing"): whenever a
+* **prefill-first** (vLLM v0, nano-vllm; Sarathi §2.5 "prefill-prioritizing"): whenever a
   waiting request can be admitted, the step prefills new prompts only and every decode waits;
   otherwise the step decodes every running request. Throughput is good (big prefill batches),
   ITL is not: each admission stalls all decodes for a whole prefill.
