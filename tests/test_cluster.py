@@ -77,8 +77,8 @@ def test_cache_aware_finds_more_of_the_conversations_than_prefix_affinity():
 
 def test_cache_aware_picks_the_longest_cached_prefix_within_the_load_bound():
     def replica(index, cached, outstanding):
-        blocks = SimpleNamespace(get_computed_blocks=lambda request: list(range(cached)))
-        return Replica(index, SimpleNamespace(scheduler=SimpleNamespace(block_manager=blocks)), outstanding=outstanding)
+        scheduler = SimpleNamespace(num_cached_prefix_tokens=lambda request: 16 * cached)
+        return Replica(index, SimpleNamespace(scheduler=scheduler), outstanding=outstanding)
 
     router, request = get_router("cache_aware"), Request("r", [1] * 64, 4)
     # one outstanding each: the bound is ceil(1.25 x (3 + 1) / 3) = 2, all may take it; the longest cached prefix

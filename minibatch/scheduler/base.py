@@ -182,6 +182,12 @@ class Scheduler:
             return None
         return bm.num_prefix_hit_tokens, bm.num_prefix_query_tokens
 
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of ``request``'s prompt whose KV this scheduler's prefix cache holds now, in full blocks (the lookup
+        admission makes, nothing counted or changed); 0 with prefix caching off. A cluster router asks it."""
+        bm = self.block_manager
+        return 0 if bm is None else len(bm.get_computed_blocks(request)) * bm.block_size
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (their KV may have been overwritten by another engine)."""
         if self.block_manager is not None:
