@@ -24,6 +24,21 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def loaded(one_thread):
+    """(model, tokenizer) of tiny-random-llama with a chat template (its tokenizer has none; a server reads the
+    tokenizer's): what the server tests serve."""
+    from minibatch.models import load_model
+
+    model, tokenizer = load_model("tiny-random-llama")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return model, tokenizer
+
+
 # Eight requests, odd ones sharing a 19-token system prompt: the workload of the paged and chunked
 # engine tests (prompt lengths without the system prompt, and max_new_tokens).
 PROMPT_LENS = [5, 17, 9, 30, 3, 12, 21, 40]

@@ -19,22 +19,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from minibatch.models import load_model
 from minibatch.reference import reference_outputs
 from minibatch.request import Request, SamplingParams
 from minibatch.serving.launch import ServerProcess, ServerThread, build_server
 
 MODEL = "tiny-random-llama"
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPTS = [[5 + 7 * i + j for j in range(3 + 4 * i)] for i in range(4)]  # token ids, 3..15 tokens
-
-
-@pytest.fixture(scope="module")
-def loaded(one_thread):
-    model, tokenizer = load_model(MODEL)
-    tokenizer.chat_template = CHAT_TEMPLATE  # the tiny tokenizer has none; the server reads the tokenizer's
-    return model, tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from minibatch.models import load_model
 from minibatch.serving.launch import ServerThread, build_server
 
 MODEL = "tiny-random-llama"
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
                     | st.text(max_size=8),
@@ -55,11 +52,8 @@ def bodies(fields: dict) -> st.SearchStrategy:
 
 
 @pytest.fixture(scope="module")
-def server(one_thread):
-    model, tokenizer = load_model(MODEL)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    app, engine = build_server(MODEL, "paged", dict(n_slots=1024, block_size=4, max_num_seqs=4),
-                               loaded=(model, tokenizer))
+def server(loaded):
+    app, engine = build_server(MODEL, "paged", dict(n_slots=1024, block_size=4, max_num_seqs=4), loaded=loaded)
     with ServerThread(app, engine) as srv:
         yield srv
 
