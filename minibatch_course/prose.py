@@ -21,6 +21,7 @@ from pathlib import Path
 import nbformat
 
 from minibatch_course.editions import MD_SOLUTION
+from minibatch_course.links import broken_links, missing_cited_paths
 
 _SKIP = [re.compile(p, re.S) for p in (
     MD_SOLUTION.pattern,  # instructor-only solution
@@ -34,8 +35,6 @@ _OUTPUT_NUMBER = re.compile(r"(?<![\w.])-?(\d{1,3}(?:[,_ ]\d{3})+|\d+)(\.\d+)?(?
 _RATIO_WORD = re.compile(r"(\d+(?:\.\d+)?)\s?[x×] (?:lower|smaller|fewer|less|shorter|slower|higher|faster|larger|"
                          r"more|longer|bigger)\b")
 SUMMARY = re.compile(r"#+ (?:What we (?:measured|saw)|Summary|What to take away)", re.I)
-_PATH = re.compile(r"`((?:\.\./)?(?:minibatch|data|tests|benchmarks|notebooks|figures|scripts|docs|examples)/"
-                   r"[\w./-]*[\w/])`")
 JARGON = {
     r"\bissues?\b(?! (?:a|one|each|every|the) (?:request|step|forward|prefill|decode))": "the builders' tracker",
     r"\bclosing note\b": "the builders' notes",
@@ -120,15 +119,10 @@ def wrong_direction(nb) -> list[str]:
 
 
 def missing_paths(nb, root: Path) -> list[str]:
-    """Files or folders the markdown cites in backticks (`minibatch/x.py`, `../data/y.json`) that ``root`` lacks."""
-    found = []
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type == "markdown":
-            for m in _PATH.finditer(cell.source):
-                path = m.group(1).removeprefix("../")
-                if not (root / path).exists():
-                    found.append(f"cell {i}: `{m.group(1)}` is not in the repository")
-    return found
+    """Files or folders the markdown cites in backticks (`minibatch/x.py`, `../data/y.json`) that ``root`` lacks,
+    and links that lead nowhere (``minibatch_course.links``), as "cell N: ..."."""
+    return [f"cell {i}: {problem}" for i, cell in enumerate(nb.cells) if cell.cell_type == "markdown"
+            for problem in missing_cited_paths(cell.source, root) + broken_links(cell.source, root / "notebooks", root)]
 
 
 def jargon(nb) -> list[str]:

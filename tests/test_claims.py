@@ -80,7 +80,7 @@ def test_every_claim_is_complete_and_its_numbers_are_in_its_text():
 
 
 def course_texts():
-    """(where, text, printed) for every notebook's markdown and outputs, README and the glossary."""
+    """(where, text, printed) for every notebook's markdown and outputs, README and the pages in docs/."""
     for path in NOTEBOOKS:
         for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
             if cell.cell_type == "markdown":
@@ -89,8 +89,8 @@ def course_texts():
                 text = out.get("text", "") + out.get("data", {}).get("text/plain", "")
                 if text:
                     yield f"{path.stem} cell {i} output", text, True
-    for name in ("README.md", "docs/terms.md"):
-        yield name, (ROOT / name).read_text(), False
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        yield page.name, page.read_text(), False
 
 
 def test_the_course_credits_every_number_to_its_source():

@@ -8,11 +8,13 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
+from minibatch_course.links import anchor, broken_links, missing_cited_paths
 from minibatch_course.prose import (flat_cost_called_compute_bound, jargon, missing_paths, unbacked_numbers,
                                     wrong_direction)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # the Markdown pages a student reads
 
 # Numbers quoted from papers or public specifications (not measured here), per notebook, each with its source.
 QUOTED = {
@@ -104,6 +106,25 @@ def test_cited_files_must_exist():
     assert missing_paths(nb, ROOT) == ["cell 0: `docs/design_notes.md` is not in the repository"]
 
 
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "CHANGELOG.md"], ids=lambda p: p.name)
+def test_every_link_and_cited_file_of_a_page_exists(page):
+    """README's long measurement logs live in docs/ (performance.md, simulator.md); a page moved or a heading
+    renamed must not leave a link or a cited file leading nowhere."""
+    text = page.read_text()
+    problems = broken_links(text, page.parent, ROOT) + missing_cited_paths(text, ROOT)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_link_check_catches_a_missing_page_a_missing_anchor_and_a_way_out():
+    text = ("[a](docs/terms.md) [b](docs/gone.md) [c](README.md#quick-start) [d](README.md#no-such-part) "
+            "[e](#local) [f](../../etc/passwd) [g](https://example.org/x#y) `data/none.json`\n## Local\n")
+    assert broken_links(text, ROOT, ROOT) == ["link (docs/gone.md): no such file in the repository",
+                                              "link (README.md#no-such-part): no heading with that anchor",
+                                              "link (../../etc/passwd): no such file in the repository"]
+    assert missing_cited_paths(text, ROOT) == ["`data/none.json` is not in the repository"]
+    assert anchor("The main job: `python -m minibatch compare`") == "the-main-job-python--m-minibatch-compare"
+
+
 def test_readme_and_notebook_04_say_their_paged_kv_numbers_are_two_runs():
     """The review found README and notebook 04 giving different numbers for "the same setup"; both now say that
     the notebook reads a second, separate run (wall clock numbers differ run to run)."""
@@ -149,6 +170,6 @@ def test_the_regimes_named_right_pass(text):
 def test_no_flat_cost_is_called_compute_bound_in_the_course():
     texts = [(f"{p.stem} cell {i}", c.source) for p in NOTEBOOKS  # solutions too
              for i, c in enumerate(nbformat.read(p, as_version=4).cells) if c.cell_type == "markdown"]
-    texts += [(name, (ROOT / name).read_text()) for name in ("README.md", "docs/terms.md")]
+    texts += [(page.name, page.read_text()) for page in PAGES]
     problems = [f"{where}: {p}" for where, text in texts for p in flat_cost_called_compute_bound(text)]
     assert not problems, "\n".join(problems)
