@@ -21,7 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers is imported where a model is loaded: `import minibatch` stays light
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from minibatch.hf_load import cache_dir, load_pretrained, quiet_loading
 
@@ -48,6 +51,8 @@ def gguf_location() -> tuple[str, str]:
 
 def load_smollm2_from_gguf() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """De-quantise the GGUF into a float32 HF model (~20 s). Used for conversion and its test."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     _ensure_installed("accelerate", "accelerate")  # transformers requires it to load GGUF files
     directory, file = gguf_location()
     with quiet_loading():
@@ -159,6 +164,8 @@ def _convert_smollm2(target: Path) -> None:
     and renamed at the end: an interrupted run never leaves a half-written cache
     behind, and a killed one leaves a temp dir the next load removes.
     """
+    from transformers import AutoModelForCausalLM
+
     gguf_model, tokenizer = load_smollm2_from_gguf()
     config = copy.deepcopy(gguf_model.config)
     if hasattr(config, "quantization_config"):

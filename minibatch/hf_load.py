@@ -12,10 +12,10 @@ import contextlib
 import functools
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
+if TYPE_CHECKING:  # transformers is imported where a model is loaded: `import minibatch` stays light
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def cache_dir() -> Path:
@@ -33,6 +33,7 @@ def quiet_loading() -> Iterator[None]:
     from huggingface_hub.utils import logging as hub_logging
     from tqdm.auto import tqdm
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hub_verbosity = hub_logging.get_verbosity()
     hub_logging.set_verbosity_error()  # the hub client's retry warnings when it is unreachable
@@ -54,5 +55,7 @@ def load_pretrained(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedToken
 
     Raises what ``from_pretrained`` raises (OSError, ValueError, ...): callers word the message.
     """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with quiet_loading():
         return AutoModelForCausalLM.from_pretrained(name_or_path), AutoTokenizer.from_pretrained(name_or_path)

@@ -21,9 +21,8 @@ mode, gradients off, on ``device`` in ``dtype``. ``name`` is one of:
 * ``"smollm2-135m-random"`` / ``"llama-1b-random"``: seeded random weights in the shape of
   SmolLM2-135M (30 layers, hidden 576, 9 query / 3 KV heads, vocab 49152) and of a 1.2B
   Llama-3.2-1B-shaped model (16 layers, hidden 2048, 32 query / 8 KV heads, vocab 128256), with
-  the byte-level tokenizer. For timing where the weights cannot be fetched (an offline GPU
-  machine): a step costs what the real model's step costs, but greedy text is gibberish, so
-  traces fix output lengths with ``ignore_eos``.
+  the byte-level tokenizer. For timing where the weights cannot be fetched (an offline GPU machine): a step
+  costs what the real model's step costs; greedy text is gibberish, so traces use ``ignore_eos``.
 * a local directory or a hub id ``"owner/name"``: ``from_pretrained`` as usual.
 
 Also here: the ids a model stops and pads with (:func:`eos_token_ids`, :func:`pad_token_id`) and
@@ -37,11 +36,12 @@ from dataclasses import dataclass
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
+
+if TYPE_CHECKING:  # transformers is imported where a model is built or loaded: `import minibatch` stays light
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from minibatch.checks import check_device
 from minibatch.config import check_fields, opt, option
@@ -69,6 +69,7 @@ def _load_draft() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if not (DRAFT_DIR / "config.json").exists():
         raise FileNotFoundError(f"{DRAFT_DIR} is missing: train it with scripts/train_draft.py "
                                 "(or use a source checkout, which has it committed)")
+    from transformers import AutoModelForCausalLM
     target, tokenizer = load_smollm2()  # same tokenizer as the target
     with quiet_loading():
         draft = AutoModelForCausalLM.from_pretrained(DRAFT_DIR)
@@ -110,6 +111,8 @@ def tiny_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
     (so ``"A"`` -> 69), then ``<extra_0..251>`` special tokens filling the vocab to
     512 so every id a random model can emit decodes to something. No BOS is added.
     """
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
     specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
     vocab = {tok: i for i, tok in enumerate(specials)}
     vocab.update({ch: len(specials) + b for b, ch in _byte_to_unicode().items()})
@@ -125,6 +128,7 @@ def tiny_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
 
 
 def _random_config(name: str):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     # initializer_range=0.2 (10x the HF default) spreads the random logits out (std ~1.5)
     # so greedy top-1 beats top-2 by a clear margin: median gap ~0.3, <1e-3 on ~0.2% of
     # steps, vs ~1e-5 fp32 noise between batched and unbatched runs -> same tokens.

@@ -49,3 +49,14 @@ def test_the_kernels_sources_and_headers_are_package_data():
     kernels = [p.relative_to(ROOT / "minibatch").as_posix() for p in (ROOT / "minibatch" / "kernels").iterdir()
                if p.suffix in (".cpp", ".h")]
     assert kernels and all(any(fnmatch.fnmatch(k, pat) for pat in patterns) for k in kernels), kernels
+
+
+def test_the_package_and_its_command_line_load_without_transformers():
+    """transformers (with torch's compiler, which it pulls in) took ~2.5 of the ~5 s that `python -m minibatch
+    simulate --help` spent importing; only loading a model needs it, so the loaders import it when they run."""
+    import subprocess
+    import sys
+
+    code = ("import sys, minibatch, minibatch.__main__, minibatch.sim.simulator, minibatch.cluster.simulate; "
+            "sys.exit('transformers' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
