@@ -20,18 +20,41 @@ def write_json(result: dict, path: str | Path | None) -> None:
         print(f"wrote {path}")
 
 
+def git_commit() -> str | None:
+    """The commit of the checkout this package runs from (git's short hash, with "+changes" when tracked files
+    differ from it), so a result names the code that made it; None where the package is not a git checkout's (an
+    installed copy) or git is missing."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root:
+        return None
+    head = git("rev-parse", "--short", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no")
+    return None if head is None else head + ("+changes" if changes else "")
+
+
 def environment(load_before: dict | None = None) -> dict:
-    """Versions and machine, stored with every result so numbers can be compared honestly; with
-    ``load_before`` (:func:`machine_load` at the start of the run) also ``load_before`` and ``load_after``."""
+    """Versions, machine and commit (:func:`git_commit`), stored with every result so numbers can be compared
+    honestly and traced to their code; with ``load_before`` (:func:`machine_load` at the start of the run) also
+    ``load_before`` and ``load_after``. Reads transformers' version without importing it."""
     import os
     import platform
-
-    import transformers
+    from importlib.metadata import version
 
     from minibatch import __version__
 
-    env = {"minibatch": __version__, "python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__,
+    env = {"minibatch": __version__, "commit": git_commit(), "python": platform.python_version(),
+           "torch": torch.__version__, "transformers": version("transformers"),
            "machine": platform.machine(), "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "malloc": malloc_state(),
            "kv_huge_pages": huge_pages_state()}

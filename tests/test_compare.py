@@ -194,3 +194,27 @@ def test_compare_records_the_load_before_and_after(tmp_path):
     for key in ("load_before", "load_after"):
         assert set(result["environment"][key]) == {"load_average_1m", "cpu_count", "busy_processes"}
     assert result["contended"] is None  # judged for wall-clock runs only
+
+
+def test_results_name_the_commit_that_made_them():
+    """environment() records the checkout's commit (git's short hash, "+changes" when tracked files differ), so a
+    committed result names its code; transformers' version is read without importing it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import minibatch
+    from minibatch.report import environment, git_commit
+
+    root = Path(minibatch.__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:  # not a checkout (an installed copy): nothing to name
+        assert git_commit() is None
+        return
+    changes = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True).stdout.strip()
+    assert git_commit() == head.stdout.strip() + ("+changes" if changes else "")
+    code = "import sys; from minibatch.report import environment; e = environment(); " \
+           "sys.exit(0 if e['commit'] and 'transformers' not in sys.modules else 1)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+    assert environment()["commit"] == git_commit()
