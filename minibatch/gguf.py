@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # transformers is imported where a model is loaded: `import minibatch` stays light
