@@ -20,27 +20,40 @@ def write_json(result: dict, path: str | Path | None) -> None:
         print(f"wrote {path}")
 
 
+ROOT = Path(__file__).resolve().parent.parent
+# the code a step's time depends on: a profile calibrated before a change here prices the engine of then
+ENGINE_PATHS = ("minibatch/runner", "minibatch/kernels", "minibatch/engine.py", "minibatch/scheduler", "minibatch/kv")
+
+
+def _git(*args: str) -> str | None:
+    """git's output in this package's checkout, or None (not a checkout's copy, no git, or git failed)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    return done.stdout.strip() if top.returncode == 0 and Path(top.stdout.strip()).resolve() == ROOT else None
+
+
 def git_commit() -> str | None:
     """The commit of the checkout this package runs from (git's short hash, with "+changes" when tracked files
     differ from it), so a result names the code that made it; None where the package is not a git checkout's (an
     installed copy) or git is missing."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    top = git("rev-parse", "--show-toplevel")
-    if top is None or Path(top).resolve() != root:
+    head = _git("rev-parse", "--short", "HEAD")
+    if head is None:
         return None
-    head = git("rev-parse", "--short", "HEAD")
-    changes = git("status", "--porcelain", "--untracked-files=no")
-    return None if head is None else head + ("+changes" if changes else "")
+    return head + ("+changes" if _git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def engine_changes_since(commit: str) -> list[str] | None:
+    """The files of ENGINE_PATHS that differ between ``commit`` (as :func:`git_commit` names it) and this checkout;
+    None where git cannot tell (no checkout, or the commit is not in its history)."""
+    changed = _git("diff", "--name-only", commit.removesuffix("+changes"), "--", *ENGINE_PATHS)
+    return None if changed is None else changed.splitlines()
 
 
 def environment(load_before: dict | None = None) -> dict:
@@ -186,9 +199,10 @@ MACHINE_KEYS = ("cpu_model", "cpu_isa", "cpu_count", "machine", "gpu", "torch", 
 
 def machine_differences(recorded: dict, current: dict) -> list[str]:
     """How the machine and engine a profile was measured on (its ``environment``) differ from ``current``
-    (``environment()``): one "key: recorded -> current" per MACHINE_KEYS entry that differs, and one line per
+    (``environment()``): one "key: recorded -> current" per MACHINE_KEYS entry that differs, one line per
     entry the profile did not record (older profiles lack cpu_model and minibatch), except ``cpu_isa``, which
-    profiles record only since it was added."""
+    profiles record only since it was added, and, where both name their commit and git can tell, one line if the
+    engine's code (ENGINE_PATHS) changed between them."""
     out = []
     for key in MACHINE_KEYS:
         if key not in current and key not in recorded:
@@ -198,4 +212,9 @@ def machine_differences(recorded: dict, current: dict) -> list[str]:
                 out.append(f"{key} not recorded")
         elif recorded[key] != current.get(key):
             out.append(f"{key}: {recorded[key]} -> {current.get(key)}")
+    if recorded.get("commit") and current.get("commit") and recorded["commit"] != current["commit"]:
+        changed = engine_changes_since(recorded["commit"])
+        if changed:
+            out.append(f"engine code changed since commit {recorded['commit']}: {len(changed)} files under "
+                       + ", ".join(sorted({p for p in ENGINE_PATHS if any(c.startswith(p) for c in changed)})))
     return out

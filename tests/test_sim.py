@@ -216,6 +216,29 @@ def test_simulate_says_when_the_profile_is_another_machines(tiny_profile, tmp_pa
     assert len(json.loads((tmp_path / "s.json").read_text())["profile_machine_differences"]) == 2
 
 
+def test_a_profile_from_before_an_engine_change_is_named_stale():
+    """A profile records the commit it was calibrated at; where the engine's code (report.ENGINE_PATHS) changed
+    since, machine_differences says so. Skipped where git cannot tell (no checkout, or a shallow clone)."""
+    import subprocess
+
+    from minibatch.report import ROOT, environment, git_commit, machine_differences
+
+    here = environment()
+    if git_commit() is None:
+        pytest.skip("not a git checkout")
+    last = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h", "--", "minibatch/runner"],
+                          capture_output=True, text=True).stdout.strip()
+    before = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", f"{last}~1"], capture_output=True,
+                            text=True)
+    if not last or before.returncode != 0:
+        pytest.skip("the history does not reach an engine change")
+    stale = machine_differences(here | {"commit": before.stdout.strip()}, here)
+    assert len(stale) == 1 and stale[0].startswith(f"engine code changed since commit {before.stdout.strip()}: ")
+    assert "minibatch/runner" in stale[0]
+    assert machine_differences(here, here) == []
+    assert machine_differences(here | {"commit": "0000000"}, here) == []  # not in the history: git cannot tell
+
+
 def test_simulate_cli_runs_thousands_of_requests(tiny_profile, tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert main(["simulate", "--profile", str(tiny_profile), "--num-requests", "1000", "--rate", "200",
