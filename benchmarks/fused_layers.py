@@ -22,19 +22,27 @@ import torch
 from fused_projections import parser, step_times
 
 
+def kernel_sources_at(rev: str, name: str) -> str:
+    """A folder build/<name>_<rev>/ holding minibatch/kernels/'s C++ sources and headers as they were at git revision
+    ``rev`` (a file that did not exist then is left empty), to build that revision's kernels beside today's."""
+    from minibatch.kernels import cpu_decode_layer
+
+    here = os.path.dirname(cpu_decode_layer.SOURCE)
+    folder = os.path.join("build", f"{name}_{rev}")
+    os.makedirs(folder, exist_ok=True)
+    for file in [f for f in os.listdir(here) if f.endswith((".cpp", ".h"))]:
+        shown = subprocess.run(["git", "show", f"{rev}:minibatch/kernels/{file}"], capture_output=True)
+        with open(os.path.join(folder, file), "wb") as f:
+            f.write(shown.stdout if shown.returncode == 0 else b"")
+    return folder
+
+
 def kernel_at(rev: str):
     """The fused layer's extension built from the kernel sources (every file of minibatch/kernels/ the build reads)
     at git revision ``rev``, in build/fused_<rev>/."""
     from minibatch.kernels import cpp_build, cpu_decode_layer
 
-    here = os.path.dirname(cpu_decode_layer.SOURCE)
-    folder = os.path.join("build", f"fused_{rev}")
-    os.makedirs(folder, exist_ok=True)
-    names = [f for f in os.listdir(here) if f.endswith((".cpp", ".h"))]
-    for name in names:
-        shown = subprocess.run(["git", "show", f"{rev}:minibatch/kernels/{name}"], capture_output=True)
-        with open(os.path.join(folder, name), "wb") as f:
-            f.write(shown.stdout if shown.returncode == 0 else b"")
+    folder = kernel_sources_at(rev, "fused")
     layer = cpu_decode_layer.KERNEL
     return cpp_build.build(os.path.join(folder, os.path.basename(layer.source)),
                            layer.extra_cflags, tuple(os.path.join(folder, os.path.basename(x))
