@@ -1,4 +1,5 @@
-"""The ``cpp`` backend's bf16 decode attention with its K/V read from memory, as a decode step reads it:
+"""The ``cpp`` backend's decode attention (``--dtype``: bf16, or float32 for CPUs without native bf16) with its K/V
+read from memory, as a decode step reads it:
 SmolLM2-135M's shapes (30 layers, 9 query heads, 3 KV heads of 64, block_size 16) for ``--requests`` requests of
 ``--context`` tokens, each layer's K/V its own in a cache of ``--cache-gib`` GiB (on 2 MiB pages, as a CPU
 ModelRunner allocates it), the blocks scattered at random; one sweep of the 30 layers per turn, so every layer's
@@ -31,6 +32,7 @@ def main(argv=None) -> dict:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-gib", type=float, default=2.0, help="the KV cache the blocks are scattered over")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the cache's and q's")
     p.add_argument("--turns", type=int, default=60, help="30-layer sweeps per way")
     p.add_argument("--against-rev", default=None, help="also time the kernel at this git revision")
     p.add_argument("--json", dest="json_path", default=None)
@@ -44,15 +46,17 @@ def main(argv=None) -> dict:
         folder = kernel_sources_at(args.against_rev, "decode")
         kernels[args.against_rev] = cpu_decode.build(os.path.join(folder, os.path.basename(cpu_decode.SOURCE)))
     n, blocks = args.requests, -(-args.context // BLOCK)
-    pool = int(args.cache_gib * 2**30) // (LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2)
+    dtype = getattr(torch, args.dtype)
+    size = torch.finfo(dtype).bits // 8
+    pool = int(args.cache_gib * 2**30) // (LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * size)
     if pool < n * blocks:
         p.error(f"--cache-gib {args.cache_gib} holds {pool} blocks a layer, fewer than the {n * blocks} the step reads")
     g = torch.Generator().manual_seed(0)
-    cache = huge_page_zeros((LAYERS, 2, pool, BLOCK, KV_HEADS, HEAD_DIM), torch.bfloat16)
+    cache = huge_page_zeros((LAYERS, 2, pool, BLOCK, KV_HEADS, HEAD_DIM), dtype)
     for layer in range(LAYERS):
         cache[layer].normal_(generator=g)
     tables = [torch.randperm(pool, generator=g)[: n * blocks].view(n, blocks) for _ in range(LAYERS)]
-    lens, q = torch.full((n,), args.context), torch.randn(n, HEADS, HEAD_DIM, generator=g).bfloat16()
+    lens, q = torch.full((n,), args.context), torch.randn(n, HEADS, HEAD_DIM, generator=g).to(dtype)
     scale = HEAD_DIM ** -0.5
 
     def sweep(kernel, layers) -> float:  # ms per layer
@@ -70,7 +74,7 @@ def main(argv=None) -> dict:
         for name in names if turn % 2 == 0 else names[::-1]:
             times[name].append(sweep(kernels[name], range(LAYERS)))
         times["today_warm"].append(sweep(kernels["today"], [0] * LAYERS))
-    gb = n * args.context * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9  # K and V read per layer
+    gb = n * args.context * KV_HEADS * HEAD_DIM * 2 * size / 1e9  # K and V read per layer
     rows = {name: {"ms_per_layer": round(statistics.median(t), 4),
                    "gb_per_s": round(gb / statistics.median(t) * 1e3, 1),
                    "p10_p90_ms": [round(sorted(t)[len(t) // 10], 4), round(sorted(t)[len(t) * 9 // 10], 4)]}
@@ -78,7 +82,8 @@ def main(argv=None) -> dict:
     command = "python benchmarks/cpu_decode_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"command": command,
               "environment": environment(load_before), "requests": n, "context": args.context, "threads": args.threads,
-              "cache_gib": args.cache_gib, "turns": args.turns, "kv_bytes_per_layer": int(gb * 1e9), "ways": rows}
+              "cache_gib": args.cache_gib, "dtype": args.dtype, "turns": args.turns,
+              "kv_bytes_per_layer": int(gb * 1e9), "ways": rows}
     if args.against_rev:
         pairs = [b / a for a, b in zip(times["today"], times[args.against_rev])]
         result["speedup_over_rev"] = round(statistics.median(pairs), 3)  # the median of the turns' ratios
