@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -25,18 +26,26 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE_PATHS = ("minibatch/runner", "minibatch/kernels", "minibatch/engine.py", "minibatch/scheduler", "minibatch/kv")
 
 
-def _git(*args: str) -> str | None:
-    """git's output in this package's checkout, or None (not a checkout's copy, no git, or git failed)."""
+def _run_git(*args: str) -> str | None:
     import subprocess
 
     try:
         done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if done.returncode != 0:
-        return None
-    top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
-    return done.stdout.strip() if top.returncode == 0 and Path(top.stdout.strip()).resolve() == ROOT else None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+@functools.cache
+def _is_checkout() -> bool:
+    """Whether this package's folder is a git checkout's own (an installed copy inside another repo is not)."""
+    top = _run_git("rev-parse", "--show-toplevel")
+    return top is not None and Path(top).resolve() == ROOT
+
+
+def _git(*args: str) -> str | None:
+    """git's output in this package's checkout, or None (not a checkout's copy, no git, or git failed)."""
+    return _run_git(*args) if _is_checkout() else None
 
 
 def git_commit() -> str | None:
