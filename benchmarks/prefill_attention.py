@@ -9,6 +9,8 @@ own ``prefill`` methods, after the new tokens' K/V are in the cache.
 
 and, for the float32 path at AVX2's width on a CPU with AVX-512 (what laptops without AVX-512 run), the float32
 command with ``--kernel-cflags=-mno-avx512f --json data/cpu/prefill_attention_float32_avx2.json``.
+``--against-rev REV`` adds a third way, "cpp_REV": the kernel built from the C++ sources at git revision REV, called
+through the same backend (an A/B of a kernel change in one process).
 
 Cases: one prompt of 256, 1024 and 2048 tokens with nothing cached; a 512-token chunk after 1536 cached tokens
 (chunked prefill); 8 prompts of 128 tokens in one step. Times are medians of ``--repeats`` calls, taking turns;
@@ -20,10 +22,12 @@ float32 one with AVX2 and FMA or AVX-512 (else the kernel has no path for the dt
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
+from fused_layers import kernel_sources_at
 from minibatch.experiment import alternating_ms
 from minibatch.kernels import cpp_build, cpu_prefill
 from minibatch.report import environment, machine_load, write_json
@@ -63,11 +67,18 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--kernel-cflags", default="", help="extra compiler flags for the kernel, e.g. -mno-avx512f: "
                    "the float32 path at AVX2's width (8 lanes, 16 registers, as on laptops) on an AVX-512 CPU")
+    p.add_argument("--against-rev", default=None, help="also time the kernel at this git revision")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
+    cflags = tuple(args.kernel_cflags.split())
     if args.kernel_cflags:
-        cpu_prefill.KERNEL.module = cpp_build.build(cpu_prefill.SOURCE, tuple(args.kernel_cflags.split()))
+        cpu_prefill.KERNEL.module = cpp_build.build(cpu_prefill.SOURCE, cflags)
+    ways = {"sdpa": None, "cpp": cpu_prefill.KERNEL.load() if cpu_prefill.KERNEL.available() else None}
+    if args.against_rev:
+        folder = kernel_sources_at(args.against_rev, "prefill")
+        ways[f"cpp_{args.against_rev}"] = cpp_build.build(os.path.join(folder, os.path.basename(cpu_prefill.SOURCE)),
+                                                          cflags)
     if not cpu_prefill.available(dtype):
         raise SystemExit(f"the paged prefill kernel has no {args.dtype} path here (bf16 needs AVX512-BF16, float32 "
                          "AVX2 with FMA or AVX-512, both a C++ compiler)")
@@ -80,27 +91,36 @@ def main(argv=None) -> dict:
         m, q, k, v = metadata(spans, g, dtype)
         outs = {}
         calls = {}
-        for backend in ("sdpa", "cpp"):
-            b = get_backend(backend)
+        for way, module in ways.items():
+            b = get_backend("sdpa" if way == "sdpa" else "cpp")
             meta = AttentionMetadata(**{**m.__dict__, "data": None})
             b.prepare(meta)
-            out = outs[backend] = torch.empty_like(q)
-            calls[f"{backend}_ms"] = (lambda b=b, meta=meta, out=out: b.prefill(meta, 0, q, k, v, scale, None, out))
-            calls[f"{backend}_ms"]()
-        err = (outs["sdpa"].float() - outs["cpp"].float()).abs().max().item()
+            out = outs[way] = torch.empty_like(q)
+
+            def call(b=b, meta=meta, out=out, module=module):
+                today, cpu_prefill.KERNEL.module = cpu_prefill.KERNEL.module, module or cpu_prefill.KERNEL.module
+                try:
+                    b.prefill(meta, 0, q, k, v, scale, None, out)
+                finally:
+                    cpu_prefill.KERNEL.module = today
+            calls[f"{way}_ms"] = call
+            call()
+        err = max((outs["sdpa"].float() - o.float()).abs().max().item() for o in outs.values())
         assert err <= (2e-2 if dtype == torch.bfloat16 else 1e-4), (name, err)
         times = alternating_ms(calls, args.repeats)
         flops = sum(4 * HEAD_DIM * HEADS * (n * c + n * (n + 1) // 2) for c, n in spans)
         row = {"case": name, "prefills": [list(s) for s in spans], "max_abs_diff": round(err, 5),
                **{k: round(t, 3) for k, t in times.items()},
-               "gflop_per_s": {b: round(flops / times[f"{b}_ms"] / 1e6, 1) for b in ("sdpa", "cpp")},
+               "gflop_per_s": {w: round(flops / times[f"{w}_ms"] / 1e6, 1) for w in ways},
                "speedup": round(times["sdpa_ms"] / times["cpp_ms"], 2)}
+        if args.against_rev:
+            row[f"speedup_over_{args.against_rev}"] = round(times[f"cpp_{args.against_rev}_ms"] / times["cpp_ms"], 2)
         print(row)
         rows.append(row)
     result = {"command": "python benchmarks/prefill_attention.py " + " ".join(argv if argv is not None
                                                                                else sys.argv[1:]),
               "environment": environment(load_before), "threads": args.threads, "dtype": args.dtype,
-              "kernel_cflags": args.kernel_cflags,
+              "kernel_cflags": args.kernel_cflags, "against_rev": args.against_rev,
               "num_heads": HEADS, "num_kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK, "rows": rows}
     write_json(result, args.json_path)
     return result

@@ -19,6 +19,13 @@
 // for bf16 inputs (l sums the float32 P); O = O e^(m_old - m) + P V (float32). Out: O / l rounded to bf16. Tasks are
 // handed out longest first from a shared counter, so the causal mask's uneven rows do not leave a thread idle.
 //
+// On CPUs with AMX (Intel's bf16 matrix tiles) and head_dim a multiple of 32, a task takes 16 query rows instead and
+// runs both products on tiles (amx_task): the packed keys and values are B tiles as they lie, so only the queries
+// are copied (into one A tile's rows), and the softmax step between the products is the VDPBF16PS path's. On a
+// 2-core Xeon with AMX the VDPBF16PS path ran the benchmark's cases at a third to nine tenths of torch's speed
+// there (its flash attention runs its products on AMX); the tiles take them to 0.9-1.4x torch's
+// (benchmarks/prefill_attention.py --against-rev, data/cpu/prefill_attention_amx.json).
+//
 // float32 (below the bf16 path) is the same tiling on cpu_simd.h's lanes with fused multiply-adds: keys packed
 // transposed per chunk, values read in place through the table, P kept in float32. On the same 2-core CPU it ran
 // the benchmark's float32 cases at 105-154 GFLOP/s against torch's 49-121 (1.27-2.14x), and built at AVX2's width
@@ -27,6 +34,7 @@
 // Intel, "Intel Architecture Instruction Set Extensions Programming Reference", VDPBF16PS. Built with -march=native
 // (kernels/cpp_build.py); prefill_available(dtype) says which paths this build has, and the callers keep torch's
 // attention for the others.
+#include "cpu_amx.h"
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -180,6 +188,55 @@ void weighted_sum_all(const uint32_t* pb, const uint32_t* vc, int64_t key_pairs,
   }
 }
 
+// One query row's step of the running softmax over a chunk of CHUNK keys from `base`: its scores s[0..3] (16 keys
+// each, unscaled) scaled and masked (keys past `pos`, or outside the window), the new max m, P = e^(S - m) rounded
+// to bf16 pairs into prow (zeros for keys the row does not see), l = l e^(m_old - m) + the sum of the float32 P, and
+// the row's output orow (hd floats) rescaled by e^(m_old - m). `masked`: whether any key of the chunk may be hidden.
+inline void softmax_step(const __m512* s, int64_t base, int64_t pos, bool masked, int64_t window, float scale,
+                         float& m, float& l, uint32_t* prow, float* orow, int64_t hd) {
+  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 x[4];
+  __mmask16 seen[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
+  for (int v = 0; v < 4; ++v) {
+    x[v] = _mm512_mul_ps(s[v], _mm512_set1_ps(scale));
+    if (masked) {
+      const __m512 key = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(base + v * 16)));
+      seen[v] = _mm512_cmp_ps_mask(key, _mm512_set1_ps(static_cast<float>(pos)), _CMP_LE_OQ);
+      if (window > 0)
+        seen[v] &= _mm512_cmp_ps_mask(key, _mm512_set1_ps(static_cast<float>(pos - window)), _CMP_GT_OQ);
+      x[v] = _mm512_mask_blend_ps(seen[v], _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x[v]);
+    }
+  }
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+  const float m_new = std::max(m, top);
+  if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible yet (a window's first chunks)
+    std::memset(prow, 0, CHUNK * 2);
+    return;
+  }
+  const float alpha = std::exp(m - m_new);  // 0 on the first visible chunk (m = -inf)
+  __m512 sum = _mm512_setzero_ps();
+  for (int v = 0; v < 4; ++v) {
+    __m512 p = exp_nonpositive(_mm512_sub_ps(x[v], _mm512_set1_ps(m_new)));
+    if (masked) p = _mm512_maskz_mov_ps(seen[v], p);  // exactly 0 for a key the row does not see
+    sum = _mm512_add_ps(sum, p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + v * 8), (__m256i)_mm512_cvtneps_pbh(p));
+  }
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  if (alpha != 1.0f)
+    for (int64_t d = 0; d < hd; d += 16)
+      _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), _mm512_set1_ps(alpha)));
+  m = m_new;
+}
+
+// A row's output: its sums o (hd floats) over l, rounded to bf16 into out.
+inline void store_row(const float* o, float l, int64_t hd, uint16_t* out) {
+  const __m512 inv = _mm512_set1_ps(1.0f / l);
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), b);
+  }
+}
+
 // The R query rows of a task (TaskRows) over the keys their masks let them see, on VDPBF16PS.
 template <int R>
 void task(const Head& h, int64_t row0, const uint16_t* q, uint16_t* out, int64_t heads, int64_t group, int64_t hd,
@@ -195,7 +252,6 @@ void task(const Head& h, int64_t row0, const uint16_t* q, uint16_t* out, int64_t
   std::fill(o, o + R * hd, 0.0f);
   float m[R], l[R];
   for (int r = 0; r < R; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.0f;
-  const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t c = first; c <= last; ++c) {
     const int64_t base = c * CHUNK;
     __m512 s[R * 4];
@@ -204,51 +260,11 @@ void task(const Head& h, int64_t row0, const uint16_t* q, uint16_t* out, int64_t
     // every row sees every key of the chunk unless the chunk reaches past the first row's position or (window)
     // below the last row's window
     const bool masked = base + CHUNK - 1 > lo_pos || (window > 0 && hi_pos - base >= window);
-    for (int r = 0; r < R; ++r) {
-      __m512 x[4];
-      __mmask16 seen[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
-      for (int v = 0; v < 4; ++v) {
-        x[v] = _mm512_mul_ps(s[r * 4 + v], _mm512_set1_ps(scale));
-        if (masked) {
-          const __m512 key = _mm512_add_ps(lane, _mm512_set1_ps(static_cast<float>(base + v * 16)));
-          seen[v] = _mm512_cmp_ps_mask(key, _mm512_set1_ps(static_cast<float>(pos[r])), _CMP_LE_OQ);
-          if (window > 0)
-            seen[v] &= _mm512_cmp_ps_mask(key, _mm512_set1_ps(static_cast<float>(pos[r] - window)), _CMP_GT_OQ);
-          x[v] = _mm512_mask_blend_ps(seen[v], _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x[v]);
-        }
-      }
-      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
-      const float m_new = std::max(m[r], top);
-      uint32_t* prow = pb + r * (CHUNK / 2);
-      if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible yet (a window's first chunks)
-        std::memset(prow, 0, CHUNK * 2);
-        continue;
-      }
-      const float alpha = std::exp(m[r] - m_new);  // 0 on the first visible chunk (m = -inf)
-      __m512 sum = _mm512_setzero_ps();
-      for (int v = 0; v < 4; ++v) {
-        __m512 p = exp_nonpositive(_mm512_sub_ps(x[v], _mm512_set1_ps(m_new)));
-        if (masked) p = _mm512_maskz_mov_ps(seen[v], p);  // exactly 0 for a key the row does not see
-        sum = _mm512_add_ps(sum, p);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + v * 8), (__m256i)_mm512_cvtneps_pbh(p));
-      }
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-      if (alpha != 1.0f) {
-        float* orow = o + r * hd;
-        for (int64_t d = 0; d < hd; d += 16)
-          _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), _mm512_set1_ps(alpha)));
-      }
-      m[r] = m_new;
-    }
+    for (int r = 0; r < R; ++r)
+      softmax_step(s + r * 4, base, pos[r], masked, window, scale, m[r], l[r], pb + r * (CHUNK / 2), o + r * hd, hd);
     weighted_sum_all<R>(pb, h.v + base / 2 * hd, (keys + 1) / 2, hd, o);
   }
-  for (int r = 0; r < R; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-    for (int64_t d = 0; d < hd; d += 16) {
-      const __m256i b = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * hd + d), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + offset[r] + d), b);
-    }
-  }
+  for (int r = 0; r < R; ++r) store_row(o + r * hd, l[r], hd, out + offset[r]);
 }
 
 void run_task(int rows, const Head& h, int64_t row0, const uint16_t* q, uint16_t* out, int64_t heads,
@@ -262,6 +278,111 @@ void run_task(int rows, const Head& h, int64_t row0, const uint16_t* q, uint16_t
     default: return task<1>(h, row0, q, out, heads, group, hd, scale, window);
   }
 }
+
+#if defined(MINIBATCH_AMX)
+#define MINIBATCH_PREFILL_AMX 1
+constexpr int AMX_ROWS = 16;  // query rows per task on AMX: one tile's rows
+
+// Whether the AMX tasks take a step: the tile state granted, and head_dim whole 32-value query tiles.
+inline bool amx_prefill_fits(int64_t hd) { return hd % 32 == 0 && minibatch::amx_permitted(); }
+
+// The tiles amx_task uses, in the calling thread: 0-3 float32 sums (16 rows x 16), 4 an A tile (16 rows x 32 bf16:
+// queries or P), 5-7 B tiles (16 pairs x 16 columns: keys or values).
+inline void amx_prefill_tiles() {
+  minibatch::TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// task()'s contract for up to AMX_ROWS query rows (n_rows) on AMX tiles (Intel's Programming Reference, chapter 3:
+// TDPBF16PS, bf16 pairs into float32 sums): per chunk, S = Q K^T as four 16 x 16 tiles (the queries, copied once
+// into 16 rows of hd, zeros past n_rows, times the packed keys' pairs, which are B tiles as they lie) and P V (P's
+// bf16 pairs times the packed values' pairs) 16 x 16 dims a tile, added to O after the softmax step's rescale. The
+// softmax step is task()'s. The tiles must be configured (amx_prefill_tiles) in the calling thread.
+void amx_task(const Head& h, int64_t row0, int64_t n_rows, const uint16_t* q, uint16_t* out, int64_t heads,
+              int64_t group, int64_t hd, float scale, int64_t window) {
+  constexpr int R = AMX_ROWS;
+  const TaskRows<R> rows(h, row0, heads, group, hd, window);  // rows from n_rows on: not read, not written
+  const int64_t lo_pos = rows.pos[0], hi_pos = rows.pos[n_rows - 1], first = rows.first, last = hi_pos / CHUNK;
+  const int64_t pairs = hd / 2;
+  alignas(64) uint16_t qt[R * 256];
+  alignas(64) float s[R * 256];  // a chunk's scores (R x CHUNK), then its P V (R x hd)
+  alignas(64) float o[R * 256];
+  alignas(64) uint32_t pb[R * CHUNK / 2];
+  for (int64_t r = 0; r < R; ++r)
+    if (r < n_rows) std::memcpy(qt + r * hd, q + rows.offset[r], hd * 2);
+    else std::memset(qt + r * hd, 0, hd * 2);
+  std::memset(pb, 0, sizeof(pb));  // rows from n_rows on stay 0
+  std::fill(o, o + R * hd, 0.0f);
+  float m[R], l[R];
+  for (int r = 0; r < R; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.0f;
+  for (int64_t c = first; c <= last; ++c) {
+    const int64_t base = c * CHUNK;
+    const uint32_t* kc = h.k + c * pairs * CHUNK;  // [pairs][CHUNK keys]: 16 pairs x 16 keys are a B tile
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t d0 = 0; d0 < hd; d0 += 32) {
+      const uint32_t* kp = kc + d0 / 2 * CHUNK;
+      _tile_loadd(4, qt + d0, hd * 2);
+      _tile_loadd(5, kp, CHUNK * 4);
+      _tile_loadd(6, kp + 16, CHUNK * 4);
+      _tile_loadd(7, kp + 32, CHUNK * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, kp + 48, CHUNK * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, s, CHUNK * 4);
+    _tile_stored(1, s + 16, CHUNK * 4);
+    _tile_stored(2, s + 32, CHUNK * 4);
+    _tile_stored(3, s + 48, CHUNK * 4);
+    const bool masked = base + CHUNK - 1 > lo_pos || (window > 0 && hi_pos - base >= window);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      __m512 x[4];
+      for (int v = 0; v < 4; ++v) x[v] = _mm512_load_ps(s + r * CHUNK + v * 16);
+      softmax_step(x, base, rows.pos[r], masked, window, scale, m[r], l[r], pb + r * (CHUNK / 2), o + r * hd, hd);
+    }
+    const uint32_t* vc = h.v + base / 2 * hd;  // [key pairs][hd]: 16 key pairs x 16 dims are a B tile
+    for (int64_t d0 = 0; d0 < hd; d0 += 64) {  // P V for 64 dims (4 tiles) at a time; hd % 32 == 0
+      const bool four = d0 + 64 <= hd;
+      _tile_zero(0);
+      _tile_zero(1);
+      if (four) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t half = 0; half < 2; ++half) {  // keys 0-31 and 32-63 of the chunk: 16 pairs each
+        const uint32_t* vp = vc + half * 16 * hd + d0;
+        _tile_loadd(4, pb + half * 16, CHUNK * 2);
+        _tile_loadd(5, vp, hd * 4);
+        _tile_loadd(6, vp + 16, hd * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        if (four) {
+          _tile_loadd(7, vp + 32, hd * 4);
+          _tile_loadd(5, vp + 48, hd * 4);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, s + d0, hd * 4);
+      _tile_stored(1, s + d0 + 16, hd * 4);
+      if (four) {
+        _tile_stored(2, s + d0 + 32, hd * 4);
+        _tile_stored(3, s + d0 + 48, hd * 4);
+      }
+    }
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t d = 0; d < hd; d += 16)
+        _mm512_storeu_ps(o + r * hd + d, _mm512_add_ps(_mm512_loadu_ps(o + r * hd + d), _mm512_load_ps(s + r * hd + d)));
+  }
+  for (int64_t r = 0; r < n_rows; ++r) store_row(o + r * hd, l[r], hd, out + rows.offset[r]);
+}
+#endif
 #endif
 
 #if defined(MINIBATCH_SIMD)
@@ -505,9 +626,15 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     }
   });
   // the tasks, longest first (the last rows of the longest contexts), handed out from a shared counter
+#if defined(MINIBATCH_PREFILL_AMX)
+  const bool amx = bf16 && amx_prefill_fits(hd);
+#else
+  const bool amx = false;
+#endif
+  const int64_t task_rows = amx ? 16 : ROWS;
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (head index, first row)
   for (int64_t j = 0; j < n_spans * h_kv; ++j)
-    for (int64_t r = 0; r < head[j].q_len * group; r += ROWS) tasks.emplace_back(j, r);
+    for (int64_t r = 0; r < head[j].q_len * group; r += task_rows) tasks.emplace_back(j, r);
   std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& a, const auto& b) {
     return head[a.first].ctx + a.second / group > head[b.first].ctx + b.second / group;
   });
@@ -521,9 +648,19 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
                                            block_size * h_kv * hd, h_kv * hd, 0};
 #endif
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+#if defined(MINIBATCH_PREFILL_AMX)
+    if (amx) amx_prefill_tiles();
+#endif
     for (int64_t t; (t = next.fetch_add(1)) < n_tasks;) {
       const Head& h = head[tasks[t].first];
-      const int64_t row0 = tasks[t].second, rows = std::min<int64_t>(ROWS, h.q_len * group - row0);
+      const int64_t row0 = tasks[t].second, rows = std::min<int64_t>(task_rows, h.q_len * group - row0);
+#if defined(MINIBATCH_PREFILL_AMX)
+      if (amx) {
+        amx_task(h, row0, rows, static_cast<const uint16_t*>(qp), static_cast<uint16_t*>(op), heads, group, hd,
+                 static_cast<float>(scale), window);
+        continue;
+      }
+#endif
 #if defined(MINIBATCH_PREFILL_BF16)
       if (bf16)
         run_task(static_cast<int>(rows), h, row0, static_cast<const uint16_t*>(qp), static_cast<uint16_t*>(op),
@@ -535,6 +672,9 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
                      heads, group, hd, static_cast<float>(scale), window);
 #endif
     }
+#if defined(MINIBATCH_PREFILL_AMX)
+    if (amx) _tile_release();
+#endif
   });
 #endif
 }
