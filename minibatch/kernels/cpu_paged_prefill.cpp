@@ -22,8 +22,8 @@
 // On CPUs with AMX (Intel's bf16 matrix tiles) and head_dim a multiple of 32, a task takes 16 query rows instead and
 // runs both products on tiles (amx_task): the packed keys and values are B tiles as they lie, so only the queries
 // are copied (into one A tile's rows), and the softmax step between the products is the VDPBF16PS path's. On a
-// 2-core Xeon with AMX the VDPBF16PS path ran the benchmark's cases at a third to nine tenths of torch's speed
-// there (its flash attention runs its products on AMX); the tiles take them to 0.9-1.4x torch's
+// 2-core Xeon with AMX the VDPBF16PS path ran the benchmark's cases at 0.41-0.94x torch's speed there (its flash
+// attention runs its products on AMX); the tiles ran them 1.60-2.67x as fast, 1.08-1.50x torch's
 // (benchmarks/prefill_attention.py --against-rev, data/cpu/prefill_attention_amx.json).
 //
 // float32 (below the bf16 path) is the same tiling on cpu_simd.h's lanes with fused multiply-adds: keys packed
