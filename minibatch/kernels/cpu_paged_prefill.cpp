@@ -61,6 +61,7 @@
 namespace {
 
 constexpr int ROWS = 6;    // query rows per task: 6 x 4 score accumulators + 4 key vectors + 1 broadcast <= 32
+constexpr int AMX_ROWS = 16;  // query rows per task on AMX tiles (amx_task): one tile's rows
 constexpr int CHUNK = 64;  // keys per step of the running softmax: 4 vectors of 16
 #define MINIBATCH_UNROLL _Pragma("GCC unroll 8")
 
@@ -281,7 +282,6 @@ void run_task(int rows, const Head& h, int64_t row0, const uint16_t* q, uint16_t
 
 #if defined(MINIBATCH_AMX)
 #define MINIBATCH_PREFILL_AMX 1
-constexpr int AMX_ROWS = 16;  // query rows per task on AMX: one tile's rows
 
 // Whether the AMX tasks take a step: the tile state granted, and head_dim whole 32-value query tiles.
 inline bool amx_prefill_fits(int64_t hd) { return hd % 32 == 0 && minibatch::amx_permitted(); }
@@ -377,8 +377,10 @@ void amx_task(const Head& h, int64_t row0, int64_t n_rows, const uint16_t* q, ui
       }
     }
     for (int64_t r = 0; r < n_rows; ++r)
-      for (int64_t d = 0; d < hd; d += 16)
-        _mm512_storeu_ps(o + r * hd + d, _mm512_add_ps(_mm512_loadu_ps(o + r * hd + d), _mm512_load_ps(s + r * hd + d)));
+      for (int64_t d = 0; d < hd; d += 16) {
+        float* od = o + r * hd + d;
+        _mm512_storeu_ps(od, _mm512_add_ps(_mm512_loadu_ps(od), _mm512_load_ps(s + r * hd + d)));
+      }
   }
   for (int64_t r = 0; r < n_rows; ++r) store_row(o + r * hd, l[r], hd, out + rows.offset[r]);
 }
@@ -631,7 +633,7 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
 #else
   const bool amx = false;
 #endif
-  const int64_t task_rows = amx ? 16 : ROWS;
+  const int64_t task_rows = amx ? AMX_ROWS : ROWS;
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (head index, first row)
   for (int64_t j = 0; j < n_spans * h_kv; ++j)
     for (int64_t r = 0; r < head[j].q_len * group; r += task_rows) tasks.emplace_back(j, r);
