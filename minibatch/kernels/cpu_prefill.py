@@ -5,9 +5,9 @@ Why: torch's CPU flash attention (what the ``sdpa`` backend calls for a prefill)
 attention at about a quarter of the bf16 matrix products' rate on a 2-core AVX512-BF16 CPU, and a chunk that
 extends a cached context first copies the context out of the paged cache and builds a mask. This kernel
 reads every position, cached or new, through the block table, and runs both products of FlashAttention's tiling
-(Dao et al., NeurIPS'22, §3.1) on VDPBF16PS, bf16 pairs into float32 sums (on CPUs with AMX and head_dim a multiple of 32, on its tiles:
-``data/cpu/prefill_attention_amx.json``); the softmax's weights are rounded to bf16 for the product with V, as
-torch's CPU flash attention does for bf16 inputs (``benchmarks/prefill_attention.py``,
+(Dao et al., NeurIPS'22, §3.1) on VDPBF16PS, bf16 pairs into float32 sums (on CPUs with AMX and head_dim a
+multiple of 32, on its tiles: ``data/cpu/prefill_attention_amx.json``); the softmax's weights are rounded to bf16
+for the product with V, as torch's CPU flash attention does for bf16 inputs (``benchmarks/prefill_attention.py``,
 ``data/cpu/prefill_attention.json``). In float32 the same tiling runs on fused multiply-adds over the machine's
 vector lanes, the weights kept in float32 (``data/cpu/prefill_attention_float32.json``). The ``cpp`` backend uses it
 for prefills in every dtype it is :func:`available` for.
