@@ -20,11 +20,13 @@
 // handed out longest first from a shared counter, so the causal mask's uneven rows do not leave a thread idle.
 //
 // On CPUs with AMX (Intel's bf16 matrix tiles) and head_dim a multiple of 32, a task takes 16 query rows instead and
-// runs both products on tiles (amx_task): the packed keys and values are B tiles as they lie, so only the queries
-// are copied (into one A tile's rows), and the softmax step between the products is the VDPBF16PS path's. On a
-// 2-core Xeon with AMX the VDPBF16PS path ran the benchmark's cases at 0.41-0.94x torch's speed there (its flash
-// attention runs its products on AMX); the tiles ran them 1.60-2.67x as fast, 1.08-1.50x torch's
-// (benchmarks/prefill_attention.py --against-rev, data/cpu/prefill_attention_amx.json).
+// runs both products on tiles, transposed (amx_task): S^T = K Q^T and (P V)^T = V^T P^T, so that one vector holds a
+// key's (or a dim's) 16 rows and the running softmax needs no reduction across lanes; the keys are packed as rows
+// and the values transposed per chunk (pack_head_amx). On a 2-core Xeon with AMX the VDPBF16PS path ran the
+// benchmark's cases at 0.41-0.94x torch's speed there (its flash attention runs its products on AMX); tiles with
+// the row-wise softmax step ran them 1.60-2.67x as fast (data/cpu/prefill_attention_amx.json), the transposed form
+// 0.97-1.35x faster again (data/cpu/prefill_attention_amx_transposed.json; benchmarks/prefill_attention.py
+// --against-rev).
 //
 // float32 (below the bf16 path) is the same tiling on cpu_simd.h's lanes with fused multiply-adds: keys packed
 // transposed per chunk, values read in place through the table, P kept in float32. On the same 2-core CPU it ran
@@ -67,8 +69,10 @@ constexpr int CHUNK = 64;  // keys per step of the running softmax: 4 vectors of
 
 // One (request, KV head): its packed keys (and values), its block table, and where its query rows are.
 struct Head {
-  const uint32_t* k;      // bf16: [chunks][pairs][CHUNK] VNNI pairs; float32: [chunks][head_dim][CHUNK] floats
-  const uint32_t* v;      // bf16: [keys / 2][head_dim] VNNI pairs; float32: unused (read through the table)
+  const uint32_t* k;      // bf16: [chunks][pairs][CHUNK] VNNI pairs (AMX: [keys][head_dim] bf16); float32:
+                          // [chunks][head_dim][CHUNK] floats
+  const uint32_t* v;      // bf16: [keys / 2][head_dim] VNNI pairs (AMX: [chunks][head_dim][CHUNK] bf16); float32:
+                          // unused (read through the table)
   const int64_t* table;   // the request's block table row
   int64_t ctx;  // the first new token's position (seq_len - q_len)
   int64_t q_start, q_len, kv_head;
@@ -295,59 +299,112 @@ inline void amx_prefill_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// Pack one head's keys and values for amx_task: keys as rows ([position][hd] bf16, as the cache holds them: an A
+// tile's rows), values transposed per chunk ([chunk][hd][CHUNK positions] bf16: an A tile's rows are dims); zeros
+// past the context. kd and vd: padded x hd / 2 4-byte words each.
+void pack_head_amx(const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table, int64_t block_size,
+                   int64_t h_kv, int64_t hd, int64_t kv_head, int64_t seq_len, uint32_t* kd, uint32_t* vd) {
+  const int64_t padded = (seq_len + CHUNK - 1) / CHUNK * CHUNK;
+  const int64_t token_stride = h_kv * hd, block_stride = block_size * token_stride;
+  uint16_t* kr = reinterpret_cast<uint16_t*>(kd);
+  uint16_t* vt = reinterpret_cast<uint16_t*>(vd);
+  std::memset(kr + seq_len * hd, 0, (padded - seq_len) * hd * 2);
+  std::memset(vt, 0, padded * hd * 2);
+  for (int64_t pos = 0; pos < seq_len; ++pos) {
+    const int64_t at = table[pos / block_size] * block_stride + (pos % block_size) * token_stride + kv_head * hd;
+    std::memcpy(kr + pos * hd, k_cache + at, hd * 2);
+    uint16_t* vc = vt + (pos / CHUNK) * hd * CHUNK + pos % CHUNK;
+    for (int64_t d = 0; d < hd; ++d) vc[d * CHUNK] = v_cache[at + d];
+  }
+}
+
 // task()'s contract for up to AMX_ROWS query rows (n_rows) on AMX tiles (Intel's Programming Reference, chapter 3:
-// TDPBF16PS, bf16 pairs into float32 sums): per chunk, S = Q K^T as four 16 x 16 tiles (the queries, copied once
-// into 16 rows of hd, zeros past n_rows, times the packed keys' pairs, which are B tiles as they lie) and P V (P's
-// bf16 pairs times the packed values' pairs) 16 x 16 dims a tile, added to O after the softmax step's rescale. The
-// softmax step is task()'s. The tiles must be configured (amx_prefill_tiles) in the calling thread.
+// TDPBF16PS, bf16 pairs into float32 sums), transposed so that a vector holds one key's (or one dim's) 16 rows: per
+// chunk, S^T = K Q^T as four 16 x 16 tiles (the keys' rows times the rows' queries as VNNI pairs, built once), the
+// running softmax with every row in its own lane (no reduction across lanes: the max and sum run over the chunk's 64
+// vectors), P^T as bf16 pairs of keys, and (P V)^T = V^T P^T 16 dims a tile, added to O^T after the rescale; O is
+// transposed back once at the end. The weights are rounded as task()'s are. The tiles must be configured
+// (amx_prefill_tiles) in the calling thread; the head packed by pack_head_amx.
 void amx_task(const Head& h, int64_t row0, int64_t n_rows, const uint16_t* q, uint16_t* out, int64_t heads,
               int64_t group, int64_t hd, float scale, int64_t window) {
   constexpr int R = AMX_ROWS;
   const TaskRows<R> rows(h, row0, heads, group, hd, window);  // rows from n_rows on: not read, not written
   const int64_t lo_pos = rows.pos[0], hi_pos = rows.pos[n_rows - 1], first = rows.first, last = hi_pos / CHUNK;
-  const int64_t pairs = hd / 2;
-  alignas(64) uint16_t qt[R * 256];
-  alignas(64) float s[R * 256];  // a chunk's scores (R x CHUNK), then its P V (R x hd)
-  alignas(64) float o[R * 256];
-  alignas(64) uint32_t pb[R * CHUNK / 2];
-  for (int64_t r = 0; r < R; ++r)
-    if (r < n_rows) std::memcpy(qt + r * hd, q + rows.offset[r], hd * 2);
-    else std::memset(qt + r * hd, 0, hd * 2);
-  std::memset(pb, 0, sizeof(pb));  // rows from n_rows on stay 0
-  std::fill(o, o + R * hd, 0.0f);
-  float m[R], l[R];
-  for (int r = 0; r < R; ++r) m[r] = -std::numeric_limits<float>::infinity(), l[r] = 0.0f;
+  alignas(64) uint32_t qb[8 * 16 * R];  // [hd / 32][16 dim pairs][R rows]: Q^T as B tiles
+  alignas(64) float st[CHUNK * R];      // S^T: [key][row]
+  alignas(64) uint32_t pt[CHUNK / 2 * R];  // P^T: [key pair][row], bf16 pairs
+  alignas(64) float pvt[256 * R];       // (P V)^T: [dim][row]
+  alignas(64) float ot[256 * R];        // O^T
+  for (int64_t d0 = 0; d0 < hd; d0 += 32)
+    for (int k = 0; k < 16; ++k)
+      for (int n = 0; n < R; ++n)
+        qb[(d0 / 32 * 16 + k) * R + n] =
+            n < n_rows ? reinterpret_cast<const uint32_t*>(q + rows.offset[n] + d0)[k] : 0u;
+  std::fill(ot, ot + hd * R, 0.0f);
+  alignas(64) float pos_lanes[R];
+  for (int n = 0; n < R; ++n) pos_lanes[n] = static_cast<float>(rows.pos[std::min<int64_t>(n, n_rows - 1)]);
+  const __m512 pos_v = _mm512_load_ps(pos_lanes);
+  const __m512 lo_v = _mm512_sub_ps(pos_v, _mm512_set1_ps(static_cast<float>(window)));
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), sv = _mm512_set1_ps(scale);
+  __m512 m = neg_inf, l = _mm512_setzero_ps();
+  const uint16_t* kr = reinterpret_cast<const uint16_t*>(h.k);
+  const uint16_t* vt = reinterpret_cast<const uint16_t*>(h.v);
   for (int64_t c = first; c <= last; ++c) {
     const int64_t base = c * CHUNK;
-    const uint32_t* kc = h.k + c * pairs * CHUNK;  // [pairs][CHUNK keys]: 16 pairs x 16 keys are a B tile
+    const uint16_t* kc = kr + base * hd;  // 64 keys' rows
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t d0 = 0; d0 < hd; d0 += 32) {
-      const uint32_t* kp = kc + d0 / 2 * CHUNK;
-      _tile_loadd(4, qt + d0, hd * 2);
-      _tile_loadd(5, kp, CHUNK * 4);
-      _tile_loadd(6, kp + 16, CHUNK * 4);
-      _tile_loadd(7, kp + 32, CHUNK * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, kp + 48, CHUNK * 4);
-      _tile_dpbf16ps(3, 4, 5);
+      _tile_loadd(4, qb + d0 / 32 * 16 * R, R * 4);
+      _tile_loadd(5, kc + d0, hd * 2);
+      _tile_loadd(6, kc + 16 * hd + d0, hd * 2);
+      _tile_loadd(7, kc + 32 * hd + d0, hd * 2);
+      _tile_dpbf16ps(0, 5, 4);
+      _tile_dpbf16ps(1, 6, 4);
+      _tile_dpbf16ps(2, 7, 4);
+      _tile_loadd(5, kc + 48 * hd + d0, hd * 2);
+      _tile_dpbf16ps(3, 5, 4);
     }
-    _tile_stored(0, s, CHUNK * 4);
-    _tile_stored(1, s + 16, CHUNK * 4);
-    _tile_stored(2, s + 32, CHUNK * 4);
-    _tile_stored(3, s + 48, CHUNK * 4);
+    _tile_stored(0, st, R * 4);
+    _tile_stored(1, st + 16 * R, R * 4);
+    _tile_stored(2, st + 32 * R, R * 4);
+    _tile_stored(3, st + 48 * R, R * 4);
     const bool masked = base + CHUNK - 1 > lo_pos || (window > 0 && hi_pos - base >= window);
-    for (int64_t r = 0; r < n_rows; ++r) {
-      __m512 x[4];
-      for (int v = 0; v < 4; ++v) x[v] = _mm512_load_ps(s + r * CHUNK + v * 16);
-      softmax_step(x, base, rows.pos[r], masked, window, scale, m[r], l[r], pb + r * (CHUNK / 2), o + r * hd, hd);
+    __mmask16 seen[CHUNK];
+    __m512 top = neg_inf;
+    for (int j = 0; j < CHUNK; ++j) {
+      __m512 x = _mm512_mul_ps(_mm512_load_ps(st + j * R), sv);
+      if (masked) {
+        const __m512 key = _mm512_set1_ps(static_cast<float>(base + j));
+        seen[j] = _mm512_cmp_ps_mask(key, pos_v, _CMP_LE_OQ);
+        if (window > 0) seen[j] &= _mm512_cmp_ps_mask(key, lo_v, _CMP_GT_OQ);
+        x = _mm512_mask_blend_ps(seen[j], neg_inf, x);
+      }
+      _mm512_store_ps(st + j * R, x);
+      top = _mm512_max_ps(top, x);
     }
-    const uint32_t* vc = h.v + base / 2 * hd;  // [key pairs][hd]: 16 key pairs x 16 dims are a B tile
-    for (int64_t d0 = 0; d0 < hd; d0 += 64) {  // P V for 64 dims (4 tiles) at a time; hd % 32 == 0
+    const __m512 m_new = _mm512_max_ps(m, top);
+    // a row that sees nothing yet (a window's first chunks) keeps m = -inf: subtract 0 there, its P is 0 by the mask
+    const __m512 m_use = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ), m_new,
+                                              _mm512_setzero_ps());
+    const __m512 alpha = exp_nonpositive(_mm512_sub_ps(m, m_use));  // about 1e-38 while m = -inf (o and l are 0)
+    __m512 sum = _mm512_setzero_ps();
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);  // lane 2i: i, 2i + 1: 16 + i
+    for (int j = 0; j < CHUNK; j += 2) {
+      __m512 p0 = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(st + j * R), m_use));
+      __m512 p1 = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(st + (j + 1) * R), m_use));
+      if (masked) p0 = _mm512_maskz_mov_ps(seen[j], p0), p1 = _mm512_maskz_mov_ps(seen[j + 1], p1);
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // lanes 0-15: p0's rows, 16-31: p1's
+      _mm512_store_si512(pt + j / 2 * R, _mm512_permutexvar_epi16(pairs, b));
+    }
+    l = _mm512_fmadd_ps(l, alpha, sum);
+    m = m_new;
+    const uint16_t* vc = vt + c * hd * CHUNK;  // [dim][64 keys]
+    for (int64_t d0 = 0; d0 < hd; d0 += 64) {  // (P V)^T for 64 dims (4 tiles) at a time; hd % 32 == 0
       const bool four = d0 + 64 <= hd;
       _tile_zero(0);
       _tile_zero(1);
@@ -355,34 +412,39 @@ void amx_task(const Head& h, int64_t row0, int64_t n_rows, const uint16_t* q, ui
         _tile_zero(2);
         _tile_zero(3);
       }
-      for (int64_t half = 0; half < 2; ++half) {  // keys 0-31 and 32-63 of the chunk: 16 pairs each
-        const uint32_t* vp = vc + half * 16 * hd + d0;
-        _tile_loadd(4, pb + half * 16, CHUNK * 2);
-        _tile_loadd(5, vp, hd * 4);
-        _tile_loadd(6, vp + 16, hd * 4);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_dpbf16ps(1, 4, 6);
+      for (int64_t half = 0; half < 2; ++half) {  // keys 0-31 and 32-63: 16 pairs each
+        const uint16_t* va = vc + d0 * CHUNK + half * 32;
+        _tile_loadd(4, pt + half * 16 * R, R * 4);
+        _tile_loadd(5, va, CHUNK * 2);
+        _tile_loadd(6, va + 16 * CHUNK, CHUNK * 2);
+        _tile_dpbf16ps(0, 5, 4);
+        _tile_dpbf16ps(1, 6, 4);
         if (four) {
-          _tile_loadd(7, vp + 32, hd * 4);
-          _tile_loadd(5, vp + 48, hd * 4);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_dpbf16ps(3, 4, 5);
+          _tile_loadd(7, va + 32 * CHUNK, CHUNK * 2);
+          _tile_loadd(5, va + 48 * CHUNK, CHUNK * 2);
+          _tile_dpbf16ps(2, 7, 4);
+          _tile_dpbf16ps(3, 5, 4);
         }
       }
-      _tile_stored(0, s + d0, hd * 4);
-      _tile_stored(1, s + d0 + 16, hd * 4);
+      _tile_stored(0, pvt + d0 * R, R * 4);
+      _tile_stored(1, pvt + (d0 + 16) * R, R * 4);
       if (four) {
-        _tile_stored(2, s + d0 + 32, hd * 4);
-        _tile_stored(3, s + d0 + 48, hd * 4);
+        _tile_stored(2, pvt + (d0 + 32) * R, R * 4);
+        _tile_stored(3, pvt + (d0 + 48) * R, R * 4);
       }
     }
-    for (int64_t r = 0; r < n_rows; ++r)
-      for (int64_t d = 0; d < hd; d += 16) {
-        float* od = o + r * hd + d;
-        _mm512_storeu_ps(od, _mm512_add_ps(_mm512_loadu_ps(od), _mm512_load_ps(s + r * hd + d)));
-      }
+    for (int64_t d = 0; d < hd; ++d)
+      _mm512_store_ps(ot + d * R, _mm512_fmadd_ps(_mm512_load_ps(ot + d * R), alpha, _mm512_load_ps(pvt + d * R)));
   }
-  for (int64_t r = 0; r < n_rows; ++r) store_row(o + r * hd, l[r], hd, out + rows.offset[r]);
+  alignas(64) float inv[R];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+  for (int64_t n = 0; n < n_rows; ++n) {
+    alignas(64) float row[256];
+    for (int64_t d = 0; d < hd; ++d) row[d] = ot[d * R + n] * inv[n];
+    for (int64_t d = 0; d < hd; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + rows.offset[n] + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row + d)));
+  }
 }
 #endif
 #endif
@@ -607,6 +669,11 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     for (int64_t g = 0; g < h_kv; ++g) offsets[i * h_kv + g + 1] = offsets[i * h_kv + g] + padded * hd;
   }
   std::unique_ptr<uint32_t[]> packed(new uint32_t[offsets.back()]);  // the packing writes every element
+#if defined(MINIBATCH_PREFILL_AMX)
+  const bool amx = bf16 && amx_prefill_fits(hd);
+#else
+  const bool amx = false;
+#endif
   std::vector<Head> head(n_spans * h_kv);
   at::parallel_for(0, n_spans * h_kv, 1, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {
@@ -615,6 +682,13 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
       uint32_t* kd = packed.get() + offsets[j];
       uint32_t* vd = kd + (offsets[j + 1] - offsets[j]) / 2;  // bf16: K's pairs, then V's
 #if defined(MINIBATCH_PREFILL_BF16)
+#if defined(MINIBATCH_PREFILL_AMX)
+      if (amx)
+        pack_head_amx(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+                      reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table, block_size, h_kv,
+                      hd, g, seq_len, kd, vd);
+      else
+#endif
       if (bf16)
         pack_head(reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table, block_size, h_kv, hd, g,
@@ -628,11 +702,6 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
     }
   });
   // the tasks, longest first (the last rows of the longest contexts), handed out from a shared counter
-#if defined(MINIBATCH_PREFILL_AMX)
-  const bool amx = bf16 && amx_prefill_fits(hd);
-#else
-  const bool amx = false;
-#endif
   const int64_t task_rows = amx ? AMX_ROWS : ROWS;
   std::vector<std::pair<int64_t, int64_t>> tasks;  // (head index, first row)
   for (int64_t j = 0; j < n_spans * h_kv; ++j)
