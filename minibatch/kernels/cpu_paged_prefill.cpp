@@ -25,7 +25,7 @@
 // and the values transposed per chunk (pack_head_amx). On a 2-core Xeon with AMX the VDPBF16PS path ran the
 // benchmark's cases at 0.41-0.94x torch's speed there (its flash attention runs its products on AMX); tiles with
 // the row-wise softmax step ran them 1.60-2.67x as fast (data/cpu/prefill_attention_amx.json), the transposed form
-// 0.97-1.35x faster again (data/cpu/prefill_attention_amx_transposed.json; benchmarks/prefill_attention.py
+// 1.01-1.47x faster again (data/cpu/prefill_attention_amx_transposed.json; benchmarks/prefill_attention.py
 // --against-rev).
 //
 // float32 (below the bf16 path) is the same tiling on cpu_simd.h's lanes with fused multiply-adds: keys packed
