@@ -6,7 +6,8 @@ import json
 import pytest
 
 from minibatch.__main__ import main
-from minibatch.experiments.step_profile import COMPONENTS, component_of_module, step_counts
+from minibatch.experiments.step_components import COMPONENTS, component_of_module
+from minibatch.experiments.step_profile import step_counts
 from minibatch.models import load_model
 from minibatch.runner import ModelRunner
 
@@ -82,3 +83,15 @@ def test_07b_regime_prediction(capsys):
     assert check_regime(..., profile) is False  # the student edition's stub
     printed = capsys.readouterr().out
     assert printed.count("correct:") == 1 and "not implemented yet" in printed and bound + "-bound" in printed
+
+
+def test_median_round_keeps_one_rounds_components():
+    from minibatch.experiments.step_profile import median_round
+
+    rounds = [{"step_s": s, "components_s": {"mlp": s}, "paired": {"step_s": [s]}} for s in (3.0, 1.0, 2.0)]
+    row = median_round(rounds)
+    assert row["step_s"] == 2.0 and row["components_s"] == {"mlp": 2.0} and row["round_step_s"] == [3.0, 1.0, 2.0]
+    assert row["paired"] == {"step_s": [3.0, 1.0, 2.0]}  # every round's probes
+    assert median_round(rounds[:2])["step_s"] == 1.0  # an even count: the lower of the two middle rounds
+    assert rounds[0]["paired"] == {"step_s": [3.0]}  # the rounds' own rows are left as they were
+

@@ -4,6 +4,7 @@ that compare skips it with one line where vLLM is not installed. vLLM itself is 
 
 import json
 import platform
+import statistics
 import sys
 
 import pytest
@@ -101,22 +102,55 @@ json.dump({{"vllm_version": "fake", "load_s": 1.0, "warmup_s": 0.5, "phases": ph
 '''
 
 
+def phased_python(tmp_path) -> str:
+    path = tmp_path / "phased-python"
+    path.write_text(PHASED_WORKER.format(python=sys.executable))
+    path.chmod(0o755)
+    return str(path)
+
+
 def test_vllm_step_times_per_shape(tiny, tmp_path):
     """profile --vllm-python: one worker run with a phase per shape (each decode shape's requests together, each
     prefill repeated); a decode step is the gap between steps once every request has its first token, a prefill
     step the time to the lone request's token."""
-    from minibatch.baselines.vllm_steps import add_vllm_steps
+    from minibatch.baselines.vllm_steps import add_vllm_steps, vllm_step_times
 
     model, _ = tiny
-    path = tmp_path / "phased-python"
-    path.write_text(PHASED_WORKER.format(python=sys.executable))
-    path.chmod(0o755)
     shapes = [("decode", 1), ("decode", 4), ("prefill", 16)]
-    rows = [{"bound_s": 0.01, "step_s": 0.03} for _ in shapes]
-    peer = add_vllm_steps(rows, model, shapes, context_len=20, repeats=3, python=str(path))
-    assert [r["vllm_step_s"] for r in rows] == pytest.approx([0.02, 0.02, 0.3])
-    assert rows[0]["vllm_over_bound"] == 2.0 and peer["version"] == "fake"
+    times, peer = vllm_step_times(model, shapes, context_len=20, repeats=3, python=phased_python(tmp_path))
+    assert times == pytest.approx([0.02, 0.02, 0.3]) and peer["version"] == "fake"
     assert peer["settings"]["max_num_seqs"] == 4 and peer["settings"]["enable_prefix_caching"] is False
+    rows = [{"bound_s": 0.01, "step_s": 0.03} for _ in shapes]
+    add_vllm_steps(rows, shapes, [times])
+    assert [r["vllm_step_s"] for r in rows] == pytest.approx(times) and rows[0]["vllm_over_bound"] == 2.0
+    assert rows[0]["ours_over_vllm"] == 1.5 and rows[2]["ours_over_vllm"] == 0.1
+
+
+def test_vllm_step_rounds_pair_ours_with_theirs():
+    """profile --rounds: vLLM's step is the median of its rounds, ours against it the median of the rounds' own
+    ratios (each round's pair timed together), not the ratio of the medians."""
+    from minibatch.baselines.vllm_steps import add_vllm_steps
+
+    rows = [{"bound_s": 0.01, "step_s": 0.03, "round_step_s": [0.03, 0.05, 0.02]}]
+    add_vllm_steps(rows, [("decode", 8)], [[0.02], [0.05], [0.04]])
+    assert rows[0]["vllm_step_s"] == 0.04 and rows[0]["vllm_round_step_s"] == [0.02, 0.05, 0.04]
+    assert rows[0]["ours_over_vllm"] == 1.0  # median of 1.5, 1.0, 0.5 (the medians' ratio would be 0.75)
+
+
+def test_profile_rounds_alternate_with_vllm(tmp_path, one_thread):
+    """profile --rounds 2 --vllm-python: two rounds of ours, each followed by vLLM's; every row is its median
+    round's, with both rounds' step times and probes, and vLLM's per round."""
+    out = tmp_path / "profile.json"
+    main(["profile", "--model", "tiny-random-llama", "--dtype", "float32", "--attention-backend", "sdpa",
+          "--decode-batches", "2", "--prefill-lens", "16", "--context-len", "12", "--repeats", "2", "--rounds", "2",
+          "--vllm-python", phased_python(tmp_path), "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["rounds"] == 2 and result["vllm"]["version"] == "fake"
+    for row in result["shapes"]:
+        assert len(row["round_step_s"]) == 2 and row["step_s"] == min(row["round_step_s"])  # the lower middle
+        assert len(row["paired"]["step_s"]) == 4 and len(row["vllm_round_step_s"]) == 2
+        assert row["ours_over_vllm"] == pytest.approx(statistics.median(
+            a / b for a, b in zip(row["round_step_s"], row["vllm_round_step_s"])), abs=0.001)
 
 
 ENV_WORKER = '''#!{python}

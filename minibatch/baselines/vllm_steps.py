@@ -77,14 +77,18 @@ def vllm_step_times(model, shapes: list[tuple[str, int]], context_len: int, repe
                  "step_times": "frontend-observed, once per LLMEngine.step"}
 
 
-def add_vllm_steps(rows: list[dict], model, shapes: list[tuple[str, int]], context_len: int, repeats: int,
-                   python: str) -> dict:
-    """Add vLLM's step time (``vllm_step_s``) and its ratio to the roofline bound (``vllm_over_bound``) to each
-    step profile row (one per shape, with ``bound_s`` and ``step_s``), print them; returns vLLM's version and
-    settings."""
-    times, peer = vllm_step_times(model, shapes, context_len, repeats, python)
-    for row, (kind, size), t in zip(rows, shapes, times):
-        row |= {"vllm_step_s": t, "vllm_over_bound": round(t / row["bound_s"], 2)}
+def add_vllm_steps(rows: list[dict], shapes: list[tuple[str, int]], rounds: list[list[float]]) -> None:
+    """Add vLLM's step time to each step profile row (one per shape, with ``bound_s``, ``step_s`` and, from several
+    rounds, ``round_step_s``) and print it: ``rounds``, vLLM's seconds per shape in each round
+    (:func:`vllm_step_times`, run right after our round of the same index). ``vllm_step_s``: the median over the
+    rounds (``vllm_round_step_s``: each round's); ``ours_over_vllm``: the median of the rounds' ratios, ours over
+    vLLM's (each pair timed minutes apart, not hours); ``vllm_over_bound``: ``vllm_step_s`` over the bound."""
+    for i, (row, (kind, size)) in enumerate(zip(rows, shapes)):
+        theirs = [times[i] for times in rounds]
+        ours = row.get("round_step_s", [row["step_s"]])
+        t = statistics.median(theirs)
+        row |= {"vllm_step_s": t, "vllm_round_step_s": theirs, "vllm_over_bound": round(t / row["bound_s"], 2),
+                "ours_over_vllm": round(statistics.median(a / b for a, b in zip(ours, theirs)), 3)}
         print(f"{kind} {size:>5}: vLLM {t * 1e3:7.1f} ms ({row['vllm_over_bound']:.1f}x its bound); ours "
-              f"{row['step_s'] / t:.2f}x vLLM's")
-    return peer
+              f"{row['ours_over_vllm']:.2f}x vLLM's" + (f" (median of {len(theirs)} rounds' ratios)"
+                                                         if len(theirs) > 1 else ""))

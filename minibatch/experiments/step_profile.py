@@ -3,7 +3,7 @@
 Real engine steps (the paged policy on a ModelRunner, KV blocks of ``block_size`` tokens), one shape at a time: decode
 steps of B requests whose contexts hold ``context_len`` tokens, and prefill steps of one prompt of N tokens. Each shape
 is timed without the profiler (the median of ``repeats`` steps: ``step_s``), then profiled with torch's profiler, every
-event's self time credited to the component it ran in:
+event's self time credited to the component it ran in (``experiments.step_components``):
 
 * projections ``qkv_proj`` / ``o_proj``, ``mlp``, ``norms``, ``embedding``, ``logits`` (the LM head): module forward
   hooks around the model's own modules, found by name (fused decode layers, ``runner.fused_layers``, call none of a
@@ -21,7 +21,8 @@ a shared host's bandwidth and compute move with its other tenants; so on a CPU `
 matrix product of the peak's (``roofline.peak_probe``) and one sum over memory (``roofline.bandwidth_probe``), and
 ``step_over_bound_during_steps`` is the median of each such step over the bound at the roofs measured just before it.
 The profiler slows the Python-heavy parts most: component times are its view (their shares are what to read),
-``step_s`` is not.
+``step_s`` is not. With ``rounds`` > 1 every shape is profiled that many times (with vLLM: ours and vLLM's in turn) and
+its row is the round whose step time is the median.
 
 On a GPU, ``components_s`` is host time (the CPU issuing each op; kernels run asynchronously) and
 ``device_components_s`` the kernels' own time, credited to the op that launched them; ``device_busy_share`` = device
@@ -33,94 +34,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import ExitStack, contextmanager
 
 import torch
 
-COMPONENTS = ("embedding", "norms", "qkv_proj", "rotary_and_reshapes", "kv_write", "attention", "o_proj", "mlp",
-              "logits", "sampling", "prepare_inputs", "schedule", "python_overhead", "other_ops")
-MODULE_COMPONENTS = (("embed_tokens", "embedding"), ("wte", "embedding"), ("q_proj", "qkv_proj"),
-                     ("k_proj", "qkv_proj"), ("v_proj", "qkv_proj"), ("qkv_proj", "qkv_proj"),
-                     ("o_proj", "o_proj"), ("dense", "o_proj"), ("mlp", "mlp"), ("norm", "norms"),
-                     ("self_attn", "rotary_and_reshapes"), ("lm_head", "logits"))
-KV_WRITE_OPS = ("aten::index_copy_", "aten::index_put_", "aten::_index_put_impl_")
-LABEL = "mb::"
-KERNEL_LABEL = "minibatch::"  # the fused decode layer's ranges (kernels/cpu_decode_layer.cpp) are named by component
-
-
-def component_of_module(name: str) -> str | None:
-    """The component a module's name puts it in (its last dotted part), or None."""
-    leaf = name.rsplit(".", 1)[-1]
-    for key, component in MODULE_COMPONENTS:
-        if leaf == key or (key == "norm" and "norm" in leaf):
-            return component
-    return None
-
-
-@contextmanager
-def labelled(model, engine):
-    """Label every component of a step with a ``record_function`` range for the profiler (hooks and wrappers,
-    all removed on exit)."""
-    import minibatch.runner.model_runner as model_runner
-
-    ranges: list = []
-
-    def push(label):
-        def hook(*_):
-            ranges.append(torch.profiler.record_function(LABEL + label))
-            ranges[-1].__enter__()
-        return hook
-
-    def pop(*_):
-        ranges.pop().__exit__(None, None, None)
-
-    def wrap(fn, label):
-        def wrapped(*a, **k):
-            with torch.profiler.record_function(LABEL + label):
-                return fn(*a, **k)
-        return wrapped
-
-    with ExitStack() as stack:
-        for name, module in model.named_modules():
-            component = component_of_module(name)
-            if component is not None:
-                stack.callback(module.register_forward_pre_hook(push(component)).remove)
-                stack.callback(module.register_forward_hook(pop).remove)
-        backend, runner, scheduler = engine.executor.attention_backend, engine.executor, engine.scheduler
-        for obj, attr, label in ((backend, "forward", "attention"), (runner.sampler, "sample_batch", "sampling"),
-                                 (scheduler, "schedule", "schedule"), (model_runner, "build_packed_batch",
-                                                                       "prepare_inputs")):
-            original = getattr(obj, attr)
-            setattr(obj, attr, wrap(original, label))
-            stack.callback(lambda o=obj, a=attr, f=original: setattr(o, a, f) if o is model_runner
-                           else delattr(o, a))
-        yield
-
-
-def breakdown(events, steps: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds per step of each component from a profiler's events (see the module docstring): (host time,
-    device time). Host time is the CPU's (on a GPU: issuing the kernels); device time is the kernels' own time
-    on the GPU, credited to the op that launched them (all zeros on a CPU)."""
-    host, device = dict.fromkeys(COMPONENTS, 0.0), dict.fromkeys(COMPONENTS, 0.0)
-
-    def visit(event, component):
-        if event.name.startswith(LABEL):
-            component = event.name[len(LABEL):]
-            host["python_overhead"] += event.self_cpu_time_total / 1e6  # Python inside the range, no op
-        else:
-            if event.name.startswith(KERNEL_LABEL) and event.name[len(KERNEL_LABEL):] in COMPONENTS:  # fused layer
-                component = event.name[len(KERNEL_LABEL):]
-            where = ("kv_write" if component == "attention" and event.name in KV_WRITE_OPS else component) \
-                or "other_ops"
-            host[where] += event.self_cpu_time_total / 1e6
-            device[where] += getattr(event, "self_device_time_total", 0) / 1e6
-        for child in event.cpu_children:
-            visit(child, component)
-
-    for event in events:  # the kernels themselves are events too: counted through the ops that launched them
-        if event.cpu_parent is None and event.device_type == torch.autograd.DeviceType.CPU:
-            visit(event, None)
-    return {k: v / steps for k, v in host.items()}, {k: v / steps for k, v in device.items()}
+from minibatch.experiments.step_components import breakdown, labelled
 
 
 def step_counts(model, num_logits: int, tokens: int, attended: list[int], kv_read_tokens: int,
@@ -201,13 +118,26 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
         {"paired": paired} if probes is not None else {})
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """One shape's rows from several rounds as one row: the round whose step time is the median (the lower of the
+    two middle ones for an even count), with every round's ``step_s`` in ``round_step_s`` and all rounds' paired
+    probes, so its components still add up to its own profiled step."""
+    row = dict(sorted(rounds, key=lambda r: r["step_s"])[(len(rounds) - 1) // 2])
+    if "paired" in row:
+        row["paired"] = {k: [x for r in rounds for x in r["paired"][k]] for k in row["paired"]}
+    return row | {"round_step_s": [r["step_s"] for r in rounds]}
+
+
 def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bfloat16", attention_backend="sdpa",
                 decode_batches=(1, 8, 32, 64), prefill_lens=(256, 1024), context_len: int = 256, repeats: int = 5,
-                threads: int | None = None, vllm_python: str | None = None, block_size: int = 16) -> dict:
+                threads: int | None = None, vllm_python: str | None = None, block_size: int = 16,
+                rounds: int = 1) -> dict:
     """Profile every shape on ``model_name`` (KV blocks of ``block_size`` tokens) and place it on this machine's
     roofline; returns the JSON-ready result (``shapes``: one row per shape, ``roofline``: the measured roofs). With
     ``vllm_python`` (an interpreter with vLLM, its own default block size), every row also gets vLLM's step time for
-    its shape (``baselines.vllm_steps``), ``vllm_step_s``."""
+    its shape (``baselines.vllm_steps``), ``vllm_step_s``. ``rounds`` > 1 runs every shape that many times, ours
+    and vLLM's in turn (ours, vLLM, ours, vLLM, ...: a shared host's speed drifts between minutes), each row its
+    median round's (:func:`median_round`) and ours against vLLM the median of the rounds' ratios."""
     from minibatch.experiment import load_runner
     from minibatch.precision import dtype_name
     from minibatch.roofline import bandwidth_probe, higher_roofs, measure_device, peak_probe
@@ -222,7 +152,16 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
     on_cpu = runner.device.type == "cpu"
     probes = (peak_probe(runner.dtype, packed_kernel=packed), bandwidth_probe()) if on_cpu else None
-    rows = [profile_shape(runner, kind, size, context_len, repeats, probes, block_size) for kind, size in shapes]
+    per_round, vllm_rounds, peer = [], [], {}
+    for _ in range(rounds):
+        per_round.append([profile_shape(runner, kind, size, context_len, repeats, probes, block_size)
+                          for kind, size in shapes])
+        if vllm_python:
+            from minibatch.baselines.vllm_steps import vllm_step_times
+
+            times, peer = vllm_step_times(runner.model, shapes, context_len, repeats, vllm_python)
+            vllm_rounds.append(times)
+    rows = [median_round(list(r)) for r in zip(*per_round)]
     del probes
     probe_peaks, probe_bws = ([x for r in rows for x in r.get("paired", {}).get(k, [])]  # the same roofs, probed
                               for k in ("peak_flop_per_s", "bytes_per_s"))
@@ -247,16 +186,16 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
               + ", ".join(f"{k} {v / row['profiled_step_s']:.0%}" for k, v in top)
               + (f"; GPU busy {row['device_busy_share']:.0%} of the step, {row['kernels_per_step']} kernels"
                  if "device_busy_s" in row else ""))
-    peer = {}
     if vllm_python:
         from minibatch.baselines.vllm_steps import add_vllm_steps
 
-        peer = add_vllm_steps(rows, runner.model, shapes, context_len, repeats, vllm_python)
+        add_vllm_steps(rows, shapes, vllm_rounds)
     return {"environment": environment(load_before), "model": model_name, "dtype": dtype_name(runner.dtype),
             "attention_backend": attention_backend, "fused_decode_layers": runner.fused_decoder is not None,
             "threads": torch.get_num_threads(), "context_len": context_len, "block_size": block_size,
-            "repeats": repeats, "roofline": {"name": roof.name, "peak_flop_per_s": roof.peak_flop_per_s,
-                                             "bytes_per_s": roof.bytes_per_s, "source": roof.source},
+            "repeats": repeats, "rounds": rounds,
+            "roofline": {"name": roof.name, "peak_flop_per_s": roof.peak_flop_per_s, "bytes_per_s": roof.bytes_per_s,
+                         "source": roof.source},
             "shapes": rows} | ({"vllm": peer} if peer else {})
 
 
@@ -268,6 +207,8 @@ def add_profile_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=5, help="steps timed (and as many profiled) per shape")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--vllm-python", default=None, help="also time every shape on vLLM, run by this interpreter")
+    p.add_argument("--rounds", type=int, default=1, help="profile every shape this many times (with --vllm-python: "
+                   "ours and vLLM's in turn); each row is its median round")
     p.add_argument("--json", dest="json_path", default=None, help="write the result here")
     p.add_argument("--figure", default=None, help="save the breakdown figure here (PNG)")
 
@@ -283,14 +224,14 @@ def profile_command(args, command: str) -> dict:
                      for x in text.split(",") if x.strip())
     batches, prefills = sizes(args.decode_batches, "--decode-batches"), sizes(args.prefill_lens, "--prefill-lens")
     for value, name, high in ((args.context_len, "--context-len", 1 << 16), (args.block_size, "--block-size",
-                              MAX_BLOCK_SIZE), (args.repeats, "--repeats", 1000)):
+                              MAX_BLOCK_SIZE), (args.repeats, "--repeats", 1000), (args.rounds, "--rounds", 20)):
         check_int(value, name, 1, high)
     for path, name in ((args.json_path, "--json"), (args.figure, "--figure")):
         if path:
             check_output_file(path, name)
     result = {"command": command} | run_profile(args.model, args.device, args.dtype, args.attention_backend, batches,
                                                 prefills, args.context_len, args.repeats, args.threads,
-                                                args.vllm_python, args.block_size)
+                                                args.vllm_python, args.block_size, args.rounds)
     if args.figure:
         from minibatch.viz.step_profile import plot_profile
 
