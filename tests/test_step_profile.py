@@ -64,7 +64,8 @@ def test_module_names_map_to_components():
 
 
 @pytest.mark.parametrize("option,value", [("--decode-batches", "0"), ("--prefill-lens", "x"), ("--repeats", "0"),
-                                          ("--block-size", "0"), ("--block-size", "100000")])
+                                          ("--block-size", "0"), ("--block-size", "100000"), ("--rounds", "0"),
+                                          ("--rounds", "21")])
 def test_bad_profile_options_are_one_line(option, value, capsys):
     with pytest.raises(SystemExit) as e:
         main(["profile", "--model", "tiny-random-llama", option, value])
