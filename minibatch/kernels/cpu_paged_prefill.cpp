@@ -438,13 +438,15 @@ void amx_task(const Head& h, int64_t row0, int64_t n_rows, const uint16_t* q, ui
   }
   alignas(64) float inv[R];
   _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
-  for (int64_t n = 0; n < n_rows; ++n) {
-    alignas(64) float row[256];
-    for (int64_t d = 0; d < hd; ++d) row[d] = ot[d * R + n] * inv[n];
-    for (int64_t d = 0; d < hd; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + rows.offset[n] + d),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row + d)));
-  }
+  // row n of O: 16 of its dims at a time gathered from O^T (not 16 single-float stores read back as one vector,
+  // which stalls on store forwarding; the same numbers)
+  const __m512i dims = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(R));  // 16 consecutive dims' offsets in O^T
+  for (int64_t n = 0; n < n_rows; ++n)
+    for (int64_t d = 0; d < hd; d += 16) {
+      const __m512 o = _mm512_mul_ps(_mm512_i32gather_ps(dims, ot + d * R + n, 4), _mm512_set1_ps(inv[n]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + rows.offset[n] + d), (__m256i)_mm512_cvtneps_pbh(o));
+    }
 }
 #endif
 #endif
