@@ -70,8 +70,8 @@ def labelled(model, engine):
 
 
 def breakdown(events, steps: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds per step of each component from a profiler's events (see the module docstring): (host time,
-    device time). Host time is the CPU's (on a GPU: issuing the kernels); device time is the kernels' own time
+    """Seconds per step of each component from a profiler's events (``experiments.step_profile``'s docstring): (host
+    time, device time). Host time is the CPU's (on a GPU: issuing the kernels); device time is the kernels' own time
     on the GPU, credited to the op that launched them (all zeros on a CPU)."""
     host, device = dict.fromkeys(COMPONENTS, 0.0), dict.fromkeys(COMPONENTS, 0.0)
 
