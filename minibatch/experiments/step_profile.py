@@ -152,13 +152,13 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
     on_cpu = runner.device.type == "cpu"
     probes = (peak_probe(runner.dtype, packed_kernel=packed), bandwidth_probe()) if on_cpu else None
+    from minibatch.baselines.vllm_steps import add_vllm_steps, vllm_step_times
+
     per_round, vllm_rounds, peer = [], [], {}
     for _ in range(rounds):
         per_round.append([profile_shape(runner, kind, size, context_len, repeats, probes, block_size)
                           for kind, size in shapes])
         if vllm_python:
-            from minibatch.baselines.vllm_steps import vllm_step_times
-
             times, peer = vllm_step_times(runner.model, shapes, context_len, repeats, vllm_python)
             vllm_rounds.append(times)
     rows = [median_round(list(r)) for r in zip(*per_round)]
@@ -187,8 +187,6 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
               + (f"; GPU busy {row['device_busy_share']:.0%} of the step, {row['kernels_per_step']} kernels"
                  if "device_busy_s" in row else ""))
     if vllm_python:
-        from minibatch.baselines.vllm_steps import add_vllm_steps
-
         add_vllm_steps(rows, shapes, vllm_rounds)
     return {"environment": environment(load_before), "model": model_name, "dtype": dtype_name(runner.dtype),
             "attention_backend": attention_backend, "fused_decode_layers": runner.fused_decoder is not None,
