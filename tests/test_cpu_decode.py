@@ -81,6 +81,28 @@ def test_keys_outside_the_attended_positions_never_reach_the_output(n):
     assert torch.equal(out, cpu_decode.paged_decode(q, clean_k, clean_v, tables, lens, 0.125, window))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_thread_count_gives_the_same_bits(dtype):
+    """Threads take the next request until none are left, so which thread runs a request, and in what order, varies
+    from call to call: each request's output must not depend on it (1, 2 and 3 threads, contexts of unequal
+    length, the same bits)."""
+    g = torch.Generator().manual_seed(5)
+    n, block_size, max_blocks = 13, 16, 6
+    k_cache, v_cache = (torch.randn(100, block_size, 3, 64, generator=g).to(dtype) for _ in range(2))
+    tables = torch.randperm(100, generator=g)[: n * max_blocks].view(n, max_blocks)
+    lens = torch.randint(1, max_blocks * block_size + 1, (n,), generator=g)
+    q = torch.randn(n, 9, 64, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(cpu_decode.paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_extreme_scores_stay_finite():
     """Scores far apart (one key dominates; the rest underflow exp) give that key's value, not NaN."""
     k_cache = torch.zeros(4, 4, 1, 16)

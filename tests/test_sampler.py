@@ -1,10 +1,13 @@
 """Sampling: filters and per-request seeded generators."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minibatch.kernels import cpu_decode_layer
 from minibatch.request import SamplingParams
 from minibatch.runner.sampler import Sampler, filter_logits
 
@@ -45,11 +48,12 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_argmax():
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 12), st.sampled_from([7, 1024, 4095, 4096, 5000, 32000, 49152]),
        st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.integers(0, 2**31 - 1),
-       st.sampled_from(["none", "ties", "nan", "inf", "-inf", "flat"]))
-def test_greedy_tokens_is_argmax(rows, vocab, dtype, seed, special):
-    """The sampler's two-pass greedy argmax returns torch.argmax's indices: the first of tied maxima (also across and
-    at chunk edges, and in the last, shorter chunk), the first NaN, +inf, rows all -inf or all equal; also on a
-    non-contiguous view."""
+       st.sampled_from(["none", "ties", "nan", "inf", "-inf", "flat"]), st.booleans())
+def test_greedy_tokens_is_argmax(rows, vocab, dtype, seed, special, kernel):
+    """The sampler's greedy argmax, both ways (``kernel``: the one-pass C++ kernel where it builds with AVX-512, else
+    the two-pass torch path), returns torch.argmax's indices: the first of tied maxima (also across and at chunk and
+    vector edges, and in the last, shorter chunk), the first NaN, +inf, rows all -inf or all equal; also on a
+    non-contiguous view (which the kernel leaves to the torch path)."""
     from minibatch.runner.sampler import ARGMAX_CHUNK, greedy_tokens
 
     g = torch.Generator().manual_seed(seed)
@@ -65,6 +69,10 @@ def test_greedy_tokens_is_argmax(rows, vocab, dtype, seed, special):
             logits[r] = float("-inf")
         elif special == "flat":
             logits[r] = 0.5
-    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
     strided = logits.repeat(1, 2)[:, ::2]  # a non-contiguous view of the same shape
-    assert torch.equal(greedy_tokens(strided), strided.argmax(-1))
+    module = cpu_decode_layer.KERNEL.module if kernel and cpu_decode_layer.available() else None
+    with mock.patch.object(cpu_decode_layer.KERNEL, "module", module):  # None: the torch path
+        assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+        assert torch.equal(greedy_tokens(strided), strided.argmax(-1))
+        if module is not None and module.greedy_argmax_vectorized() and dtype != torch.float16:
+            assert cpu_decode_layer.greedy_argmax(logits) is not None  # the kernel took it

@@ -502,6 +502,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 "add_like_modules: x and y must be bf16 CPU tensors of one shape");
     return add_like_modules(x, y);
   }, "x + y in bf16 as torch rounds it, bit for bit");
+  m.def("greedy_argmax", &greedy_argmax, "torch.argmax(logits, -1) of CPU float32 or bf16 logits, one pass a row");
+  m.def("greedy_argmax_vectorized", &greedy_argmax_vectorized, "whether greedy_argmax runs on vector lanes here");
   m.def("row_sum_mode", &minibatch::row_sum_mode, "the lane count whose order gives torch's row mean here (0: none)");
   m.def("rms_norm_like_modules", [](torch::Tensor x, torch::Tensor weight, double eps) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.device().is_cpu() && weight.dim() == 1 &&

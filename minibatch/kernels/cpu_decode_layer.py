@@ -9,7 +9,7 @@ packed matrix product (``kernels.cpu_linear``) and the paged decode kernel (``ke
 runner side is ``runner.fused_layers``. vLLM's and SGLang's model code exists for the same reason (fewer, larger
 operations per layer); here it is a loop nest over transformers' own weights, not a second model definition.
 
-Built on first use from the six sources (``kernels.cpp_build``), then loaded from torch's extension cache.
+Built on first use from the seven sources (``kernels.cpp_build``), then loaded from torch's extension cache.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ SOURCE = os.path.join(_HERE, "cpu_decode_layer.cpp")
 KERNEL = CppExtension(SOURCE, "the C++ fused decode layer",
                       extra_sources=tuple(os.path.join(_HERE, f)
                                           for f in ("cpu_linear.cpp", "cpu_paged_decode.cpp", "cpu_amx_linear.cpp",
-                                                    "cpu_bf16_linear.cpp", "cpu_paged_prefill.cpp")),
+                                                    "cpu_bf16_linear.cpp", "cpu_paged_prefill.cpp",
+                                                    "cpu_argmax.cpp")),
                       extra_cflags=("-DMINIBATCH_KERNEL_LIBRARY",))
 
 
@@ -86,3 +87,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Raises:
         RuntimeError: the kernel could not be built, or the shapes/dtypes are not these."""
     return KERNEL.load().rms_norm_like_modules(x, weight, float(eps))
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """``torch.argmax(logits, -1)``, the same indices (the first of tied maxima; the first NaN, which counts as the
+    largest), in one vectorized pass per row (``cpu_argmax.cpp``), for the sampler's greedy rows. logits: (rows,
+    vocab) float32 or bf16 on the CPU with contiguous rows. Returns (rows,) int64, or None where it does not apply:
+    another dtype, device or layout, a build without AVX-512 (its scalar loop is slower than torch's), or this
+    extension not built in this process (it never starts a build: the ``cpp`` attention backend builds it)."""
+    module = KERNEL.module
+    if (module is None or logits.dim() != 2 or logits.device.type != "cpu" or logits.stride(-1) != 1
+            or logits.dtype not in (torch.float32, torch.bfloat16) or not module.greedy_argmax_vectorized()):
+        return None
+    return module.greedy_argmax(logits)

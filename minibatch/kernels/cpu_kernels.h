@@ -1,5 +1,5 @@
 // The C++ CPU kernels that minibatch/kernels/cpu_decode_layer.cpp calls directly (one extension built from the
-// six sources, with -DMINIBATCH_KERNEL_LIBRARY so that only the layer's source defines a Python module).
+// seven sources, with -DMINIBATCH_KERNEL_LIBRARY so that only the layer's source defines a Python module).
 #pragma once
 
 #include <torch/extension.h>
@@ -27,3 +27,8 @@ bool bf16_layout_ok(torch::Tensor packed, torch::Tensor weight);
 // window 0 = none.
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                    torch::Tensor spans, double scale, int64_t window, torch::Tensor out);
+
+// cpu_argmax.cpp: torch.argmax(logits, -1) of (rows, vocab) float32 or bf16 logits with contiguous rows, (rows,) int64;
+// greedy_argmax_vectorized: whether this build runs it on vector lanes (else a scalar loop, slower than torch's).
+torch::Tensor greedy_argmax(torch::Tensor logits);
+bool greedy_argmax_vectorized();

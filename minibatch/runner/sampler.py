@@ -14,6 +14,7 @@ import secrets
 
 import torch
 
+from minibatch.kernels import cpu_decode_layer
 from minibatch.request import SamplingParams
 
 
@@ -79,15 +80,24 @@ def step_logprobs(logits: torch.Tensor, rows: dict[str, tuple[int, tuple[int, ..
     return {rid: tuple(next(flat) for _ in rows[rid][1]) for rid in wanted}
 
 
-ARGMAX_CHUNK = 1024  # vocabulary entries per chunk in :func:`greedy_tokens`
+ARGMAX_CHUNK = 1024  # vocabulary entries per chunk in :func:`two_pass_argmax`
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` of (rows, vocab_size) logits, the same indices (ties: the first; a NaN counts as the
-    largest, as in ``torch.argmax``) in two short passes: the max of every chunk of ``ARGMAX_CHUNK`` entries (a
-    vectorized reduction), then the argmax of the chunk maxima and, in the winning chunk, of its entries. On a CPU
-    only, from 4 rows: torch's CPU argmax over a whole row is a scalar loop (data/cpu/greedy_argmax.json: at 32
-    rows of a 49152-entry vocabulary 0.28 ms against 1.00 ms). Returns (rows,) int64."""
+    largest, as in ``torch.argmax``): on a CPU where the fused layers' extension is built with AVX-512 (the ``cpp``
+    backend builds it), one vectorized pass per row (``kernels.cpu_decode_layer.greedy_argmax``), else
+    :func:`two_pass_argmax`. Returns (rows,) int64."""
+    fast = cpu_decode_layer.greedy_argmax(logits)
+    return fast if fast is not None else two_pass_argmax(logits)
+
+
+def two_pass_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``, the same indices, in two short passes on a CPU from 4 rows: the max of every chunk of
+    ``ARGMAX_CHUNK`` entries (a vectorized reduction), then the argmax of the chunk maxima and, in the winning chunk,
+    of its entries. Why: torch's CPU argmax over a whole row is a scalar loop (``data/cpu/greedy_argmax.json``: at 32
+    rows of a 49152-entry vocabulary, float32, 0.28 ms against 1.00 ms; bf16, and the one-pass kernel, in
+    ``data/cpu/greedy_argmax_bfloat16.json``). Returns (rows,) int64."""
     rows, vocab = logits.shape
     main = vocab - vocab % ARGMAX_CHUNK
     # a GPU's argmax is one fast kernel already; a row or two, or a short vocabulary, are quick either way
