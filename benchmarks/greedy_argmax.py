@@ -41,7 +41,6 @@ def main(argv=None) -> dict:
     for vocab in (int(v) for v in args.vocab_sizes.split(",")):
         for rows in (int(r) for r in args.rows.split(",")):
             logits = torch.randn(rows, vocab, generator=g).to(getattr(torch, args.dtype))
-
             ways = {"argmax_ms": lambda: logits.argmax(-1), "two_pass_ms": lambda: two_pass_argmax(logits)}
             if kernel:
                 ways["kernel_ms"] = lambda: cpu_decode_layer.greedy_argmax(logits)

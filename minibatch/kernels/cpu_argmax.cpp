@@ -2,8 +2,9 @@
 // maxima; a NaN counts as the largest, the first NaN wins) in one pass over each row, rows split over the threads.
 //
 // Why: torch's CPU argmax over a row is a scalar loop, and its max over bf16 runs through float conversions one
-// vector at a time; the sampler's two-pass greedy_tokens (runner/sampler.py) took 0.68-0.88 ms at 32 rows of a
-// 49152-entry bf16 vocabulary on a 2-core Xeon, ~2% of a 32-request decode step (benchmarks/greedy_argmax.py).
+// vector at a time; the sampler's two passes of torch reductions (runner/sampler.py's two_pass_argmax) took 0.53 ms
+// at 32 rows of a 49152-entry bf16 vocabulary on a 2-core Xeon with AMX, about 1.5% of a 32-request decode step,
+// and this kernel 0.10 ms (data/cpu/greedy_argmax_bfloat16.json, benchmarks/greedy_argmax.py).
 // Here every lane keeps its running maximum and the index where it first reached it (a strictly greater value
 // replaces both, so ties keep the earlier index), and its first NaN; at the row's end the lanes are merged by the
 // same rules. Built into the fused decode layer's extension (cpu_decode_layer.cpp exports it), which the `cpp`
@@ -86,7 +87,7 @@ torch::Tensor greedy_argmax(torch::Tensor logits) {
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
   auto out = torch::empty({rows}, logits.options().dtype(torch::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  // a row is ~0.1 MB of reading: split rows over threads only where there are several
+  // rows over the threads, at least 64K entries of them per task (a short vocabulary's rows stay together)
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       o[r] = logits.scalar_type() == torch::kFloat32 ? row_argmax(logits.data_ptr<float>() + r * stride, n)
@@ -102,9 +103,3 @@ bool greedy_argmax_vectorized() {
   return false;
 #endif
 }
-
-#ifndef MINIBATCH_KERNEL_LIBRARY  // built into the fused decode layer's extension: no module of its own
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("greedy_argmax", &greedy_argmax, "torch.argmax(logits, -1) of CPU float32 or bf16 logits, one pass per row");
-}
-#endif
