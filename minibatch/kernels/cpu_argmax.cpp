@@ -18,9 +18,7 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -38,13 +36,9 @@ int64_t finish(const T* row, int64_t from, int64_t n, float best, int64_t at, in
   return first_nan >= 0 ? first_nan : at;
 }
 
-#if defined(__AVX512F__)
-constexpr int64_t W = 16;
-__m512 load(const float* p) { return _mm512_loadu_ps(p); }
-__m512 load(const at::BFloat16* p) {  // bf16 bits shifted into the high half of fp32: the same values
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
+#if defined(__AVX512F__)  // cpu_simd.h's Simd is AVX-512's 16 lanes here; its masks are used directly
+using minibatch::Simd;
+constexpr int64_t W = Simd::W;
 
 template <typename T>
 int64_t row_argmax(const T* row, int64_t n) {
@@ -55,7 +49,7 @@ int64_t row_argmax(const T* row, int64_t n) {
   __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512i at = idx, nan_at = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
   for (int64_t j = 0; j < full; j += W, idx = _mm512_add_epi32(idx, step)) {
-    const __m512 v = load(row + j);
+    const __m512 v = Simd::load(row + j);
     const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ), nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     best = _mm512_mask_mov_ps(best, greater, v);
     at = _mm512_mask_mov_epi32(at, greater, idx);
