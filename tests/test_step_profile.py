@@ -65,12 +65,25 @@ def test_module_names_map_to_components():
 
 @pytest.mark.parametrize("option,value", [("--decode-batches", "0"), ("--prefill-lens", "x"), ("--repeats", "0"),
                                           ("--block-size", "0"), ("--block-size", "100000"), ("--rounds", "0"),
-                                          ("--rounds", "21")])
+                                          ("--rounds", "21"), ("--threads", "0"), ("--threads", "-1"),
+                                          ("--vllm-python", "/no/such/python")])
 def test_bad_profile_options_are_one_line(option, value, capsys):
     with pytest.raises(SystemExit) as e:
         main(["profile", "--model", "tiny-random-llama", option, value])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and option in err
+
+
+@pytest.mark.parametrize("options,option", [(["--prefill-lens", "600"], "--prefill-lens 600"),
+                                            (["--prefill-lens", "", "--context-len", "500"], "--context-len 500"),
+                                            (["--prefill-lens", "", "--context-len", "491", "--repeats", "6"],
+                                             "--context-len 491")])
+def test_profile_lengths_past_the_models_context_are_one_line(options, option, capsys):
+    """tiny-random-llama's max_model_len is 512; each profiled request generates 3 x --repeats + 6 tokens."""
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--model", "tiny-random-llama", "--decode-batches", "1", *options])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and option in err and "max_model_len 512" in err
 
 
 def test_07b_regime_prediction(capsys):

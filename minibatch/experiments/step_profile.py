@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -65,7 +66,7 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
     from minibatch.policies import make_engine
     from minibatch.request import Request, SamplingParams
 
-    n_reqs, max_new, gen = size if kind == "decode" else 1, 3 * repeats + 6, torch.Generator().manual_seed(0)
+    n_reqs, max_new, gen = size if kind == "decode" else 1, new_tokens(repeats), torch.Generator().manual_seed(0)
     if kind == "decode":  # every prompt prefilled: the steps from here on are decodes
         engine = decoding_engine(runner, [context_len] * size, max_new, seed=0, block_size=block_size)
     else:
@@ -118,6 +119,24 @@ def profile_shape(runner, kind: str, size: int, context_len: int, repeats: int, 
         {"paired": paired} if probes is not None else {})
 
 
+def new_tokens(repeats: int) -> int:
+    """Tokens each profiled request generates: its warm-up, timed, profiled and paired steps, with room to spare."""
+    return 3 * repeats + 6
+
+
+def check_lengths(max_model_len: int, model_name: str, decode_batches, prefill_lens, context_len: int,
+                  repeats: int) -> None:
+    """Raise ValueError (naming the option) unless every profiled request fits the model's context: a decode's
+    ``context_len`` or a prefill's length, plus the :func:`new_tokens` it generates, at most ``max_model_len``."""
+    extra = new_tokens(repeats)
+    for value, name in ([(context_len, "--context-len")] if decode_batches else []) + [
+            (n, "--prefill-lens") for n in prefill_lens]:
+        if value + extra > max_model_len:
+            raise ValueError(f"{name} {value}: with the {extra} tokens each profiled request generates (3 x --repeats "
+                             f"+ 6) it exceeds {model_name}'s max_model_len {max_model_len}; at most "
+                             f"{max_model_len - extra}")
+
+
 def median_round(rounds: list[dict]) -> dict:
     """One shape's rows from several rounds as one row: the round whose step time is the median (the lower of the
     two middle ones for an even count), with every round's ``step_s`` in ``round_step_s`` and all rounds' paired
@@ -147,6 +166,7 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     load_before = machine_load()
     model, _, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
                                       attention_backend=attention_backend)
+    check_lengths(runner.max_model_len, model_name, decode_batches, prefill_lens, context_len, repeats)
     packed = any(isinstance(m, PanelLinear) for m in model.modules())
     first = measure_device(runner.device, runner.dtype, packed)
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
@@ -224,6 +244,11 @@ def profile_command(args, command: str) -> dict:
     for value, name, high in ((args.context_len, "--context-len", 1 << 16), (args.block_size, "--block-size",
                               MAX_BLOCK_SIZE), (args.repeats, "--repeats", 1000), (args.rounds, "--rounds", 20)):
         check_int(value, name, 1, high)
+    if args.threads is not None:
+        check_int(args.threads, "--threads", 1, 1024)
+    if args.vllm_python is not None and not Path(args.vllm_python).is_file():
+        raise ValueError(f"--vllm-python {args.vllm_python}: no such file (an interpreter of an environment with vllm: "
+                         "scripts/setup_vllm.sh)")
     for path, name in ((args.json_path, "--json"), (args.figure, "--figure")):
         if path:
             check_output_file(path, name)
