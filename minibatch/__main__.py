@@ -5,6 +5,7 @@
     python -m minibatch simulate    a trace through our schedulers with no model, on a calibrated clock
     python -m minibatch serve       an OpenAI-compatible server on the engine (streaming, /metrics)
     python -m minibatch bench-serve a load generator against any OpenAI-compatible server
+    python -m minibatch profile     where a step's time goes: its components, on this machine's roofline
     python -m minibatch gpu-check   everything that must work on a GPU (CPU twins without one), one JSON
     python -m minibatch sweep       a grid of simulate/compare runs, one table (in-process or on Ray)
 """
@@ -127,7 +128,7 @@ def load_plugins(argv: list[str] | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="minibatch", description=__doc__)
+    parser = _Parser(prog="minibatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare",
                        help="run one trace through our policies and the Hugging Face peer, on the real model")
