@@ -19,7 +19,7 @@ from typing import Iterator
 from minibatch.checks import check_in_vocab
 from minibatch.clock import SimClock, StepShape, WallClock
 from minibatch.records import StepRecord, TokenEvent
-from minibatch.request import Request, RequestStatus
+from minibatch.request import Request, RequestStatus, SamplingParams
 from minibatch.scheduler.base import Scheduler
 from minibatch.scheduler.output import SchedulerOutput
 
@@ -88,6 +88,14 @@ class Engine:
         if vocab_size is not None and any(t >= vocab_size for t in request.sampling.stop_token_ids):
             raise ValueError(f"request {request.request_id!r}: stop_token_ids must be in [0, {vocab_size}) (the "
                              f"model's vocab_size), got {list(request.sampling.stop_token_ids)}")
+        sampling = request.sampling
+        banned = set(sampling.stop_token_ids) | set(() if sampling.ignore_eos else getattr(self.executor,
+                                                                                           "eos_token_ids", ()))
+        if sampling.min_tokens and vocab_size is not None and len({t for t in banned if t < vocab_size}) >= vocab_size:
+            raise ValueError(f"request {request.request_id!r}: stop_token_ids"
+                             f"{'' if sampling.ignore_eos else ' and EOS'} cover all {vocab_size} token ids "
+                             f"(vocab_size), so none could be sampled while min_tokens ({sampling.min_tokens}) bans "
+                             "them: leave some token ids out, or use min_tokens 0")
         if request.sampling.min_tokens and not getattr(self.executor, "supports_min_tokens", True):
             raise ValueError(f"request {request.request_id!r}: min_tokens is not supported by "
                              f"{type(self.executor).__name__} (speculative decoding): use min_tokens 0")
@@ -100,6 +108,27 @@ class Engine:
                 f"max_new_tokens ({request.max_new_tokens}) must be <= max_model_len ({max_len})"
             )
         self.scheduler.check_request(request)
+
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + max_new_tokens) one request may hold on this engine: the model's max_model_len, or
+        fewer where the scheduler's KV cache (or its token budget) holds fewer: the largest total its
+        ``check_request`` lets through both as a one-token prompt with the rest output and as the rest prompt with
+        one output token (a binary search; its checks read limits only). A front end's context (the server's
+        default max_tokens). 1 when not even a one-token prompt with one output token fits."""
+        def fits(total: int) -> bool:
+            try:
+                for prompt in (1, total - 1):
+                    self.scheduler.check_request(Request("max_request_tokens", [0] * prompt, total - prompt,
+                                                         SamplingParams(ignore_eos=True)))
+            except ValueError:
+                return False
+            return True
+
+        low, high = 1, self.executor.max_model_len  # the answer is in [low, high]; low: fits, or the 1 meaning none
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        return low
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request whatever its state (not yet arrived, waiting, running, swapped) and free

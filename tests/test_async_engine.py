@@ -75,6 +75,22 @@ def test_a_step_that_raises_ends_open_streams_and_health_answers_503(monkeypatch
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
 
 
+def test_a_request_in_flight_when_the_step_raises_gets_a_503_error_object(monkeypatch):
+    engine = make_engine("paged", SimExecutor(), LiveClock(), n_slots=256, block_size=4)
+
+    def broken_step():
+        raise RuntimeError("boom in step")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    async_engine = AsyncEngine(engine).start()  # alive until its first step, which the request below starts
+    client = TestClient(build_app(async_engine, None, "sim", ServingMetrics("sim")))
+    r = client.post("/v1/completions", json={"model": "sim", "prompt": [1, 2, 3], "max_tokens": 4})
+    async_engine.shutdown()
+    error = r.json()["error"]
+    assert r.status_code == 503 and error["type"] == "server_error" and "boom in step" in error["message"]
+    assert "EngineDeadError" not in error["message"]
+
+
 def test_shutdown_ends_open_streams_with_abort():
     # a static batch of 4 waits up to 600 s to fill: the one request stays waiting until shutdown
     engine = make_engine("static", SimExecutor(), LiveClock(), batch_size=4, max_wait_s=600.0)

@@ -311,6 +311,13 @@ def test_metrics_have_vllm_names_and_count_one_request(loaded):
     ({"prompt": "x", "stop_token_ids": [99999999]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": [-3]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": "7"}, "stop_token_ids"),
+    # every token id banned before min_tokens: nothing could be sampled (it used to stop the engine)
+    ({"prompt": "x", "min_tokens": 1, "stop_token_ids": list(range(512)), "temperature": 1.0}, "stop_token_ids"),
+    ({"prompt": "x", "min_tokens": 1, "stop_token_ids": list(range(512)), "ignore_eos": True}, "stop_token_ids"),
+    # an unsupported parameter's no-op value only in its own JSON type: 0 is not false, 1.0 not the count 1
+    ({"prompt": "x", "logprobs": 0}, "logprobs"),
+    ({"prompt": "x", "n": 1.0}, "n"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
 ])
 def test_bad_bodies_get_400_naming_the_field(server, body, param):
     r = httpx.post(server.base_url + "/completions", json={"model": MODEL, **body}, timeout=30)
@@ -329,6 +336,46 @@ def test_other_bad_requests(server):
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client(server).completions.create(model=MODEL, prompt="x", logprobs=2)
     assert httpx.get(server.base_url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+
+
+def test_tiny_top_p_keeps_the_most_likely_token_and_no_op_values_are_accepted(server):
+    """A top_p below float32's smallest step (1e-46 rounds to 0) keeps the most likely token, so sampling is
+    greedy; it used to drop every token and stop the engine. No-op values of unsupported parameters pass."""
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 6, "ignore_eos": True}
+    greedy = httpx.post(server.base_url + "/completions", json=body | {"temperature": 0}, timeout=60).json()
+    for top_p in (1e-46, 5e-324, 1e-30):
+        r = httpx.post(server.base_url + "/completions", json=body | {"temperature": 1.0, "top_p": top_p, "seed": 3},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy["choices"][0]["text"], r.text
+    no_ops = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0, "logprobs": False, "best_of": 1}
+    assert httpx.post(server.base_url + "/completions", json=body | no_ops, timeout=60).status_code == 200
+    huge = httpx.post(server.base_url + "/completions", json=body | {"temperature": "h" * 100_000}, timeout=60)
+    assert huge.status_code == 400 and len(huge.json()["error"]["message"]) < 400  # the value is not sent back whole
+    assert httpx.get(server.base_url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+
+
+def test_a_kv_cache_smaller_than_the_model_context_is_the_servers_context(loaded):
+    """/v1/models, defaults and errors use the most tokens one request can hold (here the KV cache's, below the
+    model's max_model_len 512), in tokens, naming max_tokens or prompt."""
+    from minibatch.serving.protocol import ChatCompletionRequest, Context, make_request, parse_body
+
+    app, engine = build_server(MODEL, "paged", dict(n_slots=64, block_size=4, max_num_seqs=2), loaded=loaded)
+    limit = engine.engine.max_request_tokens()
+    assert 32 < limit <= 64 and app.state.context == Context(limit, 512)
+    with ServerThread(app, engine) as srv:
+        assert httpx.get(srv.base_url + "/models").json()["data"][0]["max_model_len"] == limit
+        prompt = list(range(5, 15))
+        r = httpx.post(srv.base_url + "/completions", json={"prompt": prompt, "max_tokens": limit}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "max_tokens" and f"at most {limit - 10}" in error["message"]
+        assert f"context of {limit} tokens (the model's max_model_len is 512" in error["message"]
+        r = httpx.post(srv.base_url + "/completions", json={"prompt": prompt, "max_tokens": limit - 10,
+                                                           "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == limit - 10
+        r = httpx.post(srv.base_url + "/completions", json={"prompt": list(range(5, 5 + limit))}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    chat = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})
+    assert make_request(chat, prompt, None, Context(limit, 512), chat=True).max_new_tokens == limit - 10
 
 
 def test_full_queue_answers_503_with_retry_after(loaded):
@@ -570,7 +617,7 @@ def test_slow_templating_and_tokenizing_never_stall_the_event_loop(loaded, monke
             "model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}]})
     assert health_s < 1.0 and max(gaps) < 1.0, (health_s, max(gaps))
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "messages"
-    assert "cannot fit the model's context" in too_long.json()["error"]["message"]
+    assert "cannot fit this server's context of 512 tokens" in too_long.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

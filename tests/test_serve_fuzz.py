@@ -18,12 +18,13 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
                     max_leaves=6)
 SMALL = st.integers(-2, 12)  # in range and just out of it, short enough to generate quickly
-TOKEN_IDS = st.lists(st.integers(-3, 600), min_size=0, max_size=6)  # the tiny vocabulary has 512 ids
+TOKEN_IDS = (st.lists(st.integers(-3, 600), min_size=0, max_size=6)  # the tiny vocabulary has 512 ids
+             | st.just(list(range(512))))  # all of them: with min_tokens, nothing could be sampled
 COMMON = {
     "model": st.sampled_from([MODEL, "gpt-9"]) | JSON,
     "max_tokens": SMALL | st.sampled_from([512, 513]) | JSON,
     "temperature": st.sampled_from([0, 0.7, 2.0, -1, 3.0]) | JSON,
-    "top_p": st.sampled_from([1.0, 0.5, 0, 1.5]) | JSON,
+    "top_p": st.sampled_from([1.0, 0.5, 0, 1.5, 1e-46, 5e-324]) | JSON,  # below float32's smallest step too
     "top_k": st.sampled_from([-1, 0, 1, 5]) | JSON,
     "seed": st.integers(-1, 2**64) | JSON,
     "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | JSON,

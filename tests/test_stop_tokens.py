@@ -119,3 +119,20 @@ def test_stop_strings_wait_for_min_tokens():
     late = TextAssembler(Letters(), stop=["c"], min_tokens=5)
     assert late.feed([0, 1, 2, 3]) == ("abcd", False)
     assert late.feed([4, 2, 5]) == ("e", True)  # the second "c", now that 5 tokens are out
+
+
+def test_banning_every_token_id_is_refused_before_a_step(tiny):
+    """stop_token_ids (with EOS unless ignore_eos) covering the whole vocabulary leave min_tokens nothing to sample:
+    refused at add_request naming stop_token_ids, under every policy; one id left out is accepted."""
+    _, runner = tiny
+    vocab, eos = runner.vocab_size, set(runner.eos_token_ids)
+    for policy in ("static", "orca", "paged", "chunked"):
+        engine = make_engine(policy, runner, SimClock(), config=dict(max_num_seqs=2, n_slots=256, batch_size=2))
+        for ignore_eos, ids in ((True, range(vocab)), (False, [t for t in range(vocab) if t not in eos])):
+            params = SamplingParams(ignore_eos=ignore_eos, min_tokens=1, stop_token_ids=tuple(ids))
+            with pytest.raises(ValueError, match="stop_token_ids.*cover all"):
+                engine.add_request(Request(f"all{ignore_eos}", PROMPTS[0], 4, params))
+        left = Request("left", PROMPTS[0], 4, SamplingParams(ignore_eos=True, min_tokens=4,
+                                                              stop_token_ids=tuple(range(1, vocab))))
+        engine.generate([left])
+        assert left.output_token_ids == [0] * 4  # the one id not banned

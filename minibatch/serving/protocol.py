@@ -1,4 +1,4 @@
-"""The OpenAI API subset we serve: request bodies (pydantic), checks and error bodies.
+"""The OpenAI API subset we serve: request bodies (pydantic), checks, error bodies and the engine Request of a body.
 
 What a body may hold: the fields of ``CompletionRequest`` / ``ChatCompletionRequest`` (vLLM's
 extensions ``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and ``stream_options.continuous_usage_stats``
@@ -11,19 +11,31 @@ type (``"4"`` is not a number, ``"no"`` not a boolean).
 
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from minibatch.request import Request, SamplingParams
+
 # OpenAI parameters we do not implement -> the values that mean "off" (accepted, they change nothing)
 UNSUPPORTED = {
     "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": (None, {}),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": (None, {}),
     "suffix": (None,), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None,),
     "use_beam_search": (False,),
 }
 MAX_STOP_STRINGS = 16
+MAX_ECHO_CHARS = 200  # an error quotes at most this much of the value it refuses
+
+
+def short_repr(value) -> str:
+    """``repr(value)``, cut to ``MAX_ECHO_CHARS`` characters (an error never sends a huge body back)."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHO_CHARS else f"{text[:MAX_ECHO_CHARS]}... ({len(text)} characters)"
 
 
 class APIError(Exception):
@@ -117,24 +129,27 @@ def parse_body(cls: type[BaseModel], body) -> BaseModel:
 
     Raises:
         APIError: not a JSON object, an unsupported OpenAI parameter with a non-default value,
-            an unknown field, or a field of the wrong type (no coercion) or out of range (``param`` names it).
+            an unknown field, a field of the wrong type (no coercion) or out of range (``param`` names it),
+            stream_options without stream.
     """
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
     body = {k: v for k, v in body.items() if v is not None}  # null: not given (a required field is then missing)
-    for name, allowed in UNSUPPORTED.items():
-        if name in body and not any(body[name] == a and type(body[name]) is not bool or body[name] is a
-                                    for a in allowed):
+    for name, allowed in UNSUPPORTED.items():  # the same JSON type too: 0 is not false, 1.0 not the count 1
+        if name in body and not any(type(body[name]) is type(a) and body[name] == a for a in allowed):
             raise APIError(f"{name}: not supported by this server (allowed: {', '.join(map(repr, allowed))}), "
-                           f"got {body[name]!r}", name)
+                           f"got {short_repr(body[name])}", name)
     try:
-        return cls.model_validate({k: v for k, v in body.items() if k not in UNSUPPORTED})
+        parsed = cls.model_validate({k: v for k, v in body.items() if k not in UNSUPPORTED})
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         what = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        raise APIError(f"{loc}: {what}" + (f", got {err['input']!r}" if err["type"] != "missing" else ""),
+        raise APIError(f"{loc}: {what}" + (f", got {short_repr(err['input'])}" if err["type"] != "missing" else ""),
                        str(err["loc"][0]) if err["loc"] else None) from None
+    if getattr(parsed, "stream_options", None) is not None and not parsed.stream:  # as vLLM refuses it
+        raise APIError("stream_options: only allowed with stream true", "stream_options")
+    return parsed
 
 
 def one_prompt(prompt) -> str | list[int]:
@@ -148,3 +163,51 @@ def one_prompt(prompt) -> str | list[int]:
     if len(prompt) != 1:
         raise APIError(f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
     return prompt[0]
+
+
+@dataclass(frozen=True)
+class Context:
+    """The most tokens (prompt + output) one request may hold on this server, ``tokens``: the model's max_model_len
+    (``model_tokens``), or fewer where the engine's KV cache holds fewer (``Engine.max_request_tokens``)."""
+    tokens: int
+    model_tokens: int
+
+    def __str__(self) -> str:
+        why = "" if self.tokens >= self.model_tokens else (f" (the model's max_model_len is {self.model_tokens}; this "
+                                                           "server's KV cache holds fewer for one request)")
+        return f"this server's context of {self.tokens} tokens{why}"
+
+
+def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, context: Context, chat: bool) -> Request:
+    """The engine Request of a body (max_new_tokens None: whatever fits in the context). Raises APIError when the
+    prompt, or the prompt and max_new_tokens, do not fit the context (its limit in tokens in the message)."""
+    num_prompt = len(prompt_ids)
+    if num_prompt >= context.tokens:  # the prompt alone is too long: not max_tokens' fault
+        raise APIError(f"prompt: {num_prompt} tokens do not fit {context}, which must also hold at least 1 output "
+                       "token", "prompt")
+    if max_new_tokens is None:
+        max_new_tokens = context.tokens - num_prompt
+    if isinstance(max_new_tokens, int) and num_prompt + max_new_tokens > context.tokens:
+        raise APIError(f"max_tokens: prompt ({num_prompt}) + max_tokens ({max_new_tokens}) = "
+                       f"{num_prompt + max_new_tokens} tokens do not fit {context}: at most "
+                       f"{context.tokens - num_prompt}", "max_tokens")
+    try:
+        sampling = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
+                                  seed=body.seed, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                                  stop_token_ids=tuple(body.stop_token_ids or ()))
+        return Request(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt_ids, max_new_tokens, sampling)
+    except (TypeError, ValueError) as e:
+        raise api_error_of(e) from None
+
+
+API_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+
+
+def api_error_of(e: Exception) -> APIError:
+    """A 400 from an engine-side check, in the API's field names (max_tokens, prompt)."""
+    message = str(e).split(": ", 1)[-1] if str(e).startswith("request ") else str(e)
+    for ours, theirs in API_NAMES.items():
+        message = message.replace(ours, theirs)
+    param = next((p for p in ("temperature", "top_k", "top_p", "seed", "stop_token_ids", "min_tokens", "max_tokens",
+                              "prompt") if p in message), None)
+    return APIError(message, param)

@@ -10,19 +10,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from minibatch.request import Request, SamplingParams
 from minibatch.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from minibatch.serving.metrics import ServingMetrics
-from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, one_prompt,
-                                        parse_body)
+from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Context, api_error_of,
+                                        make_request, one_prompt, parse_body)
 from minibatch.serving.text import TextAssembler
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -34,8 +33,10 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     """The FastAPI app serving ``engine`` (started by the caller) as ``model_name``; a request body over
     ``max_body_bytes`` is refused with 413 before it is read whole."""
     app = FastAPI(title="minibatch", docs_url=None, redoc_url=None)
-    app.state.engine, app.state.metrics = engine, metrics
-    max_model_len = engine.engine.executor.max_model_len
+    # the context one request may use: the model's max_model_len, or less where the KV cache holds less
+    context = Context(engine.engine.max_request_tokens(), engine.engine.executor.max_model_len)
+    max_model_len = context.tokens
+    app.state.engine, app.state.metrics, app.state.context = engine, metrics, context
     # The event loop does I/O only: decoding, validating, templating and tokenizing a body run here, one at a
     # time (a tokenizer is not safe to share between threads), so a huge body never stalls /health or streams.
     prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minibatch-prepare")
@@ -46,8 +47,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     def check_length(num_chars: int, field: str) -> None:
         """Refuse, before templating or tokenizing, a text that needs more tokens than the context holds."""
         if max_token_chars and num_chars > max_model_len * max_token_chars:
-            raise APIError(f"{field}: {num_chars} characters cannot fit the model's context of {max_model_len} "
-                           f"tokens (a token covers at most {max_token_chars} characters)", field)
+            raise APIError(f"{field}: {num_chars} characters cannot fit {context} (a token covers at most "
+                           f"{max_token_chars} characters)", field)
 
     def prepare_completion(data: bytes):
         body = parse_body(CompletionRequest, decode_json(data))
@@ -115,7 +116,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
             raise APIError(f"model: {body.model!r} is not served here; /v1/models lists {model_name!r}", "model",
                            status=404)
         stop = body.stop_strings()
-        request = make_request(body, prompt_ids, max_new_tokens, max_model_len, chat)
+        request = make_request(body, prompt_ids, max_new_tokens, context, chat)
         try:
             stream = engine.submit(request)
         except QueueFullError as e:
@@ -143,10 +144,13 @@ async def read_body(raw: HTTPRequest, max_body_bytes: int = MAX_BODY_BYTES) -> b
     if declared.isdigit() and int(declared) > max_body_bytes:
         raise too_big
     data = bytearray()
-    async for chunk in raw.stream():
-        data += chunk
-        if len(data) > max_body_bytes:
-            raise too_big
+    try:
+        async for chunk in raw.stream():
+            data += chunk
+            if len(data) > max_body_bytes:
+                raise too_big
+    except ClientDisconnect:  # nobody is left to answer: a short error, not a traceback in the log
+        raise APIError("the client closed the connection before its body was complete") from None
     return bytes(data)
 
 
@@ -163,35 +167,6 @@ def decode_json(data: bytes):
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the body is not valid JSON: {e}") from None
     return body
-
-
-def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, max_model_len: int, chat: bool) -> Request:
-    """The engine Request of a body (max_new_tokens None: whatever fits in max_model_len)."""
-    if len(prompt_ids) >= max_model_len:  # the prompt alone is too long: not max_tokens' fault
-        raise APIError(f"prompt: {len(prompt_ids)} tokens, but the model's context (max_model_len) is {max_model_len} "
-                       "tokens and must also hold at least 1 output token", "prompt")
-    if max_new_tokens is None:
-        max_new_tokens = max_model_len - len(prompt_ids)
-    try:
-        sampling = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
-                                  seed=body.seed, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-                                  stop_token_ids=tuple(body.stop_token_ids or ()))
-        return Request(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prompt_ids, max_new_tokens, sampling)
-    except (TypeError, ValueError) as e:
-        raise api_error_of(e) from None
-
-
-API_NAMES = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
-
-
-def api_error_of(e: Exception) -> APIError:
-    """A 400 from an engine-side check, in the API's field names (max_tokens, prompt)."""
-    message = str(e).split(": ", 1)[-1] if str(e).startswith("request ") else str(e)
-    for ours, theirs in API_NAMES.items():
-        message = message.replace(ours, theirs)
-    param = next((p for p in ("temperature", "top_k", "top_p", "seed", "min_tokens", "stop_token_ids", "max_tokens",
-                              "prompt") if p in message), None)
-    return APIError(message, param)
 
 
 class Output:
@@ -297,4 +272,7 @@ async def collect(raw: HTTPRequest, engine: AsyncEngine, stream, out: Output) ->
         if not task.done() and await raw.is_disconnected():
             task.cancel()  # closes the stream: the request is aborted
             return Response(status_code=499)
-    return out.whole(task.result())
+    try:
+        return out.whole(task.result())
+    except EngineDeadError as e:  # the engine stopped while this request ran
+        raise APIError(str(e), status=503, kind="server_error") from None
