@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
-    from minibatch.checks import check_int, check_real
+    from minibatch.checks import check_int, check_real, comma_list
     from minibatch.files import check_output_file
 
     command = " ".join(["python -m minibatch"] + (argv if argv is not None else sys.argv[1:]))
@@ -228,7 +228,13 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
 
         if args.bench_requests is not None:
             check_int(args.bench_requests, "--bench-requests", 1, 100_000)
-        steps = [s.strip() for s in args.steps.split(",") if s.strip()] if args.steps else None
+        if args.device is not None and not args.device.strip():
+            raise ValueError("--device must be cuda, cuda:N or cpu (leave it out for cuda where there is one), got ''")
+        steps = list(comma_list(args.steps, "--steps")) if args.steps is not None else None
+        if steps == []:
+            raise ValueError("--steps must name at least one step (leave it out for all)")
+        if args.out is not None:
+            check_output_file(args.out, "--out")
         if not run_gpu_check(args.device, steps, args.bench_requests, out=args.out, command=command)["passed"]:
             raise SystemExit(1)  # a step failed: the summary above names it
         return 0

@@ -98,6 +98,19 @@ def check_str(value, name: str, allow_none: bool = False) -> str | None:
     return value
 
 
+def comma_list(text: str, name: str) -> tuple[str, ...]:
+    """The items of a comma-separated option (``"a, b"`` -> ("a", "b"); ``""`` -> ()).
+
+    Raises:
+        ValueError: an empty item ("a,,b", "a,", ",") or an item given twice; the message names ``name``."""
+    items = tuple(x.strip() for x in text.split(",")) if text.strip() else ()
+    if any(not x for x in items):
+        raise ValueError(f"{name} must be a comma-separated list without empty items, got {text!r}")
+    if len(set(items)) < len(items):
+        raise ValueError(f"{name} lists an item twice: {text!r}")
+    return items
+
+
 def check_token_ids(value, name: str, vocab_size: int | None = None) -> list[int]:
     """A non-empty flat sequence of token ids as a list of ints, each in [0, vocab_size).
 
@@ -140,3 +153,20 @@ def check_device(value, name: str = "device") -> str:
         if index >= count:
             raise ValueError(f"{name} {value!r}: this machine has {count} CUDA device(s) visible to torch")
     return value
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Raise ValueError (naming --host and --port) unless a server can listen on ``host``:``port`` now: the name
+    resolves and the port is free (a test bind, closed at once)."""
+    import socket
+
+    if not host.strip():
+        raise ValueError("--host must be a host name or address (127.0.0.1: this machine only; 0.0.0.0: every "
+                         "interface), got ''")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind(address)
+    except OSError as e:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from minibatch.baselines.vllm_peer import PeerUnavailable
-from minibatch.checks import MAX_SECONDS, MAX_TOKENS
+from minibatch.checks import MAX_KV_SLOTS, MAX_SECONDS, MAX_TOKENS, check_int, comma_list
 from minibatch.config import opt, option
 from minibatch.experiment import (Run, all_policies, check_policy_settings, default_draft, load_draft_runner,
                                   policy_spec, run, warm_up)
@@ -137,7 +137,7 @@ def compare_config(values: dict, command: str, settings: dict, text: str | None 
     ``command`` "model" (compare) or "sim" (simulate: the simulated clock, no reference check, no figures)."""
     values = dict(values)
     names = values.get("policies", DEFAULT_POLICIES if command == "model" else SIM_DEFAULT_POLICIES)
-    names = tuple(x.strip() for x in names.split(",") if x.strip()) if isinstance(names, str) else tuple(names)
+    names = comma_list(names, "--policies") if isinstance(names, str) else tuple(names)
     values["policies"] = tuple(POLICIES) if names == ("all",) and command == "sim" else names
     if command == "sim":
         values.update(clock="sim", check_reference=False, figures_dir=None)
@@ -161,13 +161,6 @@ def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]
                       output_scale=cfg.output_scale, vocab_size=vocab_size, num_long_prompts=cfg.long_prompts,
                       long_prompt_len=cfg.long_prompt_len, seed=cfg.seed, sampling=SamplingParams(ignore_eos=True),
                       tokenizer=tokenizer)
-
-
-def with_logprobs(r: Request, num_logprobs: int) -> Request:
-    """``r`` asking for ``num_logprobs`` top logprobs per output token (greedy requests; others as they are)."""
-    if not r.sampling.is_greedy:
-        return r
-    return replace(r.copy(), sampling=replace(r.sampling, logprobs=num_logprobs))
 
 
 def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:
@@ -221,12 +214,14 @@ def run_policies(cfg: CompareConfig, requests: list[Request], executor, clock_fa
             path = Path(cfg.trace_out) / f"{policy}.trace.json"
             r.extra["chrome_trace"] = str(write_chrome_trace(path, r.records, r.requests, policy))
         runs[policy] = r
+    if not runs:  # nothing to show: the command failed (each skip said why above)
+        raise ValueError("none of the selected policies could run here (each one's reason is printed above)")
     return runs
 
 
 def run_compare(cfg: CompareConfig) -> dict:
     """Run the comparison; print a table, save figures and (optionally) JSON. Returns the result dict."""
-    from minibatch.equivalence import TOP_K, rule_for
+    from minibatch.equivalence import TOP_K, rule_for, with_logprobs
     from minibatch.models import load_model
     from minibatch.precision import dtype_name
     from minibatch.reference import default_cache_dir, reference_outputs
@@ -255,7 +250,8 @@ def run_compare(cfg: CompareConfig) -> dict:
           f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over {requests[-1].arrival_time_s:.1f} s")
     runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend)
     if cfg.kv_cache_memory_bytes is not None:
-        n_slots = cfg.kv_cache_memory_bytes // runner.kv_bytes_per_token
+        n_slots = check_int(cfg.kv_cache_memory_bytes // runner.kv_bytes_per_token, "--kv-cache-memory-bytes // "
+                            f"{runner.kv_bytes_per_token} KV bytes per token (n_slots)", 1, MAX_KV_SLOTS)
         cfg = replace(cfg, settings=cfg.settings | {"n_slots": n_slots}, kv_cache_memory_bytes=None)
         print(f"KV cache: {n_slots} token slots of {runner.kv_bytes_per_token} bytes")
     too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]

@@ -37,7 +37,7 @@ there is no cover: the other requests' confident divergences fail the floor).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minibatch.precision import is_reduced
 from minibatch.request import Request
@@ -56,6 +56,14 @@ class ReferenceOutput:
 
     token_ids: list[int]
     logprobs: list[dict[int, float]]
+
+
+def with_logprobs(r: Request, num_logprobs: int) -> Request:
+    """``r`` asking for ``num_logprobs`` top logprobs per output token (greedy requests; others as they are): what
+    the logprob-close rule reads where a greedy output diverges."""
+    if not r.sampling.is_greedy:
+        return r
+    return replace(r.copy(), sampling=replace(r.sampling, logprobs=num_logprobs))
 
 
 def rule_for(dtype) -> str:

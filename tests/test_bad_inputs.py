@@ -388,8 +388,34 @@ def run_cli(argv, capsys):
     (["calibrate", "--draft-only", "/no/such.json", "--draft-model", "tiny-random-llama"], "/no/such.json"),
     (["calibrate", "--refit", "README.md"], "README.md"),
     (["calibrate", "--draft-only", "data/profiles/smollm2-135m-cpu.json"], "--draft-model"),
+    # comma lists: no empty items, no item twice
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "orca,,paged"], "--policies"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", ","], "--policies"),
+    (["profile", "--model", "tiny-random-llama", "--decode-batches", "1,,2"], "--decode-batches"),
+    (["profile", "--model", "tiny-random-llama", "--prefill-lens", "8,8"], "--prefill-lens"),
+    (["profile", "--model", "tiny-random-llama", "--decode-batches", "", "--prefill-lens", ""], "nothing to profile"),
+    (["profile", "--model", "tiny-random-llama", "--json", ""], "--json"),
+    (["gpu-check", "--device", "cpu", "--steps", ""], "--steps"),
+    (["gpu-check", "--device", "cpu", "--steps", "environment,environment"], "--steps"),
+    (["gpu-check", "--device", "", "--steps", "environment"], "--device"),
+    (["gpu-check", "--device", "cpu", "--out", ""], "--out"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "paged", "--disaggregate",
+      "1000000:1"], "--disaggregate"),
+    # a run where every selected policy is skipped (vLLM not here) failed; a KV budget too small or too large
+    (["compare", "--model", "tiny-random-llama", "--clock", "sim", "--policies", "vllm", "--num-requests", "2",
+      "--figures-dir", "", "--no-progress"], "none of the selected policies could run"),
+    (["compare", "--model", "tiny-random-llama", "--clock", "sim", "--policies", "paged", "--num-requests", "2",
+      "--kv-cache-memory-bytes", "1", "--figures-dir", "", "--no-progress"], "--kv-cache-memory-bytes"),
+    (["compare", "--model", "tiny-random-llama", "--clock", "sim", "--policies", "paged", "--num-requests", "2",
+      "--kv-cache-memory-bytes", "1000000000000", "--figures-dir", "", "--no-progress"], "--kv-cache-memory-bytes"),
 ])
-def test_cli_bad_option_is_one_line_exit_2(argv, message, capsys):
+def test_cli_bad_option_is_one_line_exit_2(argv, message, capsys, monkeypatch):
+    from minibatch.baselines import vllm_peer
+
+    find_spec = vllm_peer.importlib.util.find_spec
+    monkeypatch.setattr(vllm_peer.importlib.util, "find_spec",  # vLLM is never here
+                        lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+
     code, err = run_cli(argv, capsys)
     assert code == 2
     assert message in err

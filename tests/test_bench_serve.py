@@ -301,9 +301,14 @@ def test_cli_path_writes_json(start_stub, tmp_path: Path, monkeypatch, capsys):
     expected = sample_requests(5, 3, tiny_tokenizer(), 256, 6, pairs=_pairs())
     assert sorted(b["max_tokens"] for b in stub.bodies) == sorted(r.output_len for r in expected)
     assert "TTFT" in capsys.readouterr().out
+    stub.fail_marker = "?"  # every question fails: the run is an error (the JSON still says why)
+    with pytest.raises(ValueError, match="all 5 requests failed; the first: .*stub failure"):
+        run_bench_serve(args)
+    assert json.loads(path.read_text())["summary"]["failed"] == 5
 
 
 @pytest.mark.parametrize("argv, option", [
+    (["--seed", "-1"], "--seed"), (["--output-len", "1000000000000"], "--output-len"),
     (["--rate", "0"], "--rate"), (["--rate", "-2"], "--rate"), (["--rate", "nan"], "--rate"),
     (["--num-prompts", "0"], "--num-prompts"), (["--burstiness", "0"], "--burstiness"),
     (["--max-concurrency", "0"], "--max-concurrency"), (["--max-prompt-len", "0"], "--max-prompt-len"),

@@ -124,7 +124,8 @@ def test_an_exact_tie_is_not_a_mismatch():
 
 def test_tiny_models_pass_at_exact_ties_and_a_broken_engine_still_fails(tmp_path, one_thread):
     """The command that failed a correct engine on exact ties passes; DropsFirstBlock on its trace fails."""
-    from minibatch.compare import CompareConfig, build_trace, with_logprobs
+    from minibatch.compare import CompareConfig, build_trace
+    from minibatch.equivalence import with_logprobs
 
     argv = ["--model", MODEL, "--clock", "sim", "--num-requests", "6", "--policies", "static,orca,paged",
             "--dtype", "bfloat16"]

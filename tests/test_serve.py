@@ -457,10 +457,27 @@ def test_every_policy_serves_a_burst(loaded, policy):
         assert engine.is_alive
 
 
+def test_a_port_in_use_is_refused_before_the_model_loads(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit) as e:
+            from minibatch.__main__ import main
+            main(["serve", "--model", "tiny-random-llama", "--port", str(taken.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cannot listen there" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("argv,names", [
     (["serve", "--policy", "hf_generate"], "--policy"),
     (["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["serve", "--port", "70000"], "--port"),
+    (["serve", "--port", "0"], "--port"),
+    (["serve", "--host", ""], "--host"),
+    (["serve", "--host", "no-such-host.invalid"], "--host"),
+    (["serve", "--max-num-waiting", "1000000000000"], "--max-num-waiting"),
     (["serve", "--max-num-waiting", "0"], "--max-num-waiting"),
     (["serve", "--drain-timeout-s", "-1"], "--drain-timeout-s"),
     (["serve", "--drain-timeout-s", "nan"], "--drain-timeout-s"),

@@ -75,6 +75,23 @@ def test_a_failing_configuration_is_reported_and_the_rest_survive(tmp_path):
     assert "--router must be one of" in result["failed"][0]["error"]
 
 
+def test_grid_values_of_their_yaml_types_and_a_damaged_cache_entry(tmp_path):
+    """acceptance_rate as a number or list (as YAML writes them) runs; threads out of range fails naming it; a
+    cache entry cut short (an interrupted write) is computed again, not an error that blocks every rerun."""
+    grid = write_grid(tmp_path / "g.json", {"acceptance_rate": [0.5, [0.6, 0.3]]},
+                      configs=[{"threads": -1}, {"threads": 0}])
+    base = {**BASE, "policies": "spec", "num_speculative_tokens": 2}
+    grid.write_text(json.dumps(json.loads(grid.read_text()) | {"base": base}))
+    result = run_sweep(str(grid), cache_dir=str(tmp_path / "cache"), progress=False)
+    assert len(result["rows"]) == 2 and [f["config"]["threads"] for f in result["failed"]] == [-1, 0]
+    assert all("threads must be an int in [1, 1024]" in f["error"] for f in result["failed"])
+    entry = sorted((tmp_path / "cache").glob("*.json"))[0]
+    entry.write_text(entry.read_text()[:20])
+    again = run_sweep(str(grid), cache_dir=str(tmp_path / "cache"), progress=False)
+    assert again["cached"] == 1 and again["computed"] == 1
+    assert without_times(again["rows"]) == without_times(result["rows"])
+
+
 @pytest.fixture
 def local_ray():
     ray = pytest.importorskip("ray")

@@ -11,7 +11,7 @@ import pytest
 
 from minibatch.__main__ import main
 from minibatch.baselines import vllm_peer
-from minibatch.baselines.vllm_peer import PeerUnavailable, VllmConfig, run_vllm, vllm_job
+from minibatch.baselines.vllm_peer import VllmConfig, run_vllm, vllm_job
 from minibatch.metrics import summarize
 from minibatch.models import load_model
 from minibatch.request import Request, SamplingParams
@@ -82,8 +82,16 @@ def test_compare_skips_vllm_with_one_line_when_it_is_not_installed(tmp_path, cap
     printed = capsys.readouterr().out
     assert "vllm: skipped: vllm is not installed in this environment and --vllm-python is not given" in printed
     assert list(json.loads(out.read_text())["policies"]) == ["paged"]
-    with pytest.raises(PeerUnavailable, match="--vllm-python /no/such/python: no such file"):
-        vllm_peer.vllm_python(VllmConfig(vllm_python="/no/such/python"))
+    with pytest.raises(ValueError, match="--vllm-python /no/such/python: no such file"):
+        VllmConfig(vllm_python="/no/such/python")  # given but wrong: refused before any run, not skipped after
+    not_executable = tmp_path / "python"
+    not_executable.write_text("")
+    with pytest.raises(ValueError, match="not executable"):
+        VllmConfig(vllm_python=str(not_executable))
+    for bad, what in (("/no/such/python", "no such file"), (str(not_executable), "not executable")):
+        with pytest.raises(SystemExit) as e:
+            main(["compare", "--model", "tiny-random-llama", "--policies", "paged,vllm", "--vllm-python", bad])
+        assert e.value.code == 2 and what in capsys.readouterr().err
 
 
 PHASED_WORKER = '''#!{python}

@@ -65,12 +65,28 @@ class VllmConfig(SchedulerConfig):
     vllm_python: str | None = option(None, "vllm: the Python interpreter of an environment with vllm installed "
                                      "(default: this one, if it has vllm)", "path", optional=True)
 
+    def __post_init__(self):
+        super().__post_init__()
+        problem = self.vllm_python is not None and interpreter_problem(self.vllm_python)
+        if problem:  # given, but not an interpreter: a typo to fix now, not a peer to skip after the run
+            raise ValueError(problem)
+
+
+def interpreter_problem(path) -> str | None:
+    """Why ``path`` (a ``--vllm-python``) cannot be run as an interpreter, or None when it can."""
+    if not Path(path).is_file():
+        return f"--vllm-python {path}: no such file"
+    if not os.access(path, os.X_OK):
+        return f"--vllm-python {path}: not executable (an environment's bin/python; scripts/setup_vllm.sh makes one)"
+    return None
+
 
 def vllm_python(config: VllmConfig) -> str:
     """The interpreter that runs vLLM. Raises PeerUnavailable when there is none (the message says how to get one)."""
     if config.vllm_python is not None:
-        if not Path(config.vllm_python).is_file():
-            raise PeerUnavailable(f"--vllm-python {config.vllm_python}: no such file")
+        problem = interpreter_problem(config.vllm_python)
+        if problem:
+            raise PeerUnavailable(problem)
         return str(config.vllm_python)
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable

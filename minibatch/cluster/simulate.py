@@ -18,6 +18,7 @@ from minibatch.config import option
 WORKLOADS = ("trace", "multiturn")
 # a model's KV elements per token (2 x layers x KV heads x head_dim), for the KV transfer of disaggregation
 KV_ELEMENTS_PER_TOKEN = {"smollm2-135m": 2 * 30 * 3 * 64}
+MAX_REPLICAS = 4096  # replicas, and each side of --disaggregate P:D
 PAGED_POLICIES_ONLY = "--disaggregate needs a paged policy (its decode replicas take transferred KV blocks)"
 
 
@@ -26,7 +27,7 @@ class ClusterConfig:
     """The cluster options of ``simulate`` (checked on creation, each error naming its option)."""
 
     replicas: int = option(1, "replicas (engines), each with its own scheduler, KV cache and clock", "int", low=1,
-                           high=4096, cli="sim")
+                           high=MAX_REPLICAS, cli="sim")
     router: str = option("round_robin", "how each request picks a replica", "choice", choices=router_names,
                          cli="sim")
     max_outstanding: int | None = option(None, "router admission limit: unfinished requests per replica (more wait "
@@ -60,9 +61,9 @@ class ClusterConfig:
         roles = ("both",) * self.replicas
         if self.disaggregate is not None:
             p, _, d = self.disaggregate.partition(":")
-            if not (p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
-                raise ValueError(f"--disaggregate must be P:D with P, D >= 1 (prefill and decode replicas), "
-                                 f"got {self.disaggregate!r}")
+            if not (p.isdigit() and d.isdigit() and 1 <= int(p) <= MAX_REPLICAS and 1 <= int(d) <= MAX_REPLICAS):
+                raise ValueError(f"--disaggregate must be P:D with P, D in [1, {MAX_REPLICAS}] (prefill and decode "
+                                 f"replicas), got {self.disaggregate!r}")
             roles = ("prefill",) * int(p) + ("decode",) * int(d)
         object.__setattr__(self, "roles", roles)
 

@@ -31,6 +31,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from minibatch.files import atomic_write_text
+
 COMMANDS = ("simulate", "compare")
 
 
@@ -115,14 +117,18 @@ def run_one(command: str, config: dict) -> dict:
     cluster = {f.name for f in fields(ClusterConfig) if f.metadata.get("cli")} if command == "simulate" else set()
     settings = {n for p in all_policies() for n in setting_fields(policy_spec(p).config_cls)}
     acceptance = config.pop("acceptance_rate", None) if command == "simulate" else None
+    if isinstance(acceptance, (int, float, list)) and not isinstance(acceptance, bool):  # YAML's 0.5 or [0.6, 0.3]
+        acceptance = ",".join(map(str, acceptance)) if isinstance(acceptance, list) else str(acceptance)
     unknown = [k for k in config if k not in ours | cluster | settings]
     if unknown:
         raise ValueError(f"{unknown[0]!r} is not an option of {command} (keys are option names with _, e.g. "
                          "max_num_seqs)")
-    if threads:
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(int(threads))
+        from minibatch.checks import check_int
+
+        torch.set_num_threads(check_int(threads, "threads", 1, 1024))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         values = {"figures_dir": None} | {k: v for k, v in config.items() if k in ours} | {"json_path": out,
@@ -166,9 +172,9 @@ def run_sweep(grid_path: str, *, use_ray: bool = False, ray_address: str | None 
     todo = []
     for i, config in enumerate(configs):
         file = cache / f"{config_key(command, config, version)}.json"
-        if file.exists():
+        try:
             results[i] = json.loads(file.read_text(encoding="utf-8"))
-        else:
+        except (OSError, ValueError):  # not there yet, or unreadable (a write cut short before writes were atomic)
             todo.append((i, config, file))
     cached = len(results)
     bar = tqdm(total=len(configs), initial=cached, desc="sweep", unit="config", disable=not progress)
@@ -176,7 +182,7 @@ def run_sweep(grid_path: str, *, use_ray: bool = False, ray_address: str | None 
     def done(i, config, file, result=None, error=None):
         if error is None:
             results[i] = {"config": config, "result": result}
-            file.write_text(json.dumps(results[i], default=str), encoding="utf-8")
+            atomic_write_text(file, json.dumps(results[i], default=str))
         else:
             failed.append({"index": i, "config": config, "error": error})
             bar.write(f"failed: configuration {i} {json.dumps(config, default=str)}: {error}")

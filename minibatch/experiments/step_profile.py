@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -233,24 +232,26 @@ def add_profile_arguments(p) -> None:
 
 def profile_command(args, command: str) -> dict:
     """``python -m minibatch profile``: check the options, profile, print, write JSON and figure."""
-    from minibatch.checks import MAX_BLOCK_SIZE, check_int
+    from minibatch.baselines.vllm_peer import interpreter_problem
+    from minibatch.checks import MAX_BLOCK_SIZE, check_int, comma_list
     from minibatch.files import check_output_file
     from minibatch.report import write_json
 
     def sizes(text, name):
-        return tuple(check_int(int(x) if x.strip().lstrip("-").isdigit() else x, name, 1, 1 << 16)
-                     for x in text.split(",") if x.strip())
+        return tuple(check_int(int(x) if x.lstrip("-").isdigit() else x, name, 1, 1 << 16)
+                     for x in comma_list(text, name))
     batches, prefills = sizes(args.decode_batches, "--decode-batches"), sizes(args.prefill_lens, "--prefill-lens")
+    if not batches and not prefills:
+        raise ValueError("--decode-batches and --prefill-lens are both empty: nothing to profile")
     for value, name, high in ((args.context_len, "--context-len", 1 << 16), (args.block_size, "--block-size",
                               MAX_BLOCK_SIZE), (args.repeats, "--repeats", 1000), (args.rounds, "--rounds", 20)):
         check_int(value, name, 1, high)
     if args.threads is not None:
         check_int(args.threads, "--threads", 1, 1024)
-    if args.vllm_python is not None and not Path(args.vllm_python).is_file():
-        raise ValueError(f"--vllm-python {args.vllm_python}: no such file (an interpreter of an environment with vllm: "
-                         "scripts/setup_vllm.sh)")
+    if args.vllm_python is not None and interpreter_problem(args.vllm_python):
+        raise ValueError(interpreter_problem(args.vllm_python))
     for path, name in ((args.json_path, "--json"), (args.figure, "--figure")):
-        if path:
+        if path is not None:
             check_output_file(path, name)
     result = {"command": command} | run_profile(args.model, args.device, args.dtype, args.attention_backend, batches,
                                                 prefills, args.context_len, args.repeats, args.threads,

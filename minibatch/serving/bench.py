@@ -294,4 +294,6 @@ def run_bench_serve(args: argparse.Namespace, command: str | None = None) -> dic
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")
+    if requests and not out["summary"]["completed"]:  # nothing measured: the command failed (the JSON has why)
+        raise ValueError(f"all {len(requests)} requests failed; the first: {out['requests'][0]['error']}")
     return result

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from minibatch.checks import MAX_TOKENS, check_int
 from minibatch.metrics import (COLUMNS, LATENCIES, PERCENTILES, SLO, RequestMetrics, Sample, format_cell, latencies,
                                summary_values)
 
@@ -65,8 +66,9 @@ def check_args(args: argparse.Namespace) -> SLO | None:
     check_options(args.num_prompts, args.rate, args.burstiness, args.max_concurrency, args.endpoint, args.timeout_s)
     for option in ("max_prompt_len", "max_output_len", "output_len"):
         value = getattr(args, option)
-        if value is not None and value < 1:
-            raise ValueError(f"--{option.replace('_', '-')} must be >= 1, got {value}")
+        if value is not None:
+            check_int(value, f"--{option.replace('_', '-')}", 1, MAX_TOKENS)
+    check_int(args.seed, "--seed", 0, 2**63 - 1)
     objectives = {name: getattr(args, f"slo_{name}") for name in ("ttft_s", "tpot_s", "e2e_s")}
     for name, value in objectives.items():
         if value is not None and not (value > 0 and math.isfinite(value)):

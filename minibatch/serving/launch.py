@@ -124,13 +124,14 @@ def run_serve(args, settings: dict) -> int:
     import torch
     import uvicorn
 
-    from minibatch.checks import check_int, check_real
+    from minibatch.checks import check_int, check_listen_address, check_real
     from minibatch.experiment import check_policy_settings
     from minibatch.policies import POLICIES
 
-    check_int(args.port, "--port", 0, 65535)
+    check_int(args.port, "--port", 1, 65535)
     check_int(args.threads, "--threads", 1, 1024)
-    check_int(args.max_num_waiting, "--max-num-waiting", 1)
+    check_int(args.max_num_waiting, "--max-num-waiting", 1, 1 << 20)
+    check_listen_address(args.host, args.port)  # before the model loads, not after "serving on ..."
     check_int(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 31)
     check_real(args.drain_timeout_s, "--drain-timeout-s", 0.0, 86400.0)
     if args.policy in POLICIES:  # (python -m minibatch loads --policy-module files first; build_server

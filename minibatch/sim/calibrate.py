@@ -7,6 +7,7 @@ fits a :class:`~minibatch.sim.cost_model.Profile` to the recorded steps.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 
@@ -112,9 +113,15 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
     t0 = time.perf_counter()
     model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
                                               attention_backend=attention_backend)
-    warm_up(runner)
     grid = QUICK if quick else FULL
-    samples = measure(runner, scenarios(model.config.vocab_size, scale, grid=grid), progress)
+    work = scenarios(model.config.vocab_size, scale, grid=grid)
+    longest = max(r.max_num_tokens for sc in work for r in sc.requests)
+    if longest > runner.max_model_len:  # say so before minutes of measuring, not at the scenario that fails
+        raise ValueError(f"--scale {scale:g}: the calibration's longest request holds {longest} tokens, more than "
+                         f"{model_name}'s max_model_len {runner.max_model_len}: use --scale <= "
+                         f"{math.floor(100 * scale * runner.max_model_len / longest) / 100:g}")
+    warm_up(runner)
+    samples = measure(runner, work, progress)
     env = environment(load_before)
     if contention(env):
         print(f"warning: {contention(env)}")

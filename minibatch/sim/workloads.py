@@ -115,7 +115,7 @@ def scenarios(vocab_size: int, scale: float = 1.0, seed: int = 1234, grid: Grid 
     static_sizes = sorted({s(b) for b in grid.static_batches})
     for b in static_sizes:  # static: padded (B, T) batches, long decodes
         n = b if b == static_sizes[-1] else grid.static_batches_each * b  # a few batches each, one of the largest
-        lengths = [(int(rng.integers(s(16), s(256) + 1)), int(rng.integers(4, s(grid.static_max_steps) + 1)))
+        lengths = [(int(rng.integers(s(16), s(256) + 1)), int(rng.integers(4, max(4, s(grid.static_max_steps)) + 1)))
                    for _ in range(n)]
         out.append(Scenario(f"static-b{b}", "static", _requests(f"s{b}", lengths, rng, vocab_size),
                             dict(batch_size=b, max_wait_s=0.0)))
