@@ -388,6 +388,8 @@ def run_cli(argv, capsys):
     (["calibrate", "--draft-only", "/no/such.json", "--draft-model", "tiny-random-llama"], "/no/such.json"),
     (["calibrate", "--refit", "README.md"], "README.md"),
     (["calibrate", "--draft-only", "data/profiles/smollm2-135m-cpu.json"], "--draft-model"),
+    # the calibration's longest request (1026 tokens at --scale 1) must fit the model's max_model_len (512)
+    (["calibrate", "--model", "tiny-random-llama", "--quick", "--threads", "1"], "use --scale <= 0.49"),
     # comma lists: no empty items, no item twice
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "orca,,paged"], "--policies"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", ","], "--policies"),
@@ -1128,3 +1130,14 @@ def test_a_request_added_to_two_engines_is_refused_naming_it(tiny):
         second.add_request(req)
     second.add_request(req.copy())
     first.generate([]), second.generate([])
+
+
+@pytest.mark.parametrize("scale", [1e-6, 0.01, 0.1, 0.49])
+def test_calibration_workloads_build_at_any_scale(scale):
+    """Small scales used to draw a static batch's steps from an empty range (numpy: low >= high)."""
+    from minibatch.sim.workloads import FULL, QUICK, scenarios
+
+    for grid in (FULL, QUICK):
+        work = scenarios(512, scale, grid=grid)
+        assert work and all(r.max_new_tokens >= 1 and r.num_prompt_tokens >= 1 for sc in work for r in sc.requests)
+    assert max(r.max_num_tokens for sc in scenarios(512, 0.49) for r in sc.requests) <= 512
