@@ -20,12 +20,14 @@ The first run on a machine builds the kernel (tens of seconds, before any timing
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import statistics
 import sys
 import time
 
 import torch
 
+from minibatch.checks import OneLineParser, int_arg, output_file_arg
 from minibatch.report import environment, machine_load, write_json
 
 BACKENDS = ("sdpa", "cpp")
@@ -85,18 +87,21 @@ def engine_times(model, tokenizer, n: int, context: int, kind: str, steps: int) 
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--context", type=int, default=256, help="tokens of context per request (equal; mixed: mean)")
-    p.add_argument("--threads", type=int, default=2)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int_arg(1, 4096), default=32)
+    p.add_argument("--context", type=int_arg(1, 8192), default=256,
+                   help="tokens of context per request (equal; mixed: mean)")
+    p.add_argument("--threads", type=int_arg(1, 1024), default=2)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the model's and cache's")
-    p.add_argument("--repeats", type=int, default=100, help="kernel calls per way")
-    p.add_argument("--steps", type=int, default=30, help="engine decode steps per backend")
+    p.add_argument("--repeats", type=int_arg(1, 100_000), default=100, help="kernel calls per way")
+    p.add_argument("--steps", type=int_arg(1, 100_000), default=30, help="engine decode steps per backend")
     p.add_argument("--against-source", default=None, help="another version of cpu_paged_decode.cpp to time beside "
                    "the current kernel (kernel level)")
     p.add_argument("--skip-engine", action="store_true", help="kernel level only")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     args = p.parse_args(argv)
+    if args.against_source is not None and not Path(args.against_source).is_file():
+        p.error(f"--against-source {args.against_source}: no such file")
     from minibatch.kernels import cpu_decode
     from minibatch.models import load_model
 

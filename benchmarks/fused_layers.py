@@ -28,10 +28,14 @@ def kernel_sources_at(rev: str, name: str) -> str:
     from minibatch.kernels import cpu_decode_layer
 
     here = os.path.dirname(cpu_decode_layer.SOURCE)
-    folder = os.path.join("build", f"{name}_{rev}")
+    repo = os.path.dirname(os.path.dirname(here))  # git runs there, and build/ is made there, wherever we are called
+    if subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=repo,
+                      capture_output=True).returncode != 0:
+        raise SystemExit(f"--against-rev {rev}: not a commit of this repository")
+    folder = os.path.join(repo, "build", f"{name}_{rev}")
     os.makedirs(folder, exist_ok=True)
     for file in [f for f in os.listdir(here) if f.endswith((".cpp", ".h"))]:
-        shown = subprocess.run(["git", "show", f"{rev}:minibatch/kernels/{file}"], capture_output=True)
+        shown = subprocess.run(["git", "show", f"{rev}:minibatch/kernels/{file}"], capture_output=True, cwd=repo)
         with open(os.path.join(folder, file), "wb") as f:
             f.write(shown.stdout if shown.returncode == 0 else b"")
     return folder
@@ -87,7 +91,7 @@ def main(argv=None) -> dict:
         runners[f"fused_{args.against_rev}"] = ModelRunner(model, tokenizer, attention_backend="cpp")
         with_kernel(runners[f"fused_{args.against_rev}"], kernel_at(args.against_rev))
     rows = []
-    for n in (int(b) for b in args.batches.split(",")):
+    for n in args.batches:
         steps = step_times(runners, n, args.steps)
         rows.append({"batch": n, "decode_step_ms": steps, "step_speedup": round(steps["modules"] / steps["fused"], 2)}
                     | ({"speedup_over_rev": round(steps[f"fused_{args.against_rev}"] / steps["fused"], 2)}

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from minibatch.checks import OneLineParser, int_arg, ints_arg, output_file_arg
 from minibatch.report import environment, machine_load, write_json
 
 
@@ -57,13 +58,14 @@ def step_times(runners: dict, n: int, steps: int, context: int = 256) -> dict:
 
 def parser(doc: str) -> argparse.ArgumentParser:
     """The options this benchmark shares with ``cpu_linear.py``."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="1,8,32", help="decode batch sizes (rows of the linears-alone timing)")
-    p.add_argument("--threads", type=int, default=2)
+    p = OneLineParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=ints_arg(1, 4096), default="1,8,32",
+                   help="decode batch sizes (rows of the linears-alone timing)")
+    p.add_argument("--threads", type=int_arg(1, 1024), default=2)
     p.add_argument("--attention-backend", default="cpp")
-    p.add_argument("--repeats", type=int, default=20, help="linears-alone passes per way")
-    p.add_argument("--steps", type=int, default=25, help="decode steps per way and batch")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--repeats", type=int_arg(1, 100_000), default=20, help="linears-alone passes per way")
+    p.add_argument("--steps", type=int_arg(1, 100_000), default=25, help="decode steps per way and batch")
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     return p
 
 
@@ -75,7 +77,7 @@ def run_ways(runners: dict, args, script: str, argv, dtype: str, extra: dict | N
     load_before = machine_load()
     rows = []
     weights = sum(m.weight.numel() for m in runners[base].model.modules() if isinstance(m, torch.nn.Linear))
-    for n in (int(b) for b in args.batches.split(",")):
+    for n in args.batches:
         linears = linear_times({k: r.model for k, r in runners.items()}, n, args.repeats)
         steps = step_times(runners, n, args.steps)
         row = {"batch": n, "linears_ms": linears,

@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from minibatch.checks import OneLineParser, int_arg, ints_arg, output_file_arg
 from minibatch.experiment import alternating_ms
 from minibatch.kernels import cpu_decode_layer
 from minibatch.report import environment, machine_load, write_json
@@ -25,21 +26,21 @@ from minibatch.runner.sampler import two_pass_argmax
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,8,32,64", help="decode batch sizes (rows of logits)")
-    p.add_argument("--vocab-sizes", default="49152,32000")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=200)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=ints_arg(1, 4096), default="1,8,32,64", help="decode batch sizes (rows of logits)")
+    p.add_argument("--vocab-sizes", type=ints_arg(1, 1 << 20), default="49152,32000")
+    p.add_argument("--threads", type=int_arg(1, 1024), default=2)
+    p.add_argument("--repeats", type=int_arg(1, 100_000), default=200)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the logits'")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     args = p.parse_args(argv)
     load_before = machine_load()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     kernel = cpu_decode_layer.available() and cpu_decode_layer.KERNEL.module.greedy_argmax_vectorized()
     shapes = []
-    for vocab in (int(v) for v in args.vocab_sizes.split(",")):
-        for rows in (int(r) for r in args.rows.split(",")):
+    for vocab in args.vocab_sizes:
+        for rows in args.rows:
             logits = torch.randn(rows, vocab, generator=g).to(getattr(torch, args.dtype))
             ways = {"argmax_ms": lambda: logits.argmax(-1), "two_pass_ms": lambda: two_pass_argmax(logits)}
             if kernel:

@@ -32,6 +32,7 @@ import argparse
 import sys
 import time
 
+from minibatch.checks import OneLineParser, int_arg, output_file_arg
 from minibatch.compare import CompareConfig, build_trace
 from minibatch.experiment import load_draft_runner
 from minibatch.experiment import load_runner, warm_up
@@ -52,15 +53,16 @@ POLICIES = ("static", "orca", "paged", "prefill_first", "chunked", "spec_ngram",
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--profile", default=None, help="default data/profiles/<model>-cpu.json")
     p.add_argument("--traces", default=",".join(list(TRACES)[:2]), help=f"comma-separated subset of {','.join(TRACES)}")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int_arg(1, 1024), default=None)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="measure in this dtype (default profile: data/profiles/<model>-cpu[-bfloat16].json)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=128, help="chunked policy's token budget")
+    p.add_argument("--max-num-batched-tokens", type=int_arg(1, 1 << 20), default=128,
+                   help="chunked policy's token budget")
     p.add_argument("--measured", default=None,
                    help="JSON of the measured runs (with every step): written after measuring, "
                         "or read with --resimulate")
@@ -69,7 +71,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", default=None,
                    help="another --measured file of the same traces (an earlier run): the report adds the "
                         "run-to-run difference of the measurements, the noise floor of any simulator")
-    p.add_argument("--json", default=None, help="the report: measured vs simulated, errors (no steps)")
+    p.add_argument("--json", type=output_file_arg, default=None,
+                   help="the report: measured vs simulated, errors (no steps)")
     args = p.parse_args(argv)
     load_before = machine_load()  # how busy the machine was: recorded with the result
     suffix = "" if args.dtype == "float32" else "-" + args.dtype

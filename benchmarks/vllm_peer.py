@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from minibatch.checks import OneLineParser, int_arg, output_file_arg
 from minibatch.__main__ import main as minibatch_main
 from minibatch.report import write_json
 
@@ -31,15 +32,15 @@ TRACE = ["--num-requests", "64", "--arrival", "zero", "--output-scale", "0.5", "
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=None, help="the interpreter of an environment with vllm installed")
     p.add_argument("--policy", default="chunked", help="our policy (default: chunked)")
     p.add_argument("--attention-backend", default="sdpa", help="our attention backend (default: sdpa)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of (ours, vLLM)")
+    p.add_argument("--rounds", type=int_arg(1, 20), default=2, help="rounds of (ours, vLLM)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="every engine's dtype (default: bfloat16, the issue's trace; float32 on CPUs without native "
                    "bf16, where bf16 is emulated; checked by the exact rule)")
-    p.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None, help="write the results here")
     args = p.parse_args(argv)
     args.command = " ".join(["python benchmarks/vllm_peer.py"] + (argv if argv is not None else sys.argv[1:]))
     return args

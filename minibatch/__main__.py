@@ -17,6 +17,7 @@ import dataclasses
 import sys
 
 from minibatch.cluster.simulate import ClusterConfig, simulate_command
+from minibatch.checks import OneLineParser
 from minibatch.cluster.sweep import add_sweep_arguments, sweep_command
 from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareConfig, compare_config, run_compare
 from minibatch.config import choices_of, opt, setting_fields
@@ -31,14 +32,6 @@ from minibatch.serving.launch import add_serve_arguments, run_serve
 
 # compare's and simulate's defaults for settings, shown in --help
 COMPARE_HELP_DEFAULTS = COMPARE_SETTINGS | {"n_slots": "batch_size x the longest request (compare.kv_slots)"}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``minibatch compare: error: --n-slots must be ...`` on
-    stderr and exit code 2, no usage block and never a traceback."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
 
 
 def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=CompareConfig) -> None:
@@ -128,7 +121,7 @@ def load_plugins(argv: list[str] | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="minibatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="minibatch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare",
                        help="run one trace through our policies and the Hugging Face peer, on the real model")

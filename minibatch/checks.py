@@ -8,6 +8,7 @@ Bools are refused where a number is wanted (``True`` is an ``int`` to Python, no
 
 from __future__ import annotations
 
+import argparse
 import math
 import operator
 from numbers import Real
@@ -170,3 +171,45 @@ def check_listen_address(host: str, port: int) -> None:
             s.bind(address)
     except OSError as e:
         raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``minibatch compare: error: --n-slots must be ...`` on stderr and exit code 2,
+    no usage block and never a traceback (the CLI's parser, and the benchmarks')."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def int_arg(low: int, high: int):
+    """An argparse ``type``: the text as an int in [low, high] (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            return check_int(int(text) if text.strip().lstrip("-").isdigit() else text, "it", low, high)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("it ")) from None
+    return parse
+
+
+def ints_arg(low: int, high: int):
+    """An argparse ``type``: a comma-separated list of ints in [low, high] (:func:`comma_list`), as a tuple."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            items = comma_list(text, "it")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("it ")) from None
+        if not items:
+            raise argparse.ArgumentTypeError("must list at least one value")
+        return tuple(int_arg(low, high)(x) for x in items)
+    return parse
+
+
+def output_file_arg(text: str) -> str:
+    """An argparse ``type``: a path a file can be written at (``files.check_output_file``), checked before any work."""
+    from minibatch.files import check_output_file
+
+    try:
+        check_output_file(text, "it")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("it ").removeprefix("it: ")) from None
+    return text
