@@ -388,6 +388,11 @@ def run_cli(argv, capsys):
     (["calibrate", "--draft-only", "/no/such.json", "--draft-model", "tiny-random-llama"], "/no/such.json"),
     (["calibrate", "--refit", "README.md"], "README.md"),
     (["calibrate", "--draft-only", "data/profiles/smollm2-135m-cpu.json"], "--draft-model"),
+    # an option of a simulate mode given without the mode (it used to be silently ignored)
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--conversations", "5"], "--workload multiturn"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--kv-link-gbps", "5"], "--disaggregate"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "paged", "--disaggregate", "1:1",
+      "--replicas", "2"], "--replicas"),
     # the calibration's longest request (1026 tokens at --scale 1) must fit the model's max_model_len (512)
     (["calibrate", "--model", "tiny-random-llama", "--quick", "--threads", "1"], "use --scale <= 0.49"),
     # comma lists: no empty items, no item twice

@@ -9,7 +9,7 @@ cluster option gives exactly the same numbers (``tests/test_cluster.py``).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from minibatch.cluster.cluster import Cluster, ClusterRun, KVLink
 from minibatch.cluster.routers import get_router, router_names
@@ -58,6 +58,14 @@ class ClusterConfig:
         from minibatch.config import check_fields, opt
 
         check_fields(self, opt)
+        needs = {"multiturn:": ("--workload multiturn", self.workload == "multiturn"),
+                 "disaggregation:": ("--disaggregate P:D", self.disaggregate is not None)}
+        for f in fields(self):  # an option of one mode, given without that mode, would be silently ignored
+            mode = next((m for m in needs if f.metadata.get("help", "").startswith(m)), None)
+            if mode and not needs[mode][1] and getattr(self, f.name) != f.default:
+                raise ValueError(f"{opt(f.name)} applies only with {needs[mode][0]}")
+        if self.disaggregate is not None and self.replicas != 1:
+            raise ValueError("--replicas and --disaggregate both set the replicas: give one")
         roles = ("both",) * self.replicas
         if self.disaggregate is not None:
             p, _, d = self.disaggregate.partition(":")

@@ -26,7 +26,9 @@ def run_cluster(conversations=(), requests=(), *, router: str = "round_robin", r
     from minibatch.sim.cost_model import Profile
 
     cfg = CompareConfig(clock="sim", check_reference=False, figures_dir=None, progress=False, policies=(policy,))
-    ccfg = ClusterConfig(replicas=replicas, router=router, **cluster_options)
+    if "disaggregate" not in cluster_options:  # P:D sets the replicas itself
+        cluster_options["replicas"] = replicas
+    ccfg = ClusterConfig(router=router, **cluster_options)
     sizing = list(requests) + (conversation_sizing(conversations) if conversations else [])
     cluster = build_cluster(cfg, ccfg, Profile.load(profile), policy, sizing)
     run = cluster.run(list(requests), [c.fresh() for c in conversations])
