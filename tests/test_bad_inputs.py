@@ -393,6 +393,10 @@ def run_cli(argv, capsys):
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--kv-link-gbps", "5"], "--disaggregate"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "paged", "--disaggregate", "1:1",
       "--replicas", "2"], "--replicas"),
+    (["sweep", "--grid", "benchmarks/grids/disaggregation.yaml", "--ray-address", "127.0.0.1:1"], "--ray-address"),
+    (["sweep", "--grid", "benchmarks/grids/disaggregation.yaml", "--ray-address", "garbage"], "--ray-address"),
+    (["sweep", "--grid", "benchmarks/grids/disaggregation.yaml", "--cache", "README.md"], "--cache"),
+    (["sweep", "--grid", ""], "--grid"),
     # the calibration's longest request (1026 tokens at --scale 1) must fit the model's max_model_len (512)
     (["calibrate", "--model", "tiny-random-llama", "--quick", "--threads", "1"], "use --scale <= 0.49"),
     # comma lists: no empty items, no item twice

@@ -46,7 +46,7 @@ def load_grid(path: str) -> tuple[str, list[dict]]:
 
     try:
         spec = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"--grid {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     if not isinstance(spec, dict) or not set(spec) <= {"command", "base", "grid", "configs"}:
         raise ValueError(f"--grid {path}: a mapping of command, base, grid and configs is expected")
@@ -235,6 +235,22 @@ def run_on_ray(command: str, todo: list, done, address: str | None) -> None:
             done(i, config, file, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")
 
 
+def check_ray_address(address: str) -> None:
+    """Raise ValueError (naming --ray-address) unless ``address`` is "auto" or a host:port (``ray://`` allowed) that
+    answers a TCP connection within 5 s: Ray itself retries an unreachable address for minutes."""
+    import socket
+
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address must be auto or host:port (ray://host:port for Ray Client), got {address!r}")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address {address}: nothing answers there ({e.strerror or e})") from None
+
+
 def add_sweep_arguments(p) -> None:
     p.add_argument("--grid", required=True, help="a YAML or JSON grid file (see python -m minibatch.cluster.sweep)")
     p.add_argument("--ray", action="store_true", help="run the configurations as tasks on a local Ray instance")
@@ -246,10 +262,16 @@ def add_sweep_arguments(p) -> None:
 
 def sweep_command(args) -> int:
     """``python -m minibatch sweep``: run, print the table (one row per configuration and policy)."""
-    from minibatch.files import check_output_file
+    from minibatch.files import check_output_dir, check_output_file
 
-    if args.json_path:
+    if args.json_path is not None:
         check_output_file(args.json_path, "--json")
+    if not args.grid.strip():
+        raise ValueError("--grid must be a YAML or JSON grid file, got ''")
+    if args.cache is not None:
+        check_output_dir(args.cache, "--cache")
+    if args.ray_address is not None:
+        check_ray_address(args.ray_address)
     out = run_sweep(args.grid, use_ray=args.ray, ray_address=args.ray_address, cache_dir=args.cache,
                     json_path=args.json_path, progress=not args.no_progress)
     metrics = ("policy", "output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "prefix_cache_hit_rate")
