@@ -397,6 +397,9 @@ def run_cli(argv, capsys):
     (["sweep", "--grid", "benchmarks/grids/disaggregation.yaml", "--ray-address", "garbage"], "--ray-address"),
     (["sweep", "--grid", "benchmarks/grids/disaggregation.yaml", "--cache", "README.md"], "--cache"),
     (["sweep", "--grid", ""], "--grid"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "paged", "--acceptance-rate",
+      "0.5"], "--acceptance-rate"),
+    (["compare", "--model", "tiny-random-llama", "--reference-cache", "README.md"], "--reference-cache"),
     # the calibration's longest request (1026 tokens at --scale 1) must fit the model's max_model_len (512)
     (["calibrate", "--model", "tiny-random-llama", "--quick", "--threads", "1"], "use --scale <= 0.49"),
     # comma lists: no empty items, no item twice

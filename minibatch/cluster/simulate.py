@@ -220,9 +220,12 @@ def simulate(cfg, cluster: ClusterConfig, acceptance_rate: str | None = None) ->
     Raises:
         ValueError: no profile, a bad profile or acceptance rate, a bad cluster option (each named)."""
     from minibatch.sim.cost_model import Profile
+    from minibatch.policies import get_policy
     from minibatch.sim.simulator import parse_acceptance_rate, run_simulation
 
     acceptance = parse_acceptance_rate(acceptance_rate)
+    if acceptance is not None and not any(get_policy(p).proposer for p in cfg.policies):
+        raise ValueError("--acceptance-rate applies only to the speculative policies (spec, spec_ngram)")
     if cfg.profile is None:
         raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
     Profile.load(cfg.profile)  # a bad profile is reported before the run
