@@ -79,4 +79,6 @@ def main(argv=None, kernel: str = "amx", doc: str = __doc__) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

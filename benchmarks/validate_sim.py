@@ -29,6 +29,7 @@ clocks stamp tokens, admit arrivals and skip idle gaps with the same engine code
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import sys
 import time
 
@@ -76,8 +77,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     load_before = machine_load()  # how busy the machine was: recorded with the result
     suffix = "" if args.dtype == "float32" else "-" + args.dtype
-    profile_path = args.profile or f"data/profiles/{args.model}-cpu{suffix}.json"
-    profile = Profile.load(profile_path)
+    profile_path = args.profile or f"data/profiles/{args.model}-cpu{suffix}.json"  # as the report names it
+    root = Path(__file__).resolve().parents[1]  # the default: the repository's profile, from any working directory
+    profile = Profile.load(profile_path if args.profile or Path(profile_path).exists() else root / profile_path)
     if args.resimulate:
         if not args.measured:
             p.error("--resimulate needs --measured")
@@ -157,4 +159,6 @@ def print_row(name: str, row: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

@@ -213,3 +213,17 @@ def output_file_arg(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("it ").removeprefix("it: ")) from None
     return text
+
+
+def run_script(main) -> None:
+    """Run a script's ``main()`` (a benchmark's): a ValueError or OSError it raises (a bad file, an option found bad
+    after parsing) ends it with one line on stderr and exit code 2 instead of a traceback."""
+    import sys
+    from pathlib import Path
+
+    try:
+        code = main()
+    except (ValueError, OSError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise SystemExit(code if isinstance(code, int) else 0)  # a main's int is its exit code; a result dict is 0

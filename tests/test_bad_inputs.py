@@ -1153,3 +1153,18 @@ def test_calibration_workloads_build_at_any_scale(scale):
         work = scenarios(512, scale, grid=grid)
         assert work and all(r.max_new_tokens >= 1 and r.num_prompt_tokens >= 1 for sc in work for r in sc.requests)
     assert max(r.max_num_tokens for sc in scenarios(512, 0.49) for r in sc.requests) <= 512
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("greedy_argmax.py", ["--rows", "0"], "argument --rows: must be an int in [1, 4096], got 0"),
+    ("fused_layers.py", ["--batches", "1,,2"], "argument --batches: must be a comma-separated list"),
+    ("cpu_decode.py", ["--against-source", "/no/such.cpp"], "--against-source /no/such.cpp: no such file"),
+    ("vllm_peer.py", ["--rounds", "0"], "argument --rounds: must be an int in [1, 20], got 0"),
+    ("validate_sim.py", ["--resimulate", "--measured", "README.md"], "README.md"),  # not JSON: found after parsing
+])
+def test_benchmark_scripts_refuse_bad_input_in_one_line(script, argv, message):
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / script), *argv], capture_output=True, text=True,
+                          timeout=120, cwd=root, env=os.environ | {"PYTHONPATH": str(root)})
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(f"{script}: error: ")
