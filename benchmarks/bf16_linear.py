@@ -18,4 +18,6 @@ from __future__ import annotations
 from amx_linear import main as run
 
 if __name__ == "__main__":
-    run(kernel="bf16", doc=__doc__)
+    from minibatch.checks import run_script
+
+    run_script(lambda: run(kernel="bf16", doc=__doc__))  # an error in one line, not a traceback

@@ -20,21 +20,22 @@ import time
 
 import torch
 
-from fused_layers import kernel_sources_at
+from fused_layers import commit_arg, kernel_sources_at
+from minibatch.checks import OneLineParser
 from minibatch.report import environment, machine_load, write_json
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cache-gib", type=float, default=2.0, help="the KV cache the blocks are scattered over")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the cache's and q's")
     p.add_argument("--turns", type=int, default=60, help="30-layer sweeps per way")
-    p.add_argument("--against-rev", default=None, help="also time the kernel at this git revision")
+    p.add_argument("--against-rev", type=commit_arg, default=None, help="also time the kernel at this git revision")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     from minibatch.kernels import cpu_decode
@@ -96,4 +97,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

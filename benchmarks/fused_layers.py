@@ -13,6 +13,7 @@ git revision REV (an A/B of a kernel change in one process; the Python side is t
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -22,20 +23,27 @@ import torch
 from fused_projections import parser, step_times
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # git runs here, and build/ is made here
+
+
+def commit_arg(rev: str) -> str:
+    """An argparse ``type`` for ``--against-rev``: ``rev`` if it names a commit of this repository."""
+    if subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=REPO,
+                      capture_output=True).returncode != 0:
+        raise argparse.ArgumentTypeError(f"{rev!r} is not a commit of this repository")
+    return rev
+
+
 def kernel_sources_at(rev: str, name: str) -> str:
     """A folder build/<name>_<rev>/ holding minibatch/kernels/'s C++ sources and headers as they were at git revision
     ``rev`` (a file that did not exist then is left empty), to build that revision's kernels beside today's."""
     from minibatch.kernels import cpu_decode_layer
 
     here = os.path.dirname(cpu_decode_layer.SOURCE)
-    repo = os.path.dirname(os.path.dirname(here))  # git runs there, and build/ is made there, wherever we are called
-    if subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=repo,
-                      capture_output=True).returncode != 0:
-        raise SystemExit(f"--against-rev {rev}: not a commit of this repository")
-    folder = os.path.join(repo, "build", f"{name}_{rev}")
+    folder = os.path.join(REPO, "build", f"{name}_{commit_arg(rev)}")
     os.makedirs(folder, exist_ok=True)
     for file in [f for f in os.listdir(here) if f.endswith((".cpp", ".h"))]:
-        shown = subprocess.run(["git", "show", f"{rev}:minibatch/kernels/{file}"], capture_output=True, cwd=repo)
+        shown = subprocess.run(["git", "show", f"{rev}:minibatch/kernels/{file}"], capture_output=True, cwd=REPO)
         with open(os.path.join(folder, file), "wb") as f:
             f.write(shown.stdout if shown.returncode == 0 else b"")
     return folder
@@ -72,7 +80,8 @@ def with_kernel(runner, module):
 def main(argv=None) -> dict:
     p = parser(__doc__)
     p.set_defaults(batches="1,8,32,64")
-    p.add_argument("--against-rev", default=None, help="also time the fused layers with the kernel at this git rev")
+    p.add_argument("--against-rev", type=commit_arg, default=None,
+                   help="also time the fused layers with the kernel at this git rev")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the model's dtype (bfloat16: decode_layer_prepacked on oneDNN's prepacked products)")
     args = p.parse_args(argv)

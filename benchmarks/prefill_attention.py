@@ -27,7 +27,8 @@ import sys
 
 import torch
 
-from fused_layers import kernel_sources_at
+from fused_layers import commit_arg, kernel_sources_at
+from minibatch.checks import OneLineParser, int_arg
 from minibatch.experiment import alternating_ms
 from minibatch.kernels import cpp_build, cpu_prefill
 from minibatch.report import environment, machine_load, write_json
@@ -61,13 +62,13 @@ def metadata(spans, g, dtype=torch.bfloat16) -> tuple[AttentionMetadata, torch.T
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=20)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int_arg(1, 1024), default=2)
+    p.add_argument("--repeats", type=int_arg(1, 100_000), default=20)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--kernel-cflags", default="", help="extra compiler flags for the kernel, e.g. -mno-avx512f: "
                    "the float32 path at AVX2's width (8 lanes, 16 registers, as on laptops) on an AVX-512 CPU")
-    p.add_argument("--against-rev", default=None, help="also time the kernel at this git revision")
+    p.add_argument("--against-rev", type=commit_arg, default=None, help="also time the kernel at this git revision")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -127,4 +128,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

@@ -33,12 +33,12 @@ from pathlib import Path
 import sys
 import time
 
-from minibatch.checks import OneLineParser, int_arg, output_file_arg
+from minibatch.checks import OneLineParser, comma_list, int_arg, output_file_arg
 from minibatch.compare import CompareConfig, build_trace
 from minibatch.experiment import load_draft_runner
 from minibatch.experiment import load_runner, warm_up
 from minibatch.report import environment, machine_load, write_json
-from minibatch.files import read_json
+from minibatch.files import check_output_file, read_json
 from minibatch.sim.cost_model import Profile
 from minibatch.sim.validate import compare_runs, measure_policy, simulate_measured
 
@@ -75,6 +75,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=output_file_arg, default=None,
                    help="the report: measured vs simulated, errors (no steps)")
     args = p.parse_args(argv)
+    for option, given, known in (("--traces", args.traces, TRACES), ("--policies", args.policies, POLICIES)):
+        unknown = [x for x in comma_list(given, option) if x not in known] or ([] if given.strip() else [""])
+        if unknown:  # now, not after the model loaded and the traces before it were measured
+            p.error(f"{option} must be a comma-separated subset of {','.join(known)}, got {unknown[0]!r}")
+    if args.measured and not args.resimulate:
+        check_output_file(args.measured, "--measured")
+    repeat = read_json(args.repeat, "measurement") if args.repeat else None
     load_before = machine_load()  # how busy the machine was: recorded with the result
     suffix = "" if args.dtype == "float32" else "-" + args.dtype
     profile_path = args.profile or f"data/profiles/{args.model}-cpu{suffix}.json"  # as the report names it
@@ -100,7 +107,6 @@ def main(argv=None) -> int:
               "environment": measured["environment"], "profile": profile_path,
               "profile_command": profile.meta.get("command"), "model": measured["model"],
               "dtype": measured.get("dtype", "float32"), "traces": {}}
-    repeat = read_json(args.repeat, "measurement") if args.repeat else None
     if repeat is not None:
         result["repeat_command"] = repeat["command"]
     names = list(measured["traces"]) if args.resimulate else args.traces.split(",")

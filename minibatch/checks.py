@@ -164,13 +164,24 @@ def check_listen_address(host: str, port: int) -> None:
     if not host.strip():
         raise ValueError("--host must be a host name or address (127.0.0.1: this machine only; 0.0.0.0: every "
                          "interface), got ''")
+    import errno
+
     try:
-        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            s.bind(address)
-    except OSError as e:
-        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+        bound = 0
+        for family, kind, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            with socket.socket(family, kind) as s:  # every address the name gives, as the server binds them
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+                try:
+                    s.bind(address)
+                    bound += 1
+                except OSError as e:
+                    if e.errno != errno.EADDRNOTAVAIL:  # an address family this machine lacks is skipped
+                        raise
+        if not bound:
+            raise OSError(errno.EADDRNOTAVAIL, "no address of this host is on this machine")
+    except (OSError, UnicodeError) as e:  # UnicodeError: a name no DNS label can hold
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({getattr(e, 'strerror', None) or e})") \
+            from None
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -85,9 +85,10 @@ class Engine:
                 check_in_vocab(request.prompt_token_ids, vocab_size)
             except ValueError as e:
                 raise ValueError(f"request {request.request_id!r}: {e}") from None
-        if vocab_size is not None and any(t >= vocab_size for t in request.sampling.stop_token_ids):
+        bad = next((t for t in request.sampling.stop_token_ids if vocab_size is not None and t >= vocab_size), None)
+        if bad is not None:  # the first bad id, not a list that may be a million long
             raise ValueError(f"request {request.request_id!r}: stop_token_ids must be in [0, {vocab_size}) (the "
-                             f"model's vocab_size), got {list(request.sampling.stop_token_ids)}")
+                             f"model's vocab_size), got {bad}")
         sampling = request.sampling
         banned = set(sampling.stop_token_ids) | set(() if sampling.ignore_eos else getattr(self.executor,
                                                                                            "eos_token_ids", ()))

@@ -354,10 +354,10 @@ def test_tiny_top_p_keeps_the_most_likely_token_and_no_op_values_are_accepted(se
     assert httpx.get(server.base_url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
 
 
-def test_a_kv_cache_smaller_than_the_model_context_is_the_servers_context(loaded):
+def test_a_kv_cache_smaller_than_the_model_context_is_the_servers_context(loaded, capsys):
     """/v1/models, defaults and errors use the most tokens one request can hold (here the KV cache's, below the
     model's max_model_len 512), in tokens, naming max_tokens or prompt."""
-    from minibatch.serving.protocol import ChatCompletionRequest, Context, make_request, parse_body
+    from minibatch.serving.protocol import APIError, ChatCompletionRequest, Context, make_request, parse_body
 
     app, engine = build_server(MODEL, "paged", dict(n_slots=64, block_size=4, max_num_seqs=2), loaded=loaded)
     limit = engine.engine.max_request_tokens()
@@ -376,6 +376,15 @@ def test_a_kv_cache_smaller_than_the_model_context_is_the_servers_context(loaded
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     chat = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]})
     assert make_request(chat, prompt, None, Context(limit, 512), chat=True).max_new_tokens == limit - 10
+    chat = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}],
+                                              "max_completion_tokens": limit})  # named as the body named it
+    with pytest.raises(APIError, match="^max_completion_tokens: prompt") as e:
+        make_request(chat, prompt, chat.max_new_tokens, Context(limit, 512), chat=True)
+    assert e.value.param == "max_completion_tokens"
+    with pytest.raises(SystemExit) as e:  # a KV cache that holds no request: refused at start, not served
+        from minibatch.__main__ import main
+        main(["serve", "--model", MODEL, "--policy", "orca", "--n-slots", "1", "--port", "1"])
+    assert e.value.code == 2 and "no request fits this server's KV cache" in capsys.readouterr().err
 
 
 def test_full_queue_answers_503_with_retry_after(loaded):

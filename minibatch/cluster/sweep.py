@@ -158,11 +158,14 @@ def run_sweep(grid_path: str, *, use_ray: bool = False, ray_address: str | None 
               json_path: str | None = None, progress: bool = True) -> dict:
     """Run every configuration of ``grid_path`` (see the module docstring); returns {"rows", "failed", "cached",
     "computed", "code_version", ...} and writes it to ``json_path`` (each finished configuration is also in
-    ``cache_dir`` at once, so an interrupted sweep keeps what it finished)."""
+    ``cache_dir`` at once, so an interrupted sweep keeps what it finished). Raises ValueError: a bad grid file, a
+    ``ray_address`` nothing answers at."""
     from tqdm.auto import tqdm
 
     from minibatch.report import write_json
 
+    if ray_address is not None:  # before Ray retries an address nothing answers for minutes
+        check_ray_address(ray_address)
     command, configs = load_grid(grid_path)
     version = code_version()
     cache = Path(cache_dir or Path(json_path or grid_path).with_suffix(".cache"))
@@ -236,15 +239,24 @@ def run_on_ray(command: str, todo: list, done, address: str | None) -> None:
 
 
 def check_ray_address(address: str) -> None:
-    """Raise ValueError (naming --ray-address) unless ``address`` is "auto" or a host:port (``ray://`` allowed) that
-    answers a TCP connection within 5 s: Ray itself retries an unreachable address for minutes."""
+    """Raise ValueError (naming --ray-address) unless ``address`` is "auto", "local" or a host:port (``ray://host``
+    with Ray Client's port 10001 by default; ``[::1]:6379``) that answers a TCP connection within 5 s: Ray itself
+    retries an unreachable address for minutes."""
     import socket
 
-    if address == "auto":
+    if address in ("auto", "local"):
         return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+    rest = address.removeprefix("ray://")
+    if rest.startswith("["):  # an IPv6 address: [::1]:6379
+        host, _, port = rest[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, _, port = rest.rpartition(":") if ":" in rest else (rest, "", "")
+    if not port and address.startswith("ray://"):
+        port = "10001"  # Ray Client's default port
     if not host or not port.isdigit():
-        raise ValueError(f"--ray-address must be auto or host:port (ray://host:port for Ray Client), got {address!r}")
+        raise ValueError(f"--ray-address must be auto, local or host:port (ray://host[:port] for Ray Client), got "
+                         f"{address!r}")
     try:
         socket.create_connection((host, int(port)), timeout=5).close()
     except OSError as e:
@@ -270,8 +282,6 @@ def sweep_command(args) -> int:
         raise ValueError("--grid must be a YAML or JSON grid file, got ''")
     if args.cache is not None:
         check_output_dir(args.cache, "--cache")
-    if args.ray_address is not None:
-        check_ray_address(args.ray_address)
     out = run_sweep(args.grid, use_ray=args.ray, ray_address=args.ray_address, cache_dir=args.cache,
                     json_path=args.json_path, progress=not args.no_progress)
     metrics = ("policy", "output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "prefix_cache_hit_rate")

@@ -28,6 +28,8 @@ def run_cluster(conversations=(), requests=(), *, router: str = "round_robin", r
     cfg = CompareConfig(clock="sim", check_reference=False, figures_dir=None, progress=False, policies=(policy,))
     if "disaggregate" not in cluster_options:  # P:D sets the replicas itself
         cluster_options["replicas"] = replicas
+    if conversations:  # the multi-turn options (think_time_s, max_turns, ...) apply
+        cluster_options.setdefault("workload", "multiturn")
     ccfg = ClusterConfig(router=router, **cluster_options)
     sizing = list(requests) + (conversation_sizing(conversations) if conversations else [])
     cluster = build_cluster(cfg, ccfg, Profile.load(profile), policy, sizing)

@@ -142,6 +142,10 @@ def run_serve(args, settings: dict) -> int:
         args.model, args.policy, settings, device=args.device, dtype=dtype, draft_model=args.draft_model,
         served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting,
         attention_backend=args.attention_backend, max_body_bytes=args.max_body_bytes, start=False), args.threads)
+    if app.state.context.tokens < 2:  # not even a 1-token prompt and 1 output token: every request would fail
+        engine.shutdown()
+        raise ValueError("no request fits this server's KV cache (not even a 1-token prompt with 1 output token): "
+                         "give it more (--n-slots)")
     print(f"serving {args.served_model_name or args.model} ({dtype_name(dtype)}) under {args.policy}, "
           f"{app.state.context}, on http://{args.host}:{args.port}/v1", flush=True)
     server = draining_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

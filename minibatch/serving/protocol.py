@@ -78,7 +78,7 @@ class _Common(BaseModel):
     def stop_strings(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-            raise APIError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings, got {stop!r}", "stop")
+            raise APIError(f"stop: at most {MAX_STOP_STRINGS} non-empty strings, got {short_repr(stop)}", "stop")
         return stop
 
     @property
@@ -174,13 +174,16 @@ class Context:
 
     def __str__(self) -> str:
         why = "" if self.tokens >= self.model_tokens else (f" (the model's max_model_len is {self.model_tokens}; this "
-                                                           "server's KV cache holds fewer for one request)")
+                                                           "server's KV cache, or token budget, holds fewer for one "
+                                                           "request)")
         return f"this server's context of {self.tokens} tokens{why}"
 
 
 def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, context: Context, chat: bool) -> Request:
     """The engine Request of a body (max_new_tokens None: whatever fits in the context). Raises APIError when the
-    prompt, or the prompt and max_new_tokens, do not fit the context (its limit in tokens in the message)."""
+    prompt, or the prompt and max_new_tokens, do not fit the context (its limit in tokens in the message, named by
+    the field the body gave: max_tokens, or chat's max_completion_tokens)."""
+    field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     num_prompt = len(prompt_ids)
     if num_prompt >= context.tokens:  # the prompt alone is too long: not max_tokens' fault
         raise APIError(f"prompt: {num_prompt} tokens do not fit {context}, which must also hold at least 1 output "
@@ -188,9 +191,9 @@ def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, contex
     if max_new_tokens is None:
         max_new_tokens = context.tokens - num_prompt
     if isinstance(max_new_tokens, int) and num_prompt + max_new_tokens > context.tokens:
-        raise APIError(f"max_tokens: prompt ({num_prompt}) + max_tokens ({max_new_tokens}) = "
+        raise APIError(f"{field}: prompt ({num_prompt}) + {field} ({max_new_tokens}) = "
                        f"{num_prompt + max_new_tokens} tokens do not fit {context}: at most "
-                       f"{context.tokens - num_prompt}", "max_tokens")
+                       f"{context.tokens - num_prompt}", field)
     try:
         sampling = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
                                   seed=body.seed, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from minibatch.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from minibatch.serving.metrics import ServingMetrics
 from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Context, api_error_of,
-                                        make_request, one_prompt, parse_body)
+                                        make_request, one_prompt, parse_body, short_repr)
 from minibatch.serving.text import TextAssembler
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -113,8 +113,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
 
     async def respond(raw, body, prompt_ids: list[int], max_new_tokens: int | None, chat: bool):
         if body.model not in (None, model_name):
-            raise APIError(f"model: {body.model!r} is not served here; /v1/models lists {model_name!r}", "model",
-                           status=404)
+            raise APIError(f"model: {short_repr(body.model)} is not served here; /v1/models lists {model_name!r}",
+                           "model", status=404)
         stop = body.stop_strings()
         request = make_request(body, prompt_ids, max_new_tokens, context, chat)
         try:
@@ -149,8 +149,8 @@ async def read_body(raw: HTTPRequest, max_body_bytes: int = MAX_BODY_BYTES) -> b
             data += chunk
             if len(data) > max_body_bytes:
                 raise too_big
-    except ClientDisconnect:  # nobody is left to answer: a short error, not a traceback in the log
-        raise APIError("the client closed the connection before its body was complete") from None
+    except ClientDisconnect:  # nobody is left to answer: 499 (client closed request), not a traceback in the log
+        raise APIError("the client closed the connection before its body was complete", status=499) from None
     return bytes(data)
 
 

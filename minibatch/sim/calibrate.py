@@ -115,11 +115,18 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
                                               attention_backend=attention_backend)
     grid = QUICK if quick else FULL
     work = scenarios(model.config.vocab_size, scale, grid=grid)
-    longest = max(r.max_num_tokens for sc in work for r in sc.requests)
-    if longest > runner.max_model_len:  # say so before minutes of measuring, not at the scenario that fails
-        raise ValueError(f"--scale {scale:g}: the calibration's longest request holds {longest} tokens, more than "
-                         f"{model_name}'s max_model_len {runner.max_model_len}: use --scale <= "
-                         f"{math.floor(100 * scale * runner.max_model_len / longest) / 100:g}")
+
+    def longest(at: float) -> int:  # the most tokens one calibration request holds at scale ``at``
+        return max(r.max_num_tokens for sc in (work if at == scale else scenarios(model.config.vocab_size, at,
+                                                                                      grid=grid)) for r in sc.requests)
+    if longest(scale) > runner.max_model_len:  # say so before minutes of measuring, not at the scenario that fails
+        low, high = 0, math.ceil(100 * scale) - 1  # the largest scale in hundredths that fits (0: none does)
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if longest(mid / 100) <= runner.max_model_len else (low, mid - 1)
+        raise ValueError(f"--scale {scale:g}: the calibration's longest request holds {longest(scale)} tokens, more "
+                         f"than {model_name}'s max_model_len {runner.max_model_len}: "
+                         + (f"use --scale <= {low / 100:g}" if low else "its context is too short to calibrate"))
     warm_up(runner)
     samples = measure(runner, work, progress)
     env = environment(load_before)
