@@ -226,6 +226,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         steps = list(comma_list(args.steps, "--steps")) if args.steps is not None else None
         if steps == []:
             raise ValueError("--steps must name at least one step (leave it out for all)")
+        if args.bench_requests is not None and steps is not None and "benchmark" not in steps:
+            raise ValueError("--bench-requests applies only with the benchmark step (--steps ...,benchmark)")
         if args.out is not None:
             check_output_file(args.out, "--out")
         if not run_gpu_check(args.device, steps, args.bench_requests, out=args.out, command=command)["passed"]:

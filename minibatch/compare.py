@@ -112,6 +112,8 @@ class CompareConfig(ModelConfig):
                              f"got {self.long_prompts}")
         if self.trace is not None and not Path(self.trace).is_file():
             raise ValueError(f"--trace: no such file {self.trace!r}")
+        if self.profile is not None and self.clock != "sim":  # a wall-clock run would silently not use it
+            raise ValueError("--profile applies only with --clock sim (a wall-clock run measures its steps)")
         if self.profile is not None and not Path(self.profile).is_file():
             raise ValueError(f"--profile: no such file {self.profile!r} (make one with python -m minibatch calibrate)")
         if self.json_path is not None:  # output paths: fail now, not after the run

@@ -400,6 +400,10 @@ def run_cli(argv, capsys):
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "paged", "--acceptance-rate",
       "0.5"], "--acceptance-rate"),
     (["compare", "--model", "tiny-random-llama", "--reference-cache", "README.md"], "--reference-cache"),
+    (["compare", "--model", "tiny-random-llama", "--clock", "wall", "--profile",
+      "data/profiles/smollm2-135m-cpu.json"], "--profile applies only with --clock sim"),
+    (["gpu-check", "--device", "cpu", "--steps", "environment", "--bench-requests", "4"], "--bench-requests"),
+    (["serve", "--model", "tiny-random-llama", "--port", "1", "--served-model-name", ""], "--served-model-name"),
     # the calibration's longest request (1026 tokens at --scale 1) must fit the model's max_model_len (512)
     (["calibrate", "--model", "tiny-random-llama", "--quick", "--threads", "1"], "use --scale <= 0.49"),
     # comma lists: no empty items, no item twice

@@ -132,6 +132,8 @@ def run_serve(args, settings: dict) -> int:
     check_int(args.threads, "--threads", 1, 1024)
     check_int(args.max_num_waiting, "--max-num-waiting", 1, 1 << 20)
     check_listen_address(args.host, args.port)  # before the model loads, not after "serving on ..."
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must be a non-empty id (leave it out for --model's name), got ''")
     check_int(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 31)
     check_real(args.drain_timeout_s, "--drain-timeout-s", 0.0, 86400.0)
     if args.policy in POLICIES:  # (python -m minibatch loads --policy-module files first; build_server
