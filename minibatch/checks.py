@@ -159,13 +159,12 @@ def check_device(value, name: str = "device") -> str:
 def check_listen_address(host: str, port: int) -> None:
     """Raise ValueError (naming --host and --port) unless a server can listen on ``host``:``port`` now: the name
     resolves and the port is free (a test bind, closed at once)."""
+    import errno
     import socket
 
     if not host.strip():
         raise ValueError("--host must be a host name or address (127.0.0.1: this machine only; 0.0.0.0: every "
                          "interface), got ''")
-    import errno
-
     try:
         bound = 0
         for family, kind, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):

@@ -12,6 +12,7 @@ The engine only stamps events on requests (first scheduled, each token, finish) 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import weakref
 from typing import Iterator
@@ -90,13 +91,12 @@ class Engine:
             raise ValueError(f"request {request.request_id!r}: stop_token_ids must be in [0, {vocab_size}) (the "
                              f"model's vocab_size), got {bad}")
         sampling = request.sampling
-        banned = set(sampling.stop_token_ids) | set(() if sampling.ignore_eos else getattr(self.executor,
-                                                                                           "eos_token_ids", ()))
-        if sampling.min_tokens and vocab_size is not None and len({t for t in banned if t < vocab_size}) >= vocab_size:
-            raise ValueError(f"request {request.request_id!r}: stop_token_ids"
-                             f"{'' if sampling.ignore_eos else ' and EOS'} cover all {vocab_size} token ids "
-                             f"(vocab_size), so none could be sampled while min_tokens ({sampling.min_tokens}) bans "
-                             "them: leave some token ids out, or use min_tokens 0")
+        if sampling.min_tokens and vocab_size is not None:  # what it bans (Request.banned_token_ids) must leave a token
+            eos = () if sampling.ignore_eos else tuple(getattr(self.executor, "eos_token_ids", ()))
+            if len({t for t in sampling.stop_token_ids + eos if t < vocab_size}) >= vocab_size:
+                raise ValueError(f"request {request.request_id!r}: stop_token_ids{' and EOS' if eos else ''} cover "
+                                 f"all {vocab_size} token ids (vocab_size), so none could be sampled while min_tokens "
+                                 f"({sampling.min_tokens}) bans them: leave some token ids out, or use min_tokens 0")
         if request.sampling.min_tokens and not getattr(self.executor, "supports_min_tokens", True):
             raise ValueError(f"request {request.request_id!r}: min_tokens is not supported by "
                              f"{type(self.executor).__name__} (speculative decoding): use min_tokens 0")
@@ -114,8 +114,8 @@ class Engine:
         """The most tokens (prompt + max_new_tokens) one request may hold on this engine: the model's max_model_len, or
         fewer where the scheduler's KV cache (or its token budget) holds fewer: the largest total its
         ``check_request`` lets through both as a one-token prompt with the rest output and as the rest prompt with
-        one output token (a binary search; its checks read limits only). A front end's context (the server's
-        default max_tokens). 1 when not even a one-token prompt with one output token fits."""
+        one output token (a binary search, ``bisect``; its checks read limits only). A front end's context (the
+        server's default max_tokens). 1 when not even a one-token prompt with one output token fits."""
         def fits(total: int) -> bool:
             try:
                 for prompt in (1, total - 1):
@@ -125,11 +125,8 @@ class Engine:
                 return False
             return True
 
-        low, high = 1, self.executor.max_model_len  # the answer is in [low, high]; low: fits, or the 1 meaning none
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if fits(mid) else (low, mid - 1)
-        return low
+        # the totals from 2 up that fit: the largest is 1 + their count (1 when none does)
+        return 1 + bisect.bisect_right(range(2, self.executor.max_model_len + 1), False, key=lambda t: not fits(t))
 
     def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a request whatever its state (not yet arrived, waiting, running, swapped) and free

@@ -248,8 +248,9 @@ def profile_command(args, command: str) -> dict:
         check_int(value, name, 1, high)
     if args.threads is not None:
         check_int(args.threads, "--threads", 1, 1024)
-    if args.vllm_python is not None and interpreter_problem(args.vllm_python):
-        raise ValueError(interpreter_problem(args.vllm_python))
+    problem = args.vllm_python is not None and interpreter_problem(args.vllm_python)
+    if problem:
+        raise ValueError(problem)
     for path, name in ((args.json_path, "--json"), (args.figure, "--figure")):
         if path is not None:
             check_output_file(path, name)

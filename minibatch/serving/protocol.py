@@ -190,7 +190,7 @@ def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, contex
                        "token", "prompt")
     if max_new_tokens is None:
         max_new_tokens = context.tokens - num_prompt
-    if isinstance(max_new_tokens, int) and num_prompt + max_new_tokens > context.tokens:
+    if num_prompt + max_new_tokens > context.tokens:
         raise APIError(f"{field}: prompt ({num_prompt}) + {field} ({max_new_tokens}) = "
                        f"{num_prompt + max_new_tokens} tokens do not fit {context}: at most "
                        f"{context.tokens - num_prompt}", field)

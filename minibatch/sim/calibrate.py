@@ -7,6 +7,7 @@ fits a :class:`~minibatch.sim.cost_model.Profile` to the recorded steps.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import Counter
@@ -120,10 +121,9 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
         return max(r.max_num_tokens for sc in (work if at == scale else scenarios(model.config.vocab_size, at,
                                                                                       grid=grid)) for r in sc.requests)
     if longest(scale) > runner.max_model_len:  # say so before minutes of measuring, not at the scenario that fails
-        low, high = 0, math.ceil(100 * scale) - 1  # the largest scale in hundredths that fits (0: none does)
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if longest(mid / 100) <= runner.max_model_len else (low, mid - 1)
+        # the largest scale below this one, in hundredths, whose workloads fit (0: none does)
+        low = bisect.bisect_right(range(1, math.ceil(100 * scale)), False,
+                                  key=lambda k: longest(k / 100) > runner.max_model_len)
         raise ValueError(f"--scale {scale:g}: the calibration's longest request holds {longest(scale)} tokens, more "
                          f"than {model_name}'s max_model_len {runner.max_model_len}: "
                          + (f"use --scale <= {low / 100:g}" if low else "its context is too short to calibrate"))
