@@ -16,10 +16,12 @@ from numbers import Real
 # Limits shared by the engine's and the run's configuration: beyond them a value is a typo, not an
 # experiment (and would exhaust memory or time before saying so).
 MAX_TOKENS = 1 << 20  # longest prompt / output / context / token budget (1,048,576 tokens)
+MAX_NUM_REQUESTS = 1_000_000  # requests in one trace or benchmark
 MAX_NUM_SEQS = 65_536  # batch_size, max_num_seqs (vLLM's max_num_seqs)
 MAX_KV_SLOTS = 1 << 26  # n_slots: 67M token slots, far beyond any GPU's KV memory for these models
 MAX_BLOCK_SIZE = 4096
 MAX_SPEC_TOKENS = 64  # num_speculative_tokens, k
+MIN_RATE, MAX_RATE = 1e-6, 1e6  # requests/s (below MIN_RATE arrivals pass any sane trace length)
 MAX_SECONDS = 7 * 24 * 3600.0  # any waiting time or latency objective: a week
 
 

@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from minibatch.baselines.vllm_peer import PeerUnavailable
-from minibatch.checks import MAX_KV_SLOTS, MAX_SECONDS, MAX_TOKENS, check_int, comma_list
+from minibatch.checks import (MAX_KV_SLOTS, MAX_NUM_REQUESTS, MAX_RATE, MAX_SECONDS, MAX_TOKENS, MIN_RATE, check_int,
+                              comma_list)
 from minibatch.config import opt, option
-from minibatch.experiment import (Run, all_policies, check_policy_settings, default_draft, load_draft_runner,
-                                  policy_spec, run, warm_up)
+from minibatch.experiment import (Run, all_policies, check_draft_model, check_policy_settings, default_draft,
+                                  load_draft_runner, policy_spec, run, warm_up)
 from minibatch.metrics import SLO
 from minibatch.models import ModelConfig
 from minibatch.policies import POLICIES, get_policy
@@ -29,8 +30,6 @@ from minibatch.report import contention, environment, machine_load, print_table,
 from minibatch.request import Request, SamplingParams
 from minibatch.workload import ARRIVALS
 
-MAX_NUM_REQUESTS = 1_000_000
-MIN_RATE, MAX_RATE = 1e-6, 1e6  # requests/s (below MIN_RATE arrivals pass any sane trace length)
 DEFAULT_POLICIES = ("static", "paged", "chunked", "hf_generate_batch")  # the headline comparison
 SIM_DEFAULT_POLICIES = ("static", "orca", "paged", "prefill_first", "chunked")
 
@@ -105,6 +104,7 @@ class CompareConfig(ModelConfig):
             raise ValueError(f"--policies lists a policy twice: {','.join(names)}")
         object.__setattr__(self, "policies", names)
         object.__setattr__(self, "settings", check_policy_settings(self.settings, names))
+        check_draft_model(self.draft_model, names)
         if self.kv_cache_memory_bytes is not None and self.settings.get("n_slots") is not None:
             raise ValueError("--kv-cache-memory-bytes and --n-slots both size the KV cache: give one")
         if self.long_prompts > self.num_requests:

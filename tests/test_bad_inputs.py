@@ -404,6 +404,11 @@ def run_cli(argv, capsys):
       "data/profiles/smollm2-135m-cpu.json"], "--profile applies only with --clock sim"),
     (["gpu-check", "--device", "cpu", "--steps", "environment", "--bench-requests", "4"], "--bench-requests"),
     (["serve", "--model", "tiny-random-llama", "--port", "1", "--served-model-name", ""], "--served-model-name"),
+    # --draft-model without a policy that drafts with a model was silently ignored
+    (["compare", "--model", "tiny-random-llama", "--policies", "paged,spec_ngram", "--draft-model",
+      "tiny-random-llama"], "--draft-model applies only"),
+    (["serve", "--model", "tiny-random-llama", "--port", "1", "--policy", "paged", "--draft-model",
+      "tiny-random-llama"], "--draft-model applies only"),
     # the calibration's longest request (1026 tokens at --scale 1) must fit the model's max_model_len (512)
     (["calibrate", "--model", "tiny-random-llama", "--quick", "--threads", "1"], "use --scale <= 0.49"),
     # comma lists: no empty items, no item twice

@@ -315,6 +315,11 @@ def test_cli_path_writes_json(start_stub, tmp_path: Path, monkeypatch, capsys):
     (["--max-output-len", "0"], "--max-output-len"), (["--output-len", "0"], "--output-len"),
     (["--slo-ttft-s", "0"], "--slo-ttft-s"), (["--slo-tpot-s", "-1"], "--slo-tpot-s"),
     (["--slo-e2e-s", "inf"], "--slo-e2e-s"), (["--timeout-s", "0"], "--timeout-s"),
+    # upper bounds and empty names (each was accepted silently)
+    (["--rate", "1e9"], "--rate"), (["--burstiness", "1e9"], "--burstiness"), (["--timeout-s", "1e12"], "--timeout-s"),
+    (["--slo-tpot-s", "1e12"], "--slo-tpot-s"), (["--max-concurrency", "10000000"], "--max-concurrency"),
+    (["--num-prompts", "10000000"], "--num-prompts"), (["--model", ""], "--model"),
+    (["--tokenizer", " "], "--tokenizer"), (["--json", ""], "--json"),
 ])
 def test_bad_options_raise_value_error_naming_the_option(argv, option):
     with pytest.raises(ValueError, match=option) as e:  # checked before any connection is tried

@@ -20,11 +20,12 @@ import math
 
 import numpy as np
 
-from minibatch.checks import MAX_TOKENS, check_int
+from minibatch.checks import MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SECONDS, MAX_TOKENS, check_int, check_real
 from minibatch.metrics import (COLUMNS, LATENCIES, PERCENTILES, SLO, RequestMetrics, Sample, format_cell, latencies,
                                summary_values)
 
 ENDPOINTS = ("completions", "chat")
+MAX_BURSTINESS = 1000.0  # gamma shape: at 1000 the gaps are already nearly equal
 
 
 def arrival_offsets(num_requests: int, rate: float = math.inf, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -35,12 +36,11 @@ def arrival_offsets(num_requests: int, rate: float = math.inf, burstiness: float
     below 1 burstier, above 1 more even. Drawn from ``numpy.random.default_rng(seed)``.
 
     Raises:
-        ValueError: rate or burstiness not > 0.
+        ValueError: rate not in (0, MAX_RATE] or inf, burstiness not in (0, MAX_BURSTINESS].
     """
-    if not rate > 0:
-        raise ValueError(f"--rate must be > 0 requests/s (inf = all at once), got {rate}")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ValueError(f"--burstiness must be a finite number > 0 (1.0 = Poisson), got {burstiness}")
+    if not (0 < rate <= MAX_RATE or rate == math.inf):
+        raise ValueError(f"--rate must be in (0, {MAX_RATE:g}] requests/s or inf (all at once), got {rate}")
+    check_real(burstiness, "--burstiness (1.0 = Poisson)", 0.0, MAX_BURSTINESS, low_open=True)
     if math.isinf(rate) or num_requests == 0:
         return [0.0] * num_requests
     gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=num_requests - 1)
@@ -50,15 +50,13 @@ def arrival_offsets(num_requests: int, rate: float = math.inf, burstiness: float
 def check_options(num_prompts: int, rate: float, burstiness: float, max_concurrency: int | None, endpoint: str,
                   timeout_s: float) -> None:
     """Raise ValueError with a one-line message naming the first bad option and its allowed range."""
-    if num_prompts < 1:
-        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    check_int(num_prompts, "--num-prompts", 1, MAX_NUM_REQUESTS)
     arrival_offsets(0, rate, burstiness)  # checks --rate and --burstiness
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"--max-concurrency must be >= 1 (or omitted: unbounded), got {max_concurrency}")
+    if max_concurrency is not None:
+        check_int(max_concurrency, "--max-concurrency (omit it: unbounded)", 1, MAX_NUM_SEQS)
     if endpoint not in ENDPOINTS:
         raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}")
-    if not (timeout_s > 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"--timeout-s must be a finite number of seconds > 0, got {timeout_s}")
+    check_real(timeout_s, "--timeout-s (seconds)", 0.0, MAX_SECONDS, low_open=True)
 
 
 def check_args(args: argparse.Namespace) -> SLO | None:
@@ -71,8 +69,12 @@ def check_args(args: argparse.Namespace) -> SLO | None:
     check_int(args.seed, "--seed", 0, 2**63 - 1)
     objectives = {name: getattr(args, f"slo_{name}") for name in ("ttft_s", "tpot_s", "e2e_s")}
     for name, value in objectives.items():
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"--slo-{name.replace('_', '-')} must be a finite number of seconds > 0, got {value}")
+        if value is not None:
+            check_real(value, f"--slo-{name.replace('_', '-')} (seconds)", 0.0, MAX_SECONDS, low_open=True)
+    omitted = {"model": "the server's first model", "tokenizer": "chosen by --model", "json": "no JSON"}
+    for option, default in omitted.items():  # '' would silently mean the default
+        if (value := getattr(args, option)) is not None and not value.strip():
+            raise ValueError(f"--{option} must be non-empty (left out: {default}), got {value!r}")
     return SLO(**objectives) if any(v is not None for v in objectives.values()) else None
 
 

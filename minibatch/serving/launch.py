@@ -60,11 +60,13 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
         ValueError: an unknown model or policy, a policy that cannot serve (the HF baselines),
             an option out of range or one the policy does not use, an unknown attention backend.
     """
+    from minibatch.experiment import check_draft_model, default_draft, load_draft_runner
     from minibatch.policies import POLICIES, get_policy, make_engine
     from minibatch.runner import ModelRunner
 
     if policy not in POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)} (the engine's policies), got {policy!r}")
+    check_draft_model(draft_model, (policy,))
     if loaded is None:
         from minibatch.models import check_model_name, load_model
 
@@ -74,8 +76,6 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     runner = ModelRunner(hf_model, tokenizer, attention_backend=attention_backend)
     draft_runner = None
     if get_policy(policy).proposer == "draft":
-        from minibatch.experiment import default_draft, load_draft_runner
-
         draft_runner = load_draft_runner(draft_model or default_draft(model), model, hf_model, tokenizer, device,
                                          attention_backend)
     engine = make_engine(policy, runner, LiveClock(device), config=config, draft_runner=draft_runner)
