@@ -106,6 +106,20 @@ def config_from_args(args, command: str, argv_text: str) -> CompareConfig:
                           argv_text)
 
 
+def check_calibrate_modes(args) -> None:
+    """calibrate: --refit measures nothing and --draft-only measures the profile's own model's draft, so options
+    they would silently ignore are refused (one given at its default value cannot be told apart and passes)."""
+    measuring = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | {"threads": None, "scale": 1.0,
+                                                                                 "quick": False, "draft_only": None}
+    ignored = {"refit": list(measuring), "draft_only": ["model", "dtype", "attention_backend", "quick"]}
+    for mode in ("refit", "draft_only"):
+        given = [name for name in ignored[mode] if getattr(args, mode) and getattr(args, name) != measuring[name]]
+        if given:
+            raise ValueError(f"{opt(given[0])} does not apply with {opt(mode)} (it "
+                             + ("fits the stored samples again, measuring nothing)" if mode == "refit" else
+                                "measures the draft of the profile's own model and dtype)"))
+
+
 def model_config(args) -> ModelConfig:
     """The ModelConfig of parsed ``args`` (serve, calibrate): checked before minutes of loading."""
     return ModelConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig)})
@@ -247,6 +261,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
     check_real(args.scale, "--scale", 0.0, 1.0, low_open=True)
     if args.out is not None:
         check_output_file(args.out, "--out")
+    check_calibrate_modes(args)
     if args.draft_only:
         from minibatch.sim.calibrate import calibrate_draft
 

@@ -404,6 +404,12 @@ def run_cli(argv, capsys):
       "data/profiles/smollm2-135m-cpu.json"], "--profile applies only with --clock sim"),
     (["gpu-check", "--device", "cpu", "--steps", "environment", "--bench-requests", "4"], "--bench-requests"),
     (["serve", "--model", "tiny-random-llama", "--port", "1", "--served-model-name", ""], "--served-model-name"),
+    # calibrate's measuring options were silently ignored by --refit (and some by --draft-only)
+    (["calibrate", "--refit", "data/profiles/smollm2-135m-cpu.json", "--threads", "2"], "--threads does not apply"),
+    (["calibrate", "--refit", "data/profiles/smollm2-135m-cpu.json", "--draft-only",
+      "data/profiles/smollm2-135m-cpu.json"], "--draft-only does not apply with --refit"),
+    (["calibrate", "--draft-only", "data/profiles/smollm2-135m-cpu.json", "--draft-model", "tiny-random-llama",
+      "--dtype", "bfloat16"], "--dtype does not apply with --draft-only"),
     # --draft-model without a policy that drafts with a model was silently ignored
     (["compare", "--model", "tiny-random-llama", "--policies", "paged,spec_ngram", "--draft-model",
       "tiny-random-llama"], "--draft-model applies only"),
@@ -443,6 +449,14 @@ def test_cli_bad_option_is_one_line_exit_2(argv, message, capsys, monkeypatch):
     assert code == 2
     assert message in err
     assert len(err.strip().splitlines()) == 1 and err.startswith("minibatch ") and "Traceback" not in err
+
+
+def test_calibrate_refit_with_only_its_own_options_still_refits(tmp_path, capsys):
+    """--refit with --out and --no-progress (and a measuring option at its default value) still runs."""
+    out, profile = tmp_path / "refit.json", "data/profiles/smollm2-135m-cpu.json"
+    assert main(["calibrate", "--refit", profile, "--out", str(out), "--no-progress", "--scale", "1.0"]) == 0
+    before, after = (json.loads(Path(p).read_text()) for p in (profile, out))
+    assert after["samples"] == before["samples"] and after["layouts"].keys() == before["layouts"].keys()
 
 
 def test_cli_checks_output_paths_before_loading_a_model(tmp_path, capsys, monkeypatch):

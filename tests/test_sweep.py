@@ -149,3 +149,13 @@ def test_an_option_the_command_lacks_is_reported_with_its_configuration(tmp_path
     assert [f["index"] for f in result["failed"]] == [1]
     assert "'colour' is not an option of simulate" in result["failed"][0]["error"]
     assert [r.get("max_num_seqs") for r in result["rows"]] == [None, 4] and os.path.exists(PROFILE)
+
+
+def test_the_sweeps_own_options_in_a_configuration_are_refused(tmp_path):
+    """json_path and progress in a configuration were silently overridden by the sweep's own."""
+    grid = write_grid(tmp_path / "g.json", {"rate": [2]},
+                      configs=[{"json_path": str(tmp_path / "x.json")}, {"progress": True}])
+    result = run_sweep(str(grid), progress=False)
+    errors = [f["error"] for f in result["failed"]]
+    assert len(errors) == 2 and "'json_path' is the sweep's" in errors[0] and "--no-progress" in errors[1]
+    assert not (tmp_path / "x.json").exists()

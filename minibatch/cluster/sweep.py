@@ -119,10 +119,12 @@ def run_one(command: str, config: dict) -> dict:
     acceptance = config.pop("acceptance_rate", None) if command == "simulate" else None
     if isinstance(acceptance, (int, float, list)) and not isinstance(acceptance, bool):  # YAML's 0.5 or [0.6, 0.3]
         acceptance = ",".join(map(str, acceptance)) if isinstance(acceptance, list) else str(acceptance)
-    unknown = [k for k in config if k not in ours | cluster | settings]
+    swept = {"json_path": "the sweep writes each result (its --json: the table)", "progress": "--no-progress"}
+    unknown = [k for k in config if k not in (ours | cluster | settings) - set(swept)]
     if unknown:
-        raise ValueError(f"{unknown[0]!r} is not an option of {command} (keys are option names with _, e.g. "
-                         "max_num_seqs)")
+        raise ValueError(f"{unknown[0]!r} is " + (f"the sweep's, not a configuration's: {swept[unknown[0]]}"
+                         if unknown[0] in swept else f"not an option of {command} (keys are option names with "
+                                                     "_, e.g. max_num_seqs)"))
     if threads is not None:
         import torch
 
