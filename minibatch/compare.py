@@ -19,7 +19,7 @@ from pathlib import Path
 from minibatch.baselines.vllm_peer import PeerUnavailable
 from minibatch.checks import (MAX_KV_SLOTS, MAX_NUM_REQUESTS, MAX_RATE, MAX_SECONDS, MAX_TOKENS, MIN_RATE, check_int,
                               comma_list)
-from minibatch.config import opt, option
+from minibatch.config import changed_fields, opt, option
 from minibatch.experiment import (Run, all_policies, check_draft_model, check_policy_settings, default_draft,
                                   load_draft_runner, policy_spec, run, warm_up)
 from minibatch.metrics import SLO
@@ -32,7 +32,8 @@ from minibatch.workload import ARRIVALS
 
 DEFAULT_POLICIES = ("static", "paged", "chunked", "hf_generate_batch")  # the headline comparison
 SIM_DEFAULT_POLICIES = ("static", "orca", "paged", "prefill_first", "chunked")
-
+GENERATOR_OPTIONS = ("num_requests", "arrival", "rate", "max_prompt_len", "max_output_len", "output_scale",
+                     "long_prompts", "long_prompt_len")  # shape a generated trace: not with --trace
 
 # compare's own defaults for policy settings: a saturating comparison (32 running requests; a padded
 # batch waits at most 0.5 s); n_slots defaults to kv_slots()
@@ -43,8 +44,7 @@ COMPARE_SETTINGS = {"max_num_seqs": 32, "max_wait_s": 0.5}
 class CompareConfig(ModelConfig):
     """Options of ``python -m minibatch compare`` and ``simulate`` (``--help`` is made from these
     fields, the model's (:class:`~minibatch.models.ModelConfig`, shared with serve and calibrate) and the
-    registered policies' settings). Validated on creation: one error naming
-    the field as its command-line option and the allowed range.
+    registered policies' settings). Validated on creation: one error naming the field as its option and range.
 
     settings: the policies' settings by name (e.g. ``{"max_num_seqs": 8, "target_itl_s": 0.1}``): each
         applies to every selected policy that has it (``POLICIES[p].config_cls``); one no selected
@@ -125,6 +125,8 @@ class CompareConfig(ModelConfig):
             from minibatch.trace_io import load_trace
 
             load_trace(self.trace)
+            if given := changed_fields(self, GENERATOR_OPTIONS):
+                raise ValueError(f"{opt(given[0])} shapes a generated trace: it does not apply with --trace")
 
     def policy_config(self, policy: str, requests: list[Request]):
         """The settings of one policy's run (its ``config_cls``): compare's defaults (COMPARE_SETTINGS,

@@ -82,6 +82,13 @@ def check_fields(obj, name_of: Callable[[str], str] = str) -> None:
             object.__setattr__(obj, f.name, check_field(f.metadata, getattr(obj, f.name), name_of(f.name)))
 
 
+def changed_fields(obj, names) -> list[str]:
+    """The fields among ``names`` whose value in ``obj`` is not their default (given by the user; one given at its
+    default value cannot be told apart): for refusing options that a mode would silently ignore."""
+    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+    return [name for name in names if getattr(obj, name) != defaults[name]]
+
+
 def setting_fields(config_cls) -> dict:
     """The user-facing fields of a config class (those with a command line): name -> the field's metadata."""
     return {f.name: f.metadata for f in dataclasses.fields(config_cls) if f.metadata.get("cli")}

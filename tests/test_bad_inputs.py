@@ -25,6 +25,7 @@ import torch
 
 from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecutor, files, gguf, make_engine, models
 from minibatch.__main__ import main
+from minibatch.cluster.simulate import ClusterConfig, simulate
 from minibatch.compare import CompareConfig, build_trace
 from minibatch.reference import reference_outputs
 from minibatch.report import write_json as compare_write_json
@@ -410,6 +411,11 @@ def run_cli(argv, capsys):
       "data/profiles/smollm2-135m-cpu.json"], "--draft-only does not apply with --refit"),
     (["calibrate", "--draft-only", "data/profiles/smollm2-135m-cpu.json", "--draft-model", "tiny-random-llama",
       "--dtype", "bfloat16"], "--dtype does not apply with --draft-only"),
+    # options a mode ignores: the multiturn workload's own shape, per-position acceptance rates past k
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--workload", "multiturn", "--num-requests",
+      "5"], "--num-requests does not apply with --workload multiturn"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "spec", "--acceptance-rate",
+      "0.9,0.8,0.7", "--num-speculative-tokens", "2"], "3 per-position rates, more than the 2 draft positions"),
     # --draft-model without a policy that drafts with a model was silently ignored
     (["compare", "--model", "tiny-random-llama", "--policies", "paged,spec_ngram", "--draft-model",
       "tiny-random-llama"], "--draft-model applies only"),
@@ -860,6 +866,20 @@ def test_trace_ids_checked_against_the_vocab(tmp_path):
     with pytest.raises(ValueError, match=r"request 1: prompt_token_ids\[1\] must be in \[0, 64\)"):
         build_trace(cfg, None, vocab_size=64)
     assert [r.request_id for r in build_trace(cfg, None, vocab_size=65)] == ["r0", "r1"]
+
+
+@pytest.mark.parametrize("option, value", [("num_requests", 3), ("rate", 5.0), ("arrival", "zero"),
+                                           ("max_output_len", 9), ("output_scale", 1.0), ("long_prompts", 1)])
+def test_generator_options_are_refused_with_a_trace(tmp_path, option, value):
+    """They shape a generated trace; with --trace they were silently ignored (as are the multiturn workload's)."""
+    path = tmp_path / "t.json"
+    path.write_text(_trace(_row()))
+    with pytest.raises(ValueError, match=f"--{option.replace('_', '-')} shapes a generated trace"):
+        CompareConfig(model="tiny-random-llama", trace=str(path), figures_dir=None, **{option: value})
+    cfg = CompareConfig(model="tiny-random-llama", trace=str(path), figures_dir=None, seed=3,  # seeds the sim
+                        clock="sim", profile=str(COMMITTED_PROFILE))
+    with pytest.raises(ValueError, match="--trace does not apply with --workload multiturn"):
+        simulate(cfg, ClusterConfig(workload="multiturn"))
 
 
 def test_compare_config_reads_the_trace_before_any_model_loads(tmp_path):

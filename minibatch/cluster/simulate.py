@@ -219,13 +219,23 @@ def simulate(cfg, cluster: ClusterConfig, acceptance_rate: str | None = None) ->
 
     Raises:
         ValueError: no profile, a bad profile or acceptance rate, a bad cluster option (each named)."""
-    from minibatch.sim.cost_model import Profile
+    from minibatch.config import changed_fields, opt
     from minibatch.policies import get_policy
+    from minibatch.sim.cost_model import Profile
     from minibatch.sim.simulator import parse_acceptance_rate, run_simulation
+    from minibatch.spec.speculator import SpecConfig
 
     acceptance = parse_acceptance_rate(acceptance_rate)
     if acceptance is not None and not any(get_policy(p).proposer for p in cfg.policies):
         raise ValueError("--acceptance-rate applies only to the speculative policies (spec, spec_ngram)")
+    k = cfg.settings.get("num_speculative_tokens", SpecConfig.num_speculative_tokens)
+    if isinstance(acceptance, list) and len(acceptance) > k:  # positions past k are never drafted
+        raise ValueError(f"--acceptance-rate gives {len(acceptance)} per-position rates, more than the {k} draft "
+                         "positions (--num-speculative-tokens)")
+    if cluster.workload == "multiturn" and (given := changed_fields(cfg, ("trace", "num_requests", "arrival",
+                                                                            "long_prompts", "long_prompt_len"))):
+        raise ValueError(f"{opt(given[0])} does not apply with --workload multiturn (--conversations, --rate, "
+                         "--max-prompt-len, --max-output-len and --output-scale shape it)")
     if cfg.profile is None:
         raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
     Profile.load(cfg.profile)  # a bad profile is reported before the run
