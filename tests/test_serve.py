@@ -569,6 +569,31 @@ def test_oversized_and_hostile_bodies_get_4xx_not_500(loaded):
         assert out.usage.completion_tokens == 2
 
 
+def test_huge_bodies_are_refused_cheaply_and_a_large_valid_one_is_served(server):
+    """A million token ids, a batch of a million prompts, a million stop strings: 400 naming the field, the value
+    not sent back whole (each used to be validated item by item and repr'ed whole while others waited). A valid
+    body over 256 KiB (prepared in the large bodies' own thread) answers as the same small one does. A body must
+    be UTF-8 (an encoded surrogate is refused; a BOM is dropped)."""
+    url = server.base_url + "/completions"
+    small = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for field, value, message in [("prompt", list(range(10**6)), "1000000 tokens do not fit"),
+                                  ("prompt", ["ab"] * 10**6, "one prompt per request is supported, got 1000000"),
+                                  ("stop", ["x"] * 10**6, "(1000000 items)")]:
+        r = httpx.post(url, json=small | {field: value}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field and message in error["message"], error
+        assert len(error["message"]) < 400
+    want = httpx.post(url, json=small, timeout=60).json()["choices"][0]["text"]
+    large = httpx.post(url, json=small | {"user": "u" * (300 << 10)}, timeout=60)
+    assert large.status_code == 200 and large.json()["choices"][0]["text"] == want
+    bom = httpx.post(url, content=b"\xef\xbb\xbf" + json.dumps(small).encode(), timeout=60)
+    assert bom.status_code == 200 and bom.json()["choices"][0]["text"] == want
+    pair = httpx.post(url, content=json.dumps(small | {"user": "\U0001f600"}).encode(), timeout=60)  # "\ud83d\ude00"
+    assert pair.status_code == 200
+    encoded = httpx.post(url, content=b'{"prompt": "a\xed\xa0\x80b"}', timeout=60)
+    assert encoded.status_code == 400 and "not UTF-8" in encoded.json()["error"]["message"]
+
+
 def test_the_chat_role_chunk_comes_with_the_first_token(server):
     """The first chat chunk (the role) is sent when the first token is, not before the request is scheduled: a
     client's time to first chunk is the TTFT (vLLM does the same)."""

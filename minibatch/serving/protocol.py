@@ -11,6 +11,7 @@ type (``"4"`` is not a number, ``"no"`` not a boolean).
 
 from __future__ import annotations
 
+import reprlib
 import uuid
 from dataclasses import dataclass
 from typing import Literal
@@ -33,9 +34,19 @@ MAX_ECHO_CHARS = 200  # an error quotes at most this much of the value it refuse
 
 
 def short_repr(value) -> str:
-    """``repr(value)``, cut to ``MAX_ECHO_CHARS`` characters (an error never sends a huge body back)."""
-    text = repr(value)
-    return text if len(text) <= MAX_ECHO_CHARS else f"{text[:MAX_ECHO_CHARS]}... ({len(text)} characters)"
+    """``repr(value)`` in at most ``MAX_ECHO_CHARS`` characters (and "...", with the value's length when it was
+    cut): an error never sends a huge value back, nor spends long writing its whole repr (``reprlib``)."""
+    text = _ECHO.repr(value)
+    if len(text) > MAX_ECHO_CHARS:
+        text = text[:MAX_ECHO_CHARS] + "..."
+    if "..." in text and isinstance(value, (str, list, tuple, dict, set)):
+        text += f" ({len(value)} {'characters' if isinstance(value, str) else 'items'})"
+    return text
+
+
+_ECHO = reprlib.Repr()  # bounded work for a value of any size (Python 3.11's Repr takes no arguments)
+_ECHO.maxlevel, _ECHO.maxlist, _ECHO.maxtuple, _ECHO.maxdict, _ECHO.maxset = 3, 32, 32, 16, 16
+_ECHO.maxstring = _ECHO.maxlong = _ECHO.maxother = MAX_ECHO_CHARS
 
 
 class APIError(Exception):
@@ -163,6 +174,17 @@ def one_prompt(prompt) -> str | list[int]:
     if len(prompt) != 1:
         raise APIError(f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
     return prompt[0]
+
+
+def check_prompt_size(body, context: "Context") -> None:
+    """Refuse, before the body is validated item by item, a completions ``prompt`` list that cannot fit: token ids
+    past the context, or a batch (the same errors :func:`one_prompt` and :func:`make_request` give later)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and len(prompt) >= context.tokens:
+        if isinstance(prompt[0], int) and not isinstance(prompt[0], bool):
+            raise APIError(f"prompt: {len(prompt)} tokens do not fit {context}, which must also hold at least 1 "
+                           "output token", "prompt")
+        raise APIError(f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,11 +23,13 @@ from starlette.requests import ClientDisconnect
 from minibatch.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from minibatch.serving.metrics import ServingMetrics
 from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Context, api_error_of,
-                                        make_request, one_prompt, parse_body, short_repr)
+                                        check_prompt_size, make_request, one_prompt, parse_body, short_repr)
 from minibatch.serving.text import TextAssembler
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 MAX_BODY_BYTES = 8 << 20  # default body-size limit: far above any prompt a 2k-8k-token context holds
+SMALL_BODY_BYTES = 256 << 10  # a body larger than this is prepared in the large bodies' thread
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where json.loads can make a lone surrogate (or a pair)
 
 
 def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingMetrics,
@@ -37,9 +41,11 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     context = Context(engine.engine.max_request_tokens(), engine.engine.executor.max_model_len)
     max_model_len = context.tokens
     app.state.engine, app.state.metrics, app.state.context = engine, metrics, context
-    # The event loop does I/O only: decoding, validating, templating and tokenizing a body run here, one at a
-    # time (a tokenizer is not safe to share between threads), so a huge body never stalls /health or streams.
-    prepare_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minibatch-prepare")
+    # The event loop does I/O only: decoding, validating, templating and tokenizing a body run in a thread, so a
+    # huge body never stalls /health or streams; bodies over SMALL_BODY_BYTES in a lane of their own, so a few
+    # huge ones never queue ahead of a normal request. The tokenizer is not safe to share: used under a lock.
+    lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"minibatch-prepare-{n}") for n in ("small", "large")]
+    tokenizer_lock = threading.Lock()
     # a token's text is at most this many characters: a prompt of more than max_model_len times it cannot fit
     max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(tokenizer, "get_vocab") \
         else None
@@ -51,11 +57,14 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
                            f"{max_token_chars} characters)", field)
 
     def prepare_completion(data: bytes):
-        body = parse_body(CompletionRequest, decode_json(data))
+        body = decode_json(data)
+        check_prompt_size(body, context)  # a huge list fails here, not after checking each item
+        body = parse_body(CompletionRequest, body)
         prompt = one_prompt(body.prompt)
         if isinstance(prompt, str):
             check_length(len(prompt), "prompt")
-            prompt = list(tokenizer.encode(prompt))
+            with tokenizer_lock:
+                prompt = list(tokenizer.encode(prompt))
         return body, prompt
 
     def prepare_chat(data: bytes):
@@ -64,12 +73,13 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
             raise APIError(f"messages: model {model_name!r} has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         check_length(sum(len(m["content"]) for m in messages), "messages")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return body, list(tokenizer.encode(text, add_special_tokens=False))
+        with tokenizer_lock:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return body, list(tokenizer.encode(text, add_special_tokens=False))
 
     async def prepared(raw: HTTPRequest, prepare):
         data = await read_body(raw, max_body_bytes)
-        return await asyncio.get_running_loop().run_in_executor(prepare_pool, prepare, data)
+        return await asyncio.get_running_loop().run_in_executor(lanes[len(data) > SMALL_BODY_BYTES], prepare, data)
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):
@@ -155,16 +165,20 @@ async def read_body(raw: HTTPRequest, max_body_bytes: int = MAX_BODY_BYTES) -> b
 
 
 def decode_json(data: bytes):
-    """The decoded JSON body. Raises APIError 400 for invalid JSON, nesting too deep, or a string no UTF-8 text
-    can hold (a lone surrogate escape such as "\\ud800")."""
+    """The decoded JSON body. Raises APIError 400 for a body not in UTF-8, invalid JSON, nesting too deep, or a
+    string no UTF-8 text can hold (a lone surrogate escape such as "\\ud800")."""
     try:
-        body = json.loads(data)
-        json.dumps(body, ensure_ascii=False).encode("utf-8")  # a lone surrogate cannot be encoded
+        text = data.decode("utf-8-sig")  # strict (json.loads lets encoded surrogates through); a BOM is dropped
+        body = json.loads(text)
+        if SURROGATE_ESCAPE.search(text):  # only an escape makes a lone surrogate, which cannot be encoded
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
     except RecursionError:
         raise APIError("the body is not valid JSON: nested too deeply") from None
     except UnicodeEncodeError:
         raise APIError("the body holds a string that is not valid Unicode (a lone surrogate escape)") from None
-    except (ValueError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise APIError(f"the body is not UTF-8 text (JSON must be): {e}") from None
+    except ValueError as e:
         raise APIError(f"the body is not valid JSON: {e}") from None
     return body
 
