@@ -275,13 +275,9 @@ def default_draft(model: str) -> str:
 
 
 def check_draft_model(draft_model: str | None, policies) -> None:
-    """Raises ValueError when ``draft_model`` is given but no policy in ``policies`` drafts with a model
-    (its ``proposer`` is "draft"; peers such as hf_generate_batch do not): the option would be silently ignored."""
-    from minibatch.policies import POLICIES
-
+    """ValueError when ``draft_model`` is given and no policy of ``policies`` drafts with a model (it is ignored)."""
     if draft_model is not None and not any(p in POLICIES and POLICIES[p].proposer == "draft" for p in policies):
-        raise ValueError(f"--draft-model applies only to a policy that drafts with a model (spec), not to "
-                         f"{','.join(policies)}")
+        raise ValueError(f"--draft-model applies only to a draft-model policy (spec), not {','.join(policies)}")
 
 
 def load_draft_runner(name: str, target_name: str, model, tokenizer, device="cpu", attention_backend: str = "torch"):
