@@ -594,6 +594,30 @@ def test_huge_bodies_are_refused_cheaply_and_a_large_valid_one_is_served(server)
     assert encoded.status_code == 400 and "not UTF-8" in encoded.json()["error"]["message"]
 
 
+def test_a_list_of_messages_that_cannot_fit_is_refused_before_it_is_read(loaded):
+    """Under a template that marks each message with special tokens (never merged with the text), N messages take
+    at least N times that many tokens: more than the context is refused before any message is validated."""
+    import copy
+
+    from minibatch.serving.bench import load_tokenizer
+    from minibatch.serving.text import template_tokens_per_message
+
+    assert template_tokens_per_message(load_tokenizer("smollm2-135m")) == 2  # <|im_start|> and <|im_end|>
+    assert template_tokens_per_message(loaded[1]) == 0  # the test template's markers are plain text
+    tokenizer = copy.deepcopy(loaded[1])
+    tokenizer.chat_template = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}<eos>{% endfor %}"
+    assert template_tokens_per_message(tokenizer) == 2
+    app, engine = build_server(MODEL, "paged", dict(n_slots=1024, block_size=4), loaded=(loaded[0], tokenizer))
+    with ServerThread(app, engine) as srv:
+        url = srv.base_url + "/chat/completions"
+        body = {"model": MODEL, "max_tokens": 2, "ignore_eos": True}
+        r = httpx.post(url, json=body | {"messages": [{"role": "user", "content": "hi"}] * 256}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "256 messages take at least 2 tokens each" in r.json()["error"]["message"]
+        r = httpx.post(url, json=body | {"messages": [{"role": "user", "content": "hi"}] * 10}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_the_chat_role_chunk_comes_with_the_first_token(server):
     """The first chat chunk (the role) is sent when the first token is, not before the request is scheduled: a
     client's time to first chunk is the TTFT (vLLM does the same)."""

@@ -176,15 +176,19 @@ def one_prompt(prompt) -> str | list[int]:
     return prompt[0]
 
 
-def check_prompt_size(body, context: "Context") -> None:
-    """Refuse, before the body is validated item by item, a completions ``prompt`` list that cannot fit: token ids
-    past the context, or a batch (the same errors :func:`one_prompt` and :func:`make_request` give later)."""
-    prompt = body.get("prompt") if isinstance(body, dict) else None
+def check_list_lengths(body, context: "Context", message_tokens: int = 0) -> None:
+    """Refuse, before the body is validated item by item, a list that cannot fit the context: a completions
+    ``prompt`` of token ids past it, or a batch (the errors :func:`one_prompt` and :func:`make_request` give later);
+    chat ``messages`` when each takes at least ``message_tokens`` tokens of the chat template (0: not known)."""
+    prompt, messages = (body.get("prompt"), body.get("messages")) if isinstance(body, dict) else (None, None)
     if isinstance(prompt, list) and len(prompt) >= context.tokens:
         if isinstance(prompt[0], int) and not isinstance(prompt[0], bool):
             raise APIError(f"prompt: {len(prompt)} tokens do not fit {context}, which must also hold at least 1 "
                            "output token", "prompt")
         raise APIError(f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
+    if message_tokens and isinstance(messages, list) and len(messages) * message_tokens >= context.tokens:
+        raise APIError(f"messages: {len(messages)} messages take at least {message_tokens} tokens each in the chat "
+                       f"template, so they do not fit {context}", "messages")
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from starlette.requests import ClientDisconnect
 from minibatch.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from minibatch.serving.metrics import ServingMetrics
 from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Context, api_error_of,
-                                        check_prompt_size, make_request, one_prompt, parse_body, short_repr)
-from minibatch.serving.text import TextAssembler
+                                        check_list_lengths, make_request, one_prompt, parse_body, short_repr)
+from minibatch.serving.text import TextAssembler, template_tokens_per_message
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 MAX_BODY_BYTES = 8 << 20  # default body-size limit: far above any prompt a 2k-8k-token context holds
@@ -46,6 +46,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     # huge ones never queue ahead of a normal request. The tokenizer is not safe to share: used under a lock.
     lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"minibatch-prepare-{n}") for n in ("small", "large")]
     tokenizer_lock = threading.Lock()
+    message_tokens = template_tokens_per_message(tokenizer)  # a longer list of messages than fits is refused unread
     # a token's text is at most this many characters: a prompt of more than max_model_len times it cannot fit
     max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(tokenizer, "get_vocab") \
         else None
@@ -58,7 +59,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
 
     def prepare_completion(data: bytes):
         body = decode_json(data)
-        check_prompt_size(body, context)  # a huge list fails here, not after checking each item
+        check_list_lengths(body, context)  # a huge list fails here, not after checking each item
         body = parse_body(CompletionRequest, body)
         prompt = one_prompt(body.prompt)
         if isinstance(prompt, str):
@@ -68,13 +69,15 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
         return body, prompt
 
     def prepare_chat(data: bytes):
-        body = parse_body(ChatCompletionRequest, decode_json(data))
+        body = decode_json(data)
+        check_list_lengths(body, context, message_tokens)
+        body = parse_body(ChatCompletionRequest, body)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(f"messages: model {model_name!r} has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         check_length(sum(len(m["content"]) for m in messages), "messages")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         with tokenizer_lock:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             return body, list(tokenizer.encode(text, add_special_tokens=False))
 
     async def prepared(raw: HTTPRequest, prepare):

@@ -54,3 +54,21 @@ class TextAssembler:
             return "", False
         piece, self.sent = text[self.sent:end], end
         return piece, False
+
+
+def template_tokens_per_message(tokenizer) -> int:
+    """The fewest special tokens (chat markers, which never merge with a message's text) one more message adds to
+    a prompt under ``tokenizer``'s chat template, over the roles the server accepts; 0 when there is no template
+    or it cannot tell (a server can then refuse a list of messages that cannot fit before reading each one)."""
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    counts = []
+    for role in ("system", "user", "assistant", "developer"):
+        try:
+            one, two = (tokenizer.apply_chat_template([{"role": role, "content": "x"}] * n, add_generation_prompt=True)
+                        for n in (1, 2))
+        except Exception:  # noqa: BLE001 -- a template that refuses a role (or two in a row) tells nothing
+            return 0
+        ids = [list(getattr(x, "input_ids", x)) for x in (one, two)]
+        counts.append(sum(t in special for t in ids[1]) - sum(t in special for t in ids[0]))
+    return max(0, min(counts, default=0))
+
