@@ -31,29 +31,42 @@ from minibatch import SimClock
 from minibatch.compare import CompareConfig, build_trace
 from minibatch.experiment import load_runner, run
 from minibatch.experiments import chunked
+from minibatch.checks import (MAX_KV_SLOTS, MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SECONDS, MAX_TOKENS,
+                              MIN_RATE, OneLineParser, device_arg, int_arg, ints_arg, output_file_arg, real_arg,
+                              reals_arg)
 from minibatch.claims import claim
 from minibatch.lessons.chunked_prefill import CLAIM_IDS, fold, print_table, print_versus
 from minibatch.report import environment, machine_load, write_json
 
 
+def or_none(parse):
+    """An argparse ``type``: a comma-separated list as ``parse`` reads it, or () for '' (none)."""
+    return lambda text: parse(text) if text.strip() else ()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny-random-llama, a local dir or hub id")
-    p.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None, help="write the results here")
     p.add_argument("--quick", action="store_true", help="smoke test: 8 requests, short prompts (tiny-random-llama)")
     p.add_argument("--clock", default="wall", choices=["wall", "sim"], help="wall: measured; sim: cost model")
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--rate", type=float, default=8.0, help="arrivals, requests/s (Poisson)")
-    p.add_argument("--long-prompts", type=int, default=4, help="requests with a long prompt")
-    p.add_argument("--long-prompt-len", type=int, default=1536, help="tokens per long prompt")
-    p.add_argument("--budgets", default="64,128,256,512", help="chunked token budgets (max_num_batched_tokens)")
-    p.add_argument("--target-itl-ms", default="150", help="adaptive chunker targets, ms (comma-separated; '' = none)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="most running requests (max_num_seqs)")
-    p.add_argument("--n-slots", type=int, default=16384, help="KV token slots (large: no preemption)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-requests", type=int_arg(1, MAX_NUM_REQUESTS), default=32)
+    p.add_argument("--rate", type=real_arg(MIN_RATE, MAX_RATE), default=8.0, help="arrivals, requests/s (Poisson)")
+    p.add_argument("--long-prompts", type=int_arg(0, MAX_NUM_REQUESTS), default=4, help="requests with a long prompt")
+    p.add_argument("--long-prompt-len", type=int_arg(1, MAX_TOKENS), default=1536, help="tokens per long prompt")
+    p.add_argument("--budgets", type=or_none(ints_arg(1, MAX_TOKENS)), default="64,128,256,512",
+                   help="chunked token budgets (max_num_batched_tokens; comma-separated; '' = none)")
+    p.add_argument("--target-itl-ms", type=or_none(reals_arg(0, MAX_SECONDS * 1e3, low_open=True)), default="150",
+                   help="adaptive chunker targets, ms (comma-separated; '' = none)")
+    p.add_argument("--max-num-seqs", type=int_arg(1, MAX_NUM_SEQS), default=32,
+                   help="most running requests (max_num_seqs)")
+    p.add_argument("--n-slots", type=int_arg(1, MAX_KV_SLOTS), default=16384,
+                   help="KV token slots (large: no preemption)")
+    p.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0)
     p.add_argument("--skip-micro-batching", action="store_true")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (recorded in the JSON either way)")
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int_arg(1, 1024), default=None,
+                   help="torch CPU threads (recorded in the JSON either way)")
     args = p.parse_args(argv)
     args.command = " ".join(["python benchmarks/chunked_prefill.py"] + (argv if argv is not None else sys.argv[1:]))
     return args
@@ -79,14 +92,14 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     load_before = machine_load()  # how busy the machine was: recorded with the result
     t_start = time.perf_counter()
-    model, tokenizer, runner, clock = load_runner(args.model, args.device, args.clock, args.threads)
     if args.quick:
-        args.num_requests, args.long_prompts, args.long_prompt_len, args.budgets = 8, 1, 200, "16,64"
-    budgets = [int(b) for b in args.budgets.split(",") if b]
-    targets = [float(t) / 1e3 for t in args.target_itl_ms.split(",") if t]
+        args.num_requests, args.long_prompts, args.long_prompt_len, args.budgets = 8, 1, 200, (16, 64)
+    budgets = list(args.budgets)
+    targets = [t / 1e3 for t in args.target_itl_ms]
     cfg = CompareConfig(model=args.model, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
                         long_prompts=args.long_prompts, long_prompt_len=args.long_prompt_len,
                         max_prompt_len=64 if args.quick else 256, max_output_len=16 if args.quick else 256)
+    model, tokenizer, runner, clock = load_runner(args.model, args.device, args.clock, args.threads)  # cfg checked
     trace = build_trace(cfg, tokenizer, model.config.vocab_size)
     for policy in ("prefill_first", "paged", "chunked"):  # warm-up: no run pays first-call costs
         run(policy, trace[:2], runner, SimClock(), **chunked.ENGINE_DEFAULTS)
@@ -133,4 +146,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

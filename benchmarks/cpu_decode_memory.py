@@ -21,7 +21,7 @@ import time
 import torch
 
 from fused_layers import commit_arg, kernel_sources_at
-from minibatch.checks import OneLineParser
+from minibatch.checks import MAX_TOKENS, OneLineParser, int_arg, output_file_arg, real_arg
 from minibatch.report import environment, machine_load, write_json
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
@@ -29,15 +29,22 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
 def main(argv=None) -> dict:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cache-gib", type=float, default=2.0, help="the KV cache the blocks are scattered over")
+    p.add_argument("--requests", type=int_arg(1, 4096), default=32)
+    p.add_argument("--context", type=int_arg(1, MAX_TOKENS), default=256)
+    p.add_argument("--threads", type=int_arg(1, 1024), default=2)
+    p.add_argument("--cache-gib", type=real_arg(0, 1024, low_open=True), default=2.0,
+                   help="the KV cache the blocks are scattered over")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the cache's and q's")
-    p.add_argument("--turns", type=int, default=60, help="30-layer sweeps per way")
+    p.add_argument("--turns", type=int_arg(1, 100_000), default=60, help="30-layer sweeps per way")
     p.add_argument("--against-rev", type=commit_arg, default=None, help="also time the kernel at this git revision")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     args = p.parse_args(argv)
+    n, blocks = args.requests, -(-args.context // BLOCK)
+    dtype = getattr(torch, args.dtype)
+    size = torch.finfo(dtype).bits // 8
+    pool = int(args.cache_gib * 2**30) // (LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * size)
+    if pool < n * blocks:  # before the kernels build
+        p.error(f"--cache-gib {args.cache_gib} holds {pool} blocks a layer, fewer than the {n * blocks} the step reads")
     from minibatch.kernels import cpu_decode
     from minibatch.machine import huge_page_zeros
 
@@ -46,12 +53,6 @@ def main(argv=None) -> dict:
     if args.against_rev:
         folder = kernel_sources_at(args.against_rev, "decode")
         kernels[args.against_rev] = cpu_decode.build(os.path.join(folder, os.path.basename(cpu_decode.SOURCE)))
-    n, blocks = args.requests, -(-args.context // BLOCK)
-    dtype = getattr(torch, args.dtype)
-    size = torch.finfo(dtype).bits // 8
-    pool = int(args.cache_gib * 2**30) // (LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * size)
-    if pool < n * blocks:
-        p.error(f"--cache-gib {args.cache_gib} holds {pool} blocks a layer, fewer than the {n * blocks} the step reads")
     g = torch.Generator().manual_seed(0)
     cache = huge_page_zeros((LAYERS, 2, pool, BLOCK, KV_HEADS, HEAD_DIM), dtype)
     for layer in range(LAYERS):

@@ -22,14 +22,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from minibatch.checks import OneLineParser, output_file_arg
 from minibatch.report import environment, machine_load, write_json
 
 ROW_FIELDS = ("output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "goodput_req_s")
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", dest="json_path", default=None)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     p.add_argument("compare_args", nargs="*", help="extra options for compare (after --)")
     args = p.parse_args(argv)
     load_before = machine_load()
@@ -67,4 +68,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

@@ -24,6 +24,7 @@ import torch
 
 from minibatch.checks import OneLineParser, int_arg, ints_arg, output_file_arg
 from minibatch.report import environment, machine_load, write_json
+from minibatch.runner.backends import backend_names
 
 
 def linear_times(models: dict, rows: int, repeats: int) -> dict:
@@ -62,7 +63,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--batches", type=ints_arg(1, 4096), default="1,8,32",
                    help="decode batch sizes (rows of the linears-alone timing)")
     p.add_argument("--threads", type=int_arg(1, 1024), default=2)
-    p.add_argument("--attention-backend", default="cpp")
+    p.add_argument("--attention-backend", choices=backend_names(), default="cpp")
     p.add_argument("--repeats", type=int_arg(1, 100_000), default=20, help="linears-alone passes per way")
     p.add_argument("--steps", type=int_arg(1, 100_000), default=25, help="decode steps per way and batch")
     p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)

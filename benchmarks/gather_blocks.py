@@ -15,18 +15,19 @@ import sys
 
 import torch
 
+from minibatch.checks import MAX_TOKENS, OneLineParser, int_arg, output_file_arg
 from minibatch.experiment import alternating_ms
 from minibatch.report import environment, machine_load, write_json
 from minibatch.runner.backends.sdpa import SdpaAttentionData, decode_attention, gather_blocks
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--context", type=int, default=257, help="tokens in every request's context")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=50)
-    p.add_argument("--json", dest="json_path", default=None)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int_arg(1, 4096), default=32)
+    p.add_argument("--context", type=int_arg(1, MAX_TOKENS), default=257, help="tokens in every request's context")
+    p.add_argument("--threads", type=int_arg(1, 1024), default=2)
+    p.add_argument("--repeats", type=int_arg(1, 100_000), default=50)
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     args = p.parse_args(argv)
     load_before = machine_load()
     torch.set_num_threads(args.threads)
@@ -60,4 +61,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

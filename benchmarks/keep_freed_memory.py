@@ -27,7 +27,10 @@ from pathlib import Path
 
 from vllm_peer import TRACE
 
+from minibatch.checks import OneLineParser, int_arg, output_file_arg
+from minibatch.policies import POLICIES
 from minibatch.report import environment, machine_load, write_json
+from minibatch.runner.backends import backend_names
 
 ROW_KEYS = ("output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "num_good_requests", "duration_s")
 
@@ -49,12 +52,12 @@ def one_run(keep: bool, args, out: Path) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pairs", type=int, default=4, help="pairs of runs (default, kept)")
-    p.add_argument("--policy", default="chunked")
-    p.add_argument("--attention-backend", default="cpp")
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", type=int_arg(1, 1000), default=4, help="pairs of runs (default, kept)")
+    p.add_argument("--policy", choices=tuple(POLICIES), default="chunked")
+    p.add_argument("--attention-backend", choices=backend_names(), default="cpp")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     args = p.parse_args(argv)
     command = " ".join(["python benchmarks/keep_freed_memory.py"] + (argv if argv is not None else sys.argv[1:]))
     load_before = machine_load()
@@ -81,4 +84,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

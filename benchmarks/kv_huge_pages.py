@@ -5,7 +5,7 @@ the same cache on the default 4 KiB pages, at two levels, each an A/B in one pro
   shapes (30 layers, 9 query heads, 3 KV heads of 64, block_size 16, bf16) for ``--requests`` requests of
   ``--context`` tokens, their blocks scattered at random over the whole cache, one sweep of the 30 layers per turn
   (so each layer's K/V comes from memory, as in a step); caches of twice the step's blocks and of 2 GiB (the
-  saturated trace's ``--kv-cache-memory-bytes``);
+  saturated trace's ``--kv-cache-memory-bytes``; a step of more blocks than it holds is refused);
 * ``engine``: whole decode steps of SmolLM2-135M (bf16, ``cpp`` attention, fused decode layers) on two ModelRunners
   that differ only in their KV cache's pages, steps alternating; medians of ``--steps``.
 
@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
+from minibatch.checks import MAX_TOKENS, OneLineParser, int_arg, output_file_arg
 from minibatch.machine import huge_page_zeros, huge_pages_state, transparent_huge_pages
 from minibatch.report import environment, machine_load, write_json
 
@@ -104,14 +105,19 @@ def engine_times(n: int, context: int, steps: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=30, help="30-layer sweeps per way (kernel level)")
-    p.add_argument("--steps", type=int, default=40, help="decode steps per way (engine level)")
-    p.add_argument("--json", dest="json_path", default=None)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int_arg(1, 4096), default=32)
+    p.add_argument("--context", type=int_arg(1, MAX_TOKENS), default=256)
+    p.add_argument("--threads", type=int_arg(1, 1024), default=2)
+    p.add_argument("--repeats", type=int_arg(1, 100_000), default=30, help="30-layer sweeps per way (kernel level)")
+    p.add_argument("--steps", type=int_arg(1, 100_000), default=40, help="decode steps per way (engine level)")
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     args = p.parse_args(argv)
+    blocks = args.requests * -(-args.context // BLOCK)
+    per_block = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2
+    if blocks > (2 << 30) // per_block:
+        p.error(f"--requests {args.requests} --context {args.context}: the step reads {blocks} blocks a layer, more "
+                f"than the 2 GiB cache holds ({(2 << 30) // per_block})")
     if transparent_huge_pages() != "madvise":
         raise SystemExit(f"transparent huge pages are {transparent_huge_pages() or 'unknown'!r} here, not 'madvise': "
                          "both ways would be the same")
@@ -120,8 +126,6 @@ def main(argv=None) -> dict:
     cpu_decode.load()  # the build, before any timing
     load_before = machine_load()
     torch.set_num_threads(args.threads)
-    blocks = args.requests * -(-args.context // BLOCK)
-    per_block = LAYERS * 2 * BLOCK * KV_HEADS * HEAD_DIM * 2
     rows = []
     for name, pool in (("twice the step's blocks", 2 * blocks), ("2 GiB", (2 << 30) // per_block)):
         row = {"cache": name, **kernel_times(args.requests, args.context, pool, args.repeats)}
@@ -139,4 +143,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from minibatch.checks import (MAX_BLOCK_SIZE, MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_TOKENS, OneLineParser, device_arg,
+                              int_arg, ints_arg, output_file_arg)
 from minibatch.compare import CompareConfig, build_trace
 from minibatch.experiment import load_runner, run
 from minibatch.experiments import kv_sharing, kv_waste, preemption
@@ -38,22 +40,24 @@ from minibatch.prompts import demo_prompts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny-random-llama, a local dir or hub id")
-    p.add_argument("--json", dest="json_path", default=None, help="write the results here")
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None, help="write the results here")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 8 short requests, small n_slots, short outputs (use with tiny-random-llama)")
     p.add_argument("--clock", default="wall", choices=["wall", "sim"], help="wall: measured; sim: cost model")
-    p.add_argument("--n-slots", default=None, help="comma-separated KV sizes in token slots (default 400,512,768)")
-    p.add_argument("--orca-max-new-tokens", type=int, default=None,
+    p.add_argument("--n-slots", type=ints_arg(1, MAX_KV_SLOTS), default=None,
+                   help="comma-separated KV sizes in token slots (default 400,512,768)")
+    p.add_argument("--orca-max-new-tokens", type=int_arg(1, MAX_TOKENS), default=None,
                    help="orca_max's reservation per request (default: the trace's max output length, 256)")
-    p.add_argument("--preemption-n-slots", type=int, default=None, help="KV slots for recompute vs swap (default 400)")
-    p.add_argument("--block-size", type=int, default=16, help="paged KV block size, tokens")
-    p.add_argument("--max-num-seqs", type=int, default=32,
+    p.add_argument("--preemption-n-slots", type=int_arg(1, MAX_KV_SLOTS), default=None,
+                   help="KV slots for recompute vs swap (default 400)")
+    p.add_argument("--block-size", type=int_arg(1, MAX_BLOCK_SIZE), default=16, help="paged KV block size, tokens")
+    p.add_argument("--max-num-seqs", type=int_arg(1, MAX_NUM_SEQS), default=32,
                    help="most running requests (Orca's max_num_seqs, vLLM's max_num_seqs)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0)
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int_arg(1, 1024), default=None,
                    help="torch CPU threads (default: torch's choice; recorded in the JSON either way)")
     args = p.parse_args(argv)
     args.command = " ".join(["python benchmarks/paged_kv.py"] + (argv if argv is not None else sys.argv[1:]))
@@ -87,13 +91,13 @@ def main(argv=None) -> dict:
     requests = build_trace(cfg, tokenizer, model.config.vocab_size)
     longest = max(r.max_num_tokens for r in requests)
     tight = (-(-longest // args.block_size) + 1) * args.block_size  # the longest request's blocks + one
-    n_slots_list = ([int(x) for x in args.n_slots.split(",")] if args.n_slots else
+    n_slots_list = (list(args.n_slots) if args.n_slots else
                     [tight, 2 * tight] if args.quick else [400, 512, 768])
     orca_max_new = args.orca_max_new_tokens or cfg.max_output_len
     preempt_n_slots = args.preemption_n_slots or (tight if args.quick else 400)
     too_small = [n for n in n_slots_list + [preempt_n_slots] if n < tight]
     if too_small:
-        raise SystemExit(f"n_slots {too_small} cannot hold the longest request ({longest} tokens) in "
+        raise ValueError(f"n_slots {too_small} cannot hold the longest request ({longest} tokens) in "
                          f"blocks of {args.block_size}")
     print(f"model {args.model} on {args.device}, {args.clock} clock; trace: {len(requests)} requests, "
           f"{sum(r.num_prompt_tokens for r in requests)} prompt + {sum(r.max_new_tokens for r in requests)} "
@@ -195,4 +199,6 @@ def _warm_up(runner, clock) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

@@ -28,7 +28,7 @@ import sys
 import torch
 
 from fused_layers import commit_arg, kernel_sources_at
-from minibatch.checks import OneLineParser, int_arg
+from minibatch.checks import OneLineParser, int_arg, output_file_arg
 from minibatch.experiment import alternating_ms
 from minibatch.kernels import cpp_build, cpu_prefill
 from minibatch.report import environment, machine_load, write_json
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     p.add_argument("--kernel-cflags", default="", help="extra compiler flags for the kernel, e.g. -mno-avx512f: "
                    "the float32 path at AVX2's width (8 lanes, 16 registers, as on laptops) on an AVX-512 CPU")
     p.add_argument("--against-rev", type=commit_arg, default=None, help="also time the kernel at this git revision")
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     cflags = tuple(args.kernel_cflags.split())

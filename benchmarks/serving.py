@@ -22,10 +22,13 @@ import shutil
 import sys
 import tempfile
 
+from minibatch.checks import (MAX_KV_SLOTS, MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SECONDS, MAX_TOKENS,
+                              OneLineParser, comma_list, int_arg, output_file_arg, real_arg, reals_arg)
 from minibatch.files import write_json
 from minibatch.machine import peer_malloc_env
 from minibatch.metrics import SLO
 from minibatch.report import environment, machine_load
+from minibatch.runner.backends import backend_names
 from minibatch.serving.bench import bench, load_tokenizer, sample_requests
 from minibatch.serving.launch import ServerProcess
 
@@ -48,7 +51,7 @@ def servers(args) -> tuple[dict[str, dict], list[dict]]:
     settings = {"max_num_seqs": args.max_num_seqs, "batch_size": args.max_num_seqs, "n_slots": args.n_slots}
     out = {p: {"args": ours + ["--policy", p] + [x for name, value in settings.items() if name in get_policy(p).options
                                                   for x in ("--" + name.replace("_", "-"), str(value))]}
-           for p in args.policies.split(",")}
+           for p in comma_list(args.policies, "--policies")}
     skipped = []
     if args.transformers_serve:
         peer, why = transformers_serve(args.model, args.dtype)
@@ -105,30 +108,53 @@ def transformers_serve(model: str, dtype: str, exe: str | None = None) -> tuple[
             "model": str(folder), "env": peer_malloc_env()}, None
 
 
+def policies_arg(text: str) -> str:
+    """An argparse ``type``: ``text`` if it lists policies of the engine's table (``minibatch.policies``),
+    comma-separated."""
+    from minibatch.policies import get_policy
+
+    try:
+        for name in comma_list(text, "it") or [""]:
+            get_policy(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("it ")) from None
+    return text
+
+
+def rates_arg(text: str) -> str:
+    """An argparse ``type``: ``text`` (the JSON's config records it as given) if it lists request rates in
+    (0, MAX_RATE], comma-separated."""
+    reals_arg(0, MAX_RATE, low_open=True)(text)
+    return text
+
+
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--policies", default="static,paged,chunked")
-    p.add_argument("--rates", default="0.5,1,2", help="request rates, req/s (Poisson)")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-output-len", type=int, default=64)
-    p.add_argument("--max-prompt-len", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--n-slots", type=int, default=8192)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--policies", type=policies_arg, default="static,paged,chunked")
+    p.add_argument("--rates", type=rates_arg, default="0.5,1,2", help="request rates, req/s (Poisson)")
+    p.add_argument("--num-prompts", type=int_arg(1, MAX_NUM_REQUESTS), default=32)
+    p.add_argument("--max-output-len", type=int_arg(1, MAX_TOKENS), default=64)
+    p.add_argument("--max-prompt-len", type=int_arg(1, MAX_TOKENS), default=256)
+    p.add_argument("--max-num-seqs", type=int_arg(1, MAX_NUM_SEQS), default=16)
+    p.add_argument("--n-slots", type=int_arg(1, MAX_KV_SLOTS), default=8192)
+    p.add_argument("--threads", type=int_arg(1, 1024), default=2)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both servers' dtype")
     p.add_argument("--no-transformers-serve", dest="transformers_serve", action="store_false")
     p.add_argument("--vllm-serve", default=None, metavar="PYTHON", help="also run vllm serve from this Python's "
                    "environment (it must hold vLLM)")
-    p.add_argument("--attention-backend", default="torch", help="our servers' attention backend")
+    p.add_argument("--attention-backend", choices=backend_names(), default="torch",
+                   help="our servers' attention backend")
     p.add_argument("--ignore-eos", action="store_true", help="every request runs to max_tokens (not with "
                    "transformers serve, which does not know it)")
-    p.add_argument("--slo-ttft-s", type=float, default=2.0, help="goodput: TTFT objective, s")
-    p.add_argument("--slo-tpot-s", type=float, default=0.5, help="goodput: TPOT objective, s")
-    p.add_argument("--json", default=None)
+    p.add_argument("--slo-ttft-s", type=real_arg(0, MAX_SECONDS, low_open=True), default=2.0,
+                   help="goodput: TTFT objective, s")
+    p.add_argument("--slo-tpot-s", type=real_arg(0, MAX_SECONDS, low_open=True), default=0.5,
+                   help="goodput: TPOT objective, s")
+    p.add_argument("--json", type=output_file_arg, default=None)
     args = p.parse_args()
     load_before = machine_load()  # how busy the machine was: recorded with the result
-    rates = [float(x) for x in args.rates.split(",")]
+    rates = [float(x) for x in comma_list(args.rates, "--rates")]
     requests = sample_requests(args.num_prompts, 0, load_tokenizer(args.model), args.max_prompt_len,
                                args.max_output_len)
     to_run, skipped = servers(args)
@@ -160,4 +186,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

@@ -21,9 +21,11 @@ Orca / vLLM "x times the throughput at the same latency" claims).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import sys
 import time
 
+from minibatch.checks import MAX_NUM_REQUESTS, OneLineParser, comma_list, int_arg, output_file_arg
 from minibatch.experiments import rate_sweep
 from minibatch.lessons.benchmarks import CLAIM_IDS
 from minibatch.report import environment, machine_load, write_json
@@ -74,16 +76,22 @@ def run(name: str, num_requests: int, cpu_profile: str, seed: int = 0, rates=Non
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--profile", default="data/profiles/smollm2-135m-cpu.json")
-    p.add_argument("--settings", default=",".join(SETTINGS))
-    p.add_argument("--json", default=None)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int_arg(1, MAX_NUM_REQUESTS), default=1000)
+    p.add_argument("--profile", default="data/profiles/smollm2-135m-cpu.json", help="the cpu setting's profile")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
+    p.add_argument("--json", type=output_file_arg, default=None)
     args = p.parse_args(argv)
+    settings = comma_list(args.settings, "--settings")  # ValueError: one line (run_script)
+    unknown = [x for x in settings if x not in SETTINGS] or ([] if settings else [""])
+    if unknown:  # now, not after the settings before it were simulated
+        p.error(f"--settings must be a comma-separated subset of {','.join(SETTINGS)}, got {unknown[0]!r}")
+    if "cpu" in settings and not Path(args.profile).is_file():
+        p.error(f"--profile: no such file {args.profile!r} (make one with python -m minibatch calibrate)")
     load_before = machine_load()  # how busy the machine was: recorded with the result
     result = {"command": "python " + " ".join(sys.argv), "environment": environment(), "claims": list(CLAIM_IDS),
               "settings": {}}
-    for name in args.settings.split(","):
+    for name in settings:
         r = run(name, args.num_requests, args.profile)
         result["settings"][name] = r
         print(f"== {name} ({r['profile']}; {r['num_requests']} requests; simulated in {r['sim_time_s']} s)")
@@ -97,4 +105,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from minibatch.checks import (MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_SPEC_TOKENS, MAX_TOKENS, OneLineParser, int_arg,
+                              ints_arg, output_file_arg)
 from minibatch.experiment import default_draft, load_draft_runner
 from minibatch.report import environment, machine_load, write_json
 from minibatch.lessons import speculative as lesson
@@ -33,16 +35,16 @@ from minibatch.request import Request, SamplingParams
 from minibatch.clock import WallClock
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--draft", default=None, help="draft model (default: smollm2-135m-draft, or the model itself)")
-    p.add_argument("--num-prompts", type=int, default=12)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--ks", default="1,2,3,4,5,6")
-    p.add_argument("--batch-sizes", default="1,4,12")
-    p.add_argument("--batch-k", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", dest="json_path", default=None)
+    p.add_argument("--num-prompts", type=int_arg(1, MAX_NUM_REQUESTS), default=12)
+    p.add_argument("--max-new-tokens", type=int_arg(1, MAX_TOKENS), default=128)
+    p.add_argument("--ks", type=ints_arg(1, MAX_SPEC_TOKENS), default="1,2,3,4,5,6")
+    p.add_argument("--batch-sizes", type=ints_arg(1, MAX_NUM_SEQS), default="1,4,12")
+    p.add_argument("--batch-k", type=int_arg(1, MAX_SPEC_TOKENS), default=3)
+    p.add_argument("--threads", type=int_arg(1, 1024), default=None)
+    p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     p.add_argument("--quick", action="store_true", help="smoke test: few prompts, few tokens")
     args = p.parse_args(argv)
     args.command = " ".join(["python benchmarks/spec_decode.py"] + (argv if argv is not None else sys.argv[1:]))
@@ -68,7 +70,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
-        args.num_prompts, args.max_new_tokens, args.ks, args.batch_sizes = 3, 16, "2,4", "1,3"
+        args.num_prompts, args.max_new_tokens, args.ks, args.batch_sizes = 3, 16, (2, 4), (1, 3)
     model, tok = load_model(args.model)
     draft_name = args.draft or default_draft(args.model)
     target_runner, draft_runner = ModelRunner(model, tok), load_draft_runner(draft_name, args.model, model, tok)
@@ -76,7 +78,7 @@ def main(argv=None) -> dict:
     greedy = SamplingParams()
     reqs = [Request(f"p{i}", ids, args.max_new_tokens, greedy)
             for i, ids in enumerate(prompts(tok, args.model, args.num_prompts))]
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = list(args.ks)
     result = {"command": args.command, "environment": environment(), "model": args.model, "draft": draft_name,
               "draft_parameters": sum(p.numel() for p in draft.parameters()), "clock": "wall",
               "num_prompts": len(reqs), "max_new_tokens": args.max_new_tokens}
@@ -102,7 +104,7 @@ def main(argv=None) -> dict:
                         "best_decode_speedup": best["decode_speedup"], "best_speedup": best["speedup"]}
 
     batch_rows = []
-    for B in [int(b) for b in args.batch_sizes.split(",")]:
+    for B in args.batch_sizes:
         (base, spec), same = k_sweep(reqs, target_runner, draft_runner, WallClock, ks=(args.batch_k,),
                                             max_num_seqs=B, adaptive_max_k=None, ngram=False)
         batch_rows.append({"batch_size": B, "k": args.batch_k, "plain": base, "spec": spec,
@@ -127,4 +129,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

@@ -30,8 +30,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from serving import rates_arg
+
+from minibatch.checks import MAX_NUM_REQUESTS, MAX_TOKENS, OneLineParser, comma_list, int_arg, output_file_arg
 from minibatch.files import write_json
+from minibatch.policies import POLICIES
 from minibatch.report import environment, machine_load
+from minibatch.runner.backends import backend_names
 from minibatch.serving.bench import bench, load_tokenizer, sample_requests
 from minibatch.serving.launch import ServerProcess
 
@@ -100,16 +105,16 @@ def aiperf_bench(exe: str, base_url: str, model: str, tokenizer_dir: str, datase
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=None, help="a Python with vLLM installed (for vllm bench serve)")
     p.add_argument("--aiperf", default=None, help="the aiperf executable of its own environment")
-    p.add_argument("--policy", default="chunked")
-    p.add_argument("--attention-backend", default="cpp")
-    p.add_argument("--rates", default="0.5,1,2")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-output-len", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", default=None)
+    p.add_argument("--policy", choices=tuple(POLICIES), default="chunked")
+    p.add_argument("--attention-backend", choices=backend_names(), default="cpp")
+    p.add_argument("--rates", type=rates_arg, default="0.5,1,2", help="request rates, req/s (Poisson)")
+    p.add_argument("--num-prompts", type=int_arg(1, MAX_NUM_REQUESTS), default=32)
+    p.add_argument("--max-output-len", type=int_arg(1, MAX_TOKENS), default=64)
+    p.add_argument("--threads", type=int_arg(1, 1024), default=2)
+    p.add_argument("--json", type=output_file_arg, default=None)
     args = p.parse_args()
     from minibatch.gguf import smollm2_cache_path
 
@@ -134,7 +139,7 @@ def main() -> int:
               "server": "python -m minibatch serve " + " ".join(server_args)}
     with ServerProcess(server_args, os.path.join(work, "server.log")) as srv:
         bench(srv.base_url, "smollm2-135m", requests[:2], ignore_eos=True, progress=False)  # warm-up
-        for rate in [float(x) for x in args.rates.split(",")]:
+        for rate in [float(x) for x in comma_list(args.rates, "--rates")]:
             ours = None
             for name, run in clients.items():
                 try:
@@ -162,4 +167,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from minibatch.checks import run_script
+
+    run_script(main)  # an error in one line, not a traceback

@@ -203,17 +203,51 @@ def int_arg(low: int, high: int):
     return parse
 
 
-def ints_arg(low: int, high: int):
-    """An argparse ``type``: a comma-separated list of ints in [low, high] (:func:`comma_list`), as a tuple."""
-    def parse(text: str) -> tuple[int, ...]:
+def real_arg(low: float, high: float, *, low_open: bool = False):
+    """An argparse ``type``: the text as a finite float in [low, high] ((low, high] with ``low_open``; NaN and
+    infinities refused, :func:`check_real`; argparse names the option in its error)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = text  # check_real refuses it, naming the range
+        try:
+            return check_real(value, "it", low, high, low_open=low_open)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("it ")) from None
+    return parse
+
+
+def _list_arg(item):
+    """An argparse ``type``: a comma-separated list (:func:`comma_list`, at least one item), each item parsed by
+    the argparse ``type`` ``item``, as a tuple."""
+    def parse(text: str) -> tuple:
         try:
             items = comma_list(text, "it")
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e).removeprefix("it ")) from None
         if not items:
             raise argparse.ArgumentTypeError("must list at least one value")
-        return tuple(int_arg(low, high)(x) for x in items)
+        return tuple(item(x) for x in items)
     return parse
+
+
+def ints_arg(low: int, high: int):
+    """An argparse ``type``: a comma-separated list of ints in [low, high] (:func:`comma_list`), as a tuple."""
+    return _list_arg(int_arg(low, high))
+
+
+def reals_arg(low: float, high: float, *, low_open: bool = False):
+    """An argparse ``type``: a comma-separated list of finite floats in the range of :func:`real_arg`, as a tuple."""
+    return _list_arg(real_arg(low, high, low_open=low_open))
+
+
+def device_arg(text: str) -> str:
+    """An argparse ``type``: a torch device this machine has (:func:`check_device`: cpu, cuda or cuda:N)."""
+    try:
+        return check_device(text, "it")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("it ")) from None
 
 
 def output_file_arg(text: str) -> str:
