@@ -32,8 +32,8 @@ from minibatch.compare import CompareConfig, build_trace
 from minibatch.experiment import load_runner, run
 from minibatch.experiments import chunked
 from minibatch.checks import (MAX_KV_SLOTS, MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SECONDS, MAX_TOKENS,
-                              MIN_RATE, OneLineParser, device_arg, int_arg, ints_arg, output_file_arg, real_arg,
-                              reals_arg)
+                              MIN_RATE, OneLineParser, check_not_given, device_arg, int_arg, ints_arg, output_file_arg,
+                              real_arg, reals_arg)
 from minibatch.claims import claim
 from minibatch.lessons.chunked_prefill import CLAIM_IDS, fold, print_table, print_versus
 from minibatch.report import environment, machine_load, write_json
@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int_arg(1, 1024), default=None,
                    help="torch CPU threads (recorded in the JSON either way)")
     args = p.parse_args(argv)
+    if args.quick:
+        check_not_given(p, args, ("num_requests", "long_prompts", "long_prompt_len", "budgets"),
+                        "with --quick, which sets it")
     args.command = " ".join(["python benchmarks/chunked_prefill.py"] + (argv if argv is not None else sys.argv[1:]))
     return args
 

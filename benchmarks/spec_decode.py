@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from minibatch.checks import (MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_SPEC_TOKENS, MAX_TOKENS, OneLineParser, int_arg,
-                              ints_arg, output_file_arg)
+from minibatch.checks import (MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_SPEC_TOKENS, MAX_TOKENS, OneLineParser,
+                              check_not_given, int_arg, ints_arg, output_file_arg)
 from minibatch.experiment import default_draft, load_draft_runner
 from minibatch.report import environment, machine_load, write_json
 from minibatch.lessons import speculative as lesson
@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     p.add_argument("--quick", action="store_true", help="smoke test: few prompts, few tokens")
     args = p.parse_args(argv)
+    if args.quick:
+        check_not_given(p, args, ("num_prompts", "max_new_tokens", "ks", "batch_sizes"), "with --quick, which sets it")
     args.command = " ".join(["python benchmarks/spec_decode.py"] + (argv if argv is not None else sys.argv[1:]))
     return args
 

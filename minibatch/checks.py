@@ -250,6 +250,16 @@ def device_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).removeprefix("it ")) from None
 
 
+def check_not_given(parser: argparse.ArgumentParser, args: argparse.Namespace, names, why: str) -> None:
+    """``parser.error`` naming the first option of ``names`` (dest names) whose value in ``args`` is not its default,
+    i.e. was given: for options a mode (``why``, e.g. "with --quick, which sets it") replaces or ignores. The
+    defaults are the parser's own values for no arguments, so it must have no required option."""
+    defaults = vars(parser.parse_args([]))
+    given = [name for name in names if getattr(args, name) != defaults[name]]
+    if given:
+        parser.error(f"--{given[0].replace('_', '-')} does not apply {why}")
+
+
 def output_file_arg(text: str) -> str:
     """An argparse ``type``: a path a file can be written at (``files.check_output_file``), checked before any work."""
     from minibatch.files import check_output_file
