@@ -38,10 +38,12 @@ ROW_KEYS = ("output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
 def one_run(keep: bool, args, out: Path) -> dict:
     """One compare process; its summary row and its own resource use."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([sys.executable, "-m", "minibatch", "compare", *TRACE, "--dtype", args.dtype, "--policies",
-                    args.policy, "--attention-backend", args.attention_backend, "--no-reference", "--no-progress",
-                    "--figures-dir", "", "--json", str(out)], check=True, stdout=subprocess.DEVNULL,
-                   env=os.environ | {"MINIBATCH_KEEP_FREED_MEMORY": "1" if keep else "0"})
+    code = subprocess.run([sys.executable, "-m", "minibatch", "compare", *TRACE, "--dtype", args.dtype, "--policies",
+                           args.policy, "--attention-backend", args.attention_backend, "--no-reference",
+                           "--no-progress", "--figures-dir", "", "--json", str(out)], stdout=subprocess.DEVNULL,
+                          env=os.environ | {"MINIBATCH_KEEP_FREED_MEMORY": "1" if keep else "0"}).returncode
+    if code != 0:  # its one-line error is already on stderr
+        raise ValueError(f"the compare run of --policy {args.policy} failed with exit code {code} (its error above)")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = json.loads(out.read_text())
     row = result["policies"][args.policy]

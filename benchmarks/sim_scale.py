@@ -46,6 +46,9 @@ SETTINGS = {
 }
 
 
+ROOT = Path(__file__).resolve().parents[1]  # the default profile is found from any working directory
+
+
 def profile_for(name: str, cpu_profile: str) -> Profile:
     if name == "cpu":
         return Profile.load(cpu_profile)
@@ -78,7 +81,8 @@ def run(name: str, num_requests: int, cpu_profile: str, seed: int = 0, rates=Non
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int_arg(1, MAX_NUM_REQUESTS), default=1000)
-    p.add_argument("--profile", default="data/profiles/smollm2-135m-cpu.json", help="the cpu setting's profile")
+    p.add_argument("--profile", default=str(ROOT / "data/profiles/smollm2-135m-cpu.json"),
+                   help="the cpu setting's profile (default: data/profiles/smollm2-135m-cpu.json)")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated subset of {','.join(SETTINGS)}")
     p.add_argument("--json", type=output_file_arg, default=None)
     args = p.parse_args(argv)
