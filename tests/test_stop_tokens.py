@@ -6,6 +6,8 @@ policy; refused under speculative ones; bad values refused naming the field."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minibatch.clock import SimClock
 from minibatch.models import load_model, set_attention
@@ -119,6 +121,64 @@ def test_stop_strings_wait_for_min_tokens():
     late = TextAssembler(Letters(), stop=["c"], min_tokens=5)
     assert late.feed([0, 1, 2, 3]) == ("abcd", False)
     assert late.feed([4, 2, 5]) == ("e", True)  # the second "c", now that 5 tokens are out
+
+
+class Bytes:
+    """A tokenizer whose token i is the byte i: a multi-byte character split between tokens decodes to U+FFFD until
+    its last byte is out (as a byte-level BPE's byte tokens do)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def assemble(ids, stop, min_tokens=0):
+    """(text sent, stopped) of a TextAssembler fed one token at a time, the last feed final."""
+    from minibatch.serving.text import TextAssembler
+
+    a, out, stopped = TextAssembler(Bytes(), stop=stop, min_tokens=min_tokens), "", False
+    for k, t in enumerate(ids):
+        piece, stopped = a.feed([t], final=k == len(ids) - 1)
+        out += piece
+        if stopped:
+            break
+    return out, stopped
+
+
+def test_no_character_of_a_stop_string_is_sent_when_it_ends_in_a_split_character():
+    """A stop string ending in a 4-byte emoji: its first characters used to be sent before the emoji's last byte
+    completed the match (the text " pizza " instead of " pizza")."""
+    ids = list(" pizza \U0001f600. more".encode())
+    assert assemble(ids, [" \U0001f600"]) == (" pizza", True)
+    assert assemble(list("\u00e9\U0001f600x".encode()), ["\u00e9\U0001f600"]) == ("", True)  # at the very start
+
+
+def test_a_stop_string_that_ended_before_min_tokens_never_counts():
+    """vLLM's rule: only a stop string ending in text decoded once min_tokens tokens are out counts. One that ended
+    earlier used to be found late, cutting the output there and leaking part of it (" 4," for " 4, 5, 6")."""
+    ids = list(" 4, 5, 6, 7".encode())  # ", 5" ends at token 5
+    assert assemble(ids, [", 5"], min_tokens=6) == (" 4, 5, 6, 7", False)
+    assert assemble(ids, [", 5"], min_tokens=5) == (" 4", True)
+    assert assemble(ids, [", 5", ", 7"], min_tokens=6) == (" 4, 5, 6", True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(chars=st.lists(st.sampled_from(["a", "b", " ", "\u00e9", "\U0001f600"]), min_size=1, max_size=14),
+       stops=st.lists(st.text(alphabet=["a", "b", " ", "\u00e9", "\U0001f600"], min_size=1, max_size=3),
+                      min_size=1, max_size=3),
+       min_tokens=st.integers(0, 12))
+def test_text_assembler_against_a_reference(chars, stops, min_tokens):
+    """Fed byte by byte: the text sent is the decoded text up to the stop string that completes first among those
+    ending after the text decoded before min_tokens tokens (the leftmost if several complete at one token), or
+    all of it; nothing of a stop string is sent."""
+    ids = list("".join(chars).encode())
+    full = Bytes().decode(ids)
+    stable = [len(Bytes().decode(ids[:k]).rstrip("\ufffd")) for k in range(len(ids) + 1)]
+    boundary = stable[min_tokens - 1] if 1 < min_tokens <= len(ids) else 0
+    matches = [(next(k for k in range(len(ids) + 1) if stable[k] >= i + len(s)), i) for s in stops
+               for i in range(len(full)) if full.startswith(s, i) and i + len(s) > boundary]
+    matches = [(k, i) for k, i in matches if k >= max(min_tokens, 1)]
+    want = (full[:min(matches)[1]], True) if matches else (full, False)
+    assert assemble(ids, stops, min_tokens) == want
 
 
 def test_banning_every_token_id_is_refused_before_a_step(tiny):

@@ -29,27 +29,30 @@ class TextAssembler:
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop string
         self.token_ids: list[int] = []
         self.sent = 0  # characters of the text already returned
+        self.checked = 0  # characters of the text no stop string may end in any more (looked at, or before min_tokens)
         self.stopped = False
 
     def feed(self, token_ids, final: bool = False) -> tuple[str, bool]:
         """Add ``token_ids``; returns (new text, whether a stop string was found). ``final``:
-        the request has finished, so everything held back is released."""
+        the request has finished, so everything held back is released.
+
+        A stop string counts only where it ends in text new since the last call (vLLM's rule: one that ended before
+        ``min_tokens`` tokens were out never counts), and the ``hold`` characters before the newest text are kept
+        back, so no character of a stop string is ever sent. Characters not yet complete (a multi-byte character
+        split between tokens decodes to U+FFFD for now) are neither sent nor looked at until they are."""
         if self.stopped:
             return "", True
         self.token_ids += list(token_ids)
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        stable = len(text) if final else len(text.rstrip("\ufffd"))  # an incomplete character waits for its bytes
         if self.stop and len(self.token_ids) >= self.min_tokens:
-            start = max(0, self.sent - self.hold)
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
+            hits = [i for s in self.stop if (i := text.find(s, max(0, self.checked - len(s) + 1), stable)) >= 0]
+            if hits:  # each starts at or after self.sent: nothing of it was sent
                 self.stopped = True
-                piece, self.sent = text[self.sent:max(self.sent, min(hits))], max(self.sent, min(hits))
+                piece, self.sent = text[self.sent:min(hits)], min(hits)
                 return piece, True
-        end = len(text)
-        if not final:
-            end -= self.hold
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
-                end = min(end, len(text) - 1)
+        self.checked = stable
+        end = stable if final else stable - self.hold
         if end <= self.sent:
             return "", False
         piece, self.sent = text[self.sent:end], end
