@@ -618,6 +618,47 @@ def test_a_list_of_messages_that_cannot_fit_is_refused_before_it_is_read(loaded)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def test_routes_clients_expect_and_errors_that_name_the_right_thing(server, loaded):
+    """models.retrieve (the openai client's GET /v1/models/{id}), HEAD /health, a 404 that does not send a 60k
+    path back, a chat prompt too long blamed on messages (chat has no prompt), a message's name reaching the chat
+    template (it was dropped)."""
+    import copy
+
+    c = client(server)
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("other")
+    root = server.base_url.removesuffix("/v1")
+    assert httpx.head(root + "/health").status_code == 200
+    r = httpx.get(root + "/" + "a" * 60_000)
+    assert r.status_code == 404 and len(r.json()["error"]["message"]) < 400
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.json()
+    tokenizer = copy.deepcopy(loaded[1])
+    tokenizer.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m.get('name', '') }}{{ m['content'] }}\n" \
+                              "{% endfor %}"
+    app, engine = build_server(MODEL, "paged", dict(n_slots=1024, block_size=4), loaded=(loaded[0], tokenizer))
+    with ServerThread(app, engine) as srv:
+        usage = [client(srv).chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": "hi"} | name]).usage.prompt_tokens for name in ({}, {"name": "Ada"})]
+    assert usage[1] > usage[0]
+
+
+def test_health_is_503_while_draining_and_after(loaded):
+    """A load balancer stops sending to a draining server; a request after the drain ended is told the server is
+    shutting down (503 with Retry-After), not "the engine loop is not running: None"."""
+    app, engine = build_server(MODEL, "paged", dict(n_slots=256, block_size=4), loaded=loaded)
+    with ServerThread(app, engine) as srv:
+        root = srv.base_url.removesuffix("/v1")
+        assert engine.drain(5.0) == 0
+        r = httpx.get(root + "/health")
+        assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+        engine.shutdown()
+        r = httpx.post(srv.base_url + "/completions", json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 2})
+        assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"] and "retry-after" in r.headers
+
+
 def test_the_chat_role_chunk_comes_with_the_first_token(server):
     """The first chat chunk (the role) is sent when the first token is, not before the request is scheduled: a
     client's time to first chunk is the TTFT (vLLM does the same)."""

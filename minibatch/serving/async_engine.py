@@ -146,10 +146,10 @@ class AsyncEngine:
             QueueFullError: ``max_num_waiting`` requests already wait.
             EngineDeadError: the loop thread has stopped.
         """
+        if self.draining:  # first: once drained, the loop has stopped too, and the answer is still "shutting down"
+            raise QueueFullError("the server is shutting down (draining): no new requests")
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
-        if self.draining:
-            raise QueueFullError("the server is shutting down (draining): no new requests")
         request.arrival_time_s = max(0.0, self.engine.clock.now_s)
         self.engine.check_request(request)
         if self.num_waiting() - self.num_free_running_slots() >= self.max_num_waiting:

@@ -11,6 +11,8 @@ type (``"4"`` is not a number, ``"no"`` not a boolean).
 
 from __future__ import annotations
 
+import json
+import re
 import reprlib
 import uuid
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ UNSUPPORTED = {
     "use_beam_search": (False,),
 }
 MAX_STOP_STRINGS = 16
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where json.loads can make a lone surrogate (or a pair)
 MAX_ECHO_CHARS = 200  # an error quotes at most this much of the value it refuses
 
 
@@ -59,6 +62,25 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+def decode_json(data: bytes):
+    """The decoded JSON body. Raises APIError 400 for a body not in UTF-8, invalid JSON, nesting too deep, or a
+    string no UTF-8 text can hold (a lone surrogate escape such as "\\ud800")."""
+    try:
+        text = data.decode("utf-8-sig")  # strict (json.loads lets encoded surrogates through); a BOM is dropped
+        body = json.loads(text)
+        if SURROGATE_ESCAPE.search(text):  # only an escape makes a lone surrogate, which cannot be encoded
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise APIError("the body is not valid JSON: nested too deeply") from None
+    except UnicodeEncodeError:
+        raise APIError("the body holds a string that is not valid Unicode (a lone surrogate escape)") from None
+    except UnicodeDecodeError as e:
+        raise APIError(f"the body is not UTF-8 text (JSON must be): {e}") from None
+    except ValueError as e:
+        raise APIError(f"the body is not valid JSON: {e}") from None
+    return body
 
 
 class StreamOptions(BaseModel):
@@ -212,8 +234,9 @@ def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, contex
     field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     num_prompt = len(prompt_ids)
     if num_prompt >= context.tokens:  # the prompt alone is too long: not max_tokens' fault
-        raise APIError(f"prompt: {num_prompt} tokens do not fit {context}, which must also hold at least 1 output "
-                       "token", "prompt")
+        source = "messages" if chat else "prompt"  # chat's prompt is its templated messages
+        raise APIError(f"{source}: {num_prompt} tokens do not fit {context}, which must also hold at least 1 "
+                       "output token", source)
     if max_new_tokens is None:
         max_new_tokens = context.tokens - num_prompt
     if num_prompt + max_new_tokens > context.tokens:

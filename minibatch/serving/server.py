@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,14 +21,14 @@ from starlette.requests import ClientDisconnect
 
 from minibatch.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from minibatch.serving.metrics import ServingMetrics
-from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Context, api_error_of,
-                                        check_list_lengths, make_request, one_prompt, parse_body, short_repr)
+from minibatch.serving.protocol import (MAX_ECHO_CHARS, APIError, ChatCompletionRequest, CompletionRequest, Context,
+                                        api_error_of, check_list_lengths, decode_json, make_request, one_prompt,
+                                        parse_body, short_repr)
 from minibatch.serving.text import TextAssembler, template_tokens_per_message
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 MAX_BODY_BYTES = 8 << 20  # default body-size limit: far above any prompt a 2k-8k-token context holds
 SMALL_BODY_BYTES = 256 << 10  # a body larger than this is prepared in the large bodies' thread
-SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where json.loads can make a lone surrogate (or a pair)
 
 
 def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingMetrics,
@@ -74,7 +73,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
         body = parse_body(ChatCompletionRequest, body)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(f"messages: model {model_name!r} has no chat template; use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in body.messages]
         check_length(sum(len(m["content"]) for m in messages), "messages")
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         with tokenizer_lock:
@@ -92,23 +91,35 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     async def http_error(raw: HTTPRequest, e: HTTPException):  # unknown route (404), wrong method (405)
         what = {404: "no such route", 405: "method not allowed"}.get(e.status_code, str(e.detail))
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(f"{what}: {raw.method} {raw.url.path}", status=e.status_code, kind=kind).body(),
+        path = raw.url.path if len(raw.url.path) <= MAX_ECHO_CHARS else short_repr(raw.url.path)
+        return JSONResponse(APIError(f"{what}: {raw.method} {path}", status=e.status_code, kind=kind).body(),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def server_error(_, e: Exception):  # the server never dies on a request
         return JSONResponse(APIError(f"internal error: {e!r}", status=500, kind="server_error").body(), 500)
 
-    @app.get("/health")
-    async def health():
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health():  # 503 once draining too: a load balancer sends no more requests here
+        if engine.draining:
+            raise APIError("the server is shutting down (draining)", status=503, kind="server_error")
         if not engine.is_alive:
             raise APIError(f"the engine loop stopped: {engine.error!r}", status=503, kind="server_error")
         return {"status": "ok"}
 
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "minibatch",
+                  "max_model_len": max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "minibatch", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # the openai client's models.retrieve
+        if model_id != model_name:
+            raise APIError(f"model: {short_repr(model_id)} is not served here; /v1/models lists {model_name!r}",
+                           "model", status=404, kind="not_found_error")
+        return model_card
 
     @app.get("/metrics")
     async def prometheus():
@@ -165,25 +176,6 @@ async def read_body(raw: HTTPRequest, max_body_bytes: int = MAX_BODY_BYTES) -> b
     except ClientDisconnect:  # nobody is left to answer: 499 (client closed request), not a traceback in the log
         raise APIError("the client closed the connection before its body was complete", status=499) from None
     return bytes(data)
-
-
-def decode_json(data: bytes):
-    """The decoded JSON body. Raises APIError 400 for a body not in UTF-8, invalid JSON, nesting too deep, or a
-    string no UTF-8 text can hold (a lone surrogate escape such as "\\ud800")."""
-    try:
-        text = data.decode("utf-8-sig")  # strict (json.loads lets encoded surrogates through); a BOM is dropped
-        body = json.loads(text)
-        if SURROGATE_ESCAPE.search(text):  # only an escape makes a lone surrogate, which cannot be encoded
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except RecursionError:
-        raise APIError("the body is not valid JSON: nested too deeply") from None
-    except UnicodeEncodeError:
-        raise APIError("the body holds a string that is not valid Unicode (a lone surrogate escape)") from None
-    except UnicodeDecodeError as e:
-        raise APIError(f"the body is not UTF-8 text (JSON must be): {e}") from None
-    except ValueError as e:
-        raise APIError(f"the body is not valid JSON: {e}") from None
-    return body
 
 
 class Output:
