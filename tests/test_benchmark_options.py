@@ -42,6 +42,9 @@ CASES = [
     ("sim_scale.py", ["--num-requests", "0", GUARD], "argument --num-requests: must be an int in [1, 1000000]"),
     ("sim_scale.py", ["--settings", "cpu,gpu"], "--settings must be a comma-separated subset of cpu,h100-roofline"),
     ("spec_decode.py", ["--ks", "0,2", GUARD], "argument --ks: must be an int in [1, 64], got 0"),
+    ("detokenize.py", ["--lengths", "0", GUARD], "argument --lengths: must be an int in [1, "),
+    ("hostile_bodies.py", ["--bodies", "0", GUARD], "argument --bodies: must be an int in [1, 64], got 0"),
+    ("hostile_bodies.py", ["--json", NO_FILE, GUARD], "argument --json: "),
     # --quick sets these itself: given too, they were silently replaced (were the check missing, a tiny smoke test)
     ("spec_decode.py", ["--model", "tiny-random-llama", "--quick", "--ks", "2"], "--ks does not apply with --quick"),
     ("chunked_prefill.py", ["--model", "tiny-random-llama", "--quick", "--num-requests", "5"],

@@ -1,16 +1,18 @@
 """Incremental detokenization with stop strings, for streaming.
 
-The tokens of one request arrive a few at a time; their text is the decode of *all* output ids
-so far (a token's text can depend on its neighbours, and one character may span several byte
-tokens), of which only the new suffix is sent. Text that may still become a stop string, or
-that ends in an incomplete UTF-8 character, is held back until it is settled.
+The tokens of one request arrive a few at a time. Their text is decoded incrementally, as vLLM's
+detokenizer does: only the tokens since the last settled point, from the settled point before it (a
+token's text can depend on its neighbour, and one character may span several byte tokens); the
+text that window adds is appended. Text that may still become a stop string, or that ends in an
+incomplete UTF-8 character, is held back until it is settled.
 """
 
 from __future__ import annotations
 
 
 class TextAssembler:
-    """Turns token ids into text deltas for one request.
+    """Turns token ids into text deltas for one request, decoding only the newest tokens at each step (vLLM's
+    incremental detokenization: the whole output decoded at every step costs O(n) a token, 2 ms at 8000 tokens).
 
     Args:
         tokenizer: a Hugging Face tokenizer (``decode`` with ``skip_special_tokens``).
@@ -28,6 +30,10 @@ class TextAssembler:
         self.stop = list(stop or [])
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may start a stop string
         self.token_ids: list[int] = []
+        # incremental detokenization (vLLM's): the text of token_ids[:read_offset] is settled in `settled`; each feed
+        # decodes only token_ids[prefix_offset:], and the text it adds is what follows the decode of
+        # token_ids[prefix_offset:read_offset] (a token's text can depend on the one before: a leading space)
+        self.settled, self.prefix_offset, self.read_offset = "", 0, 0
         self.sent = 0  # characters of the text already returned
         self.checked = 0  # characters of the text no stop string may end in any more (looked at, or before min_tokens)
         self.stopped = False
@@ -43,7 +49,11 @@ class TextAssembler:
         if self.stopped:
             return "", True
         self.token_ids += list(token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        prefix, window = (self.tokenizer.decode(self.token_ids[self.prefix_offset:end], skip_special_tokens=self
+                                                .skip_special_tokens) for end in (self.read_offset, None))
+        text = self.settled + window[len(prefix):]
+        if final or (len(window) > len(prefix) and not window.endswith("\ufffd")):  # complete characters: settle
+            self.settled, self.prefix_offset, self.read_offset = text, self.read_offset, len(self.token_ids)
         stable = len(text) if final else len(text.rstrip("\ufffd"))  # an incomplete character waits for its bytes
         if self.stop and len(self.token_ids) >= self.min_tokens:
             hits = [i for s in self.stop if (i := text.find(s, max(0, self.checked - len(s) + 1), stable)) >= 0]
