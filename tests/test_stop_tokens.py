@@ -181,6 +181,22 @@ def test_text_assembler_against_a_reference(chars, stops, min_tokens):
     assert assemble(ids, stops, min_tokens) == want
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_text_equals_the_whole_decode_on_smollm2(skip_special_tokens):
+    """Decoding only the newest tokens (vLLM's incremental detokenizer) gives SmolLM2's text exactly, emoji split
+    between byte tokens, CJK, accents, runs of spaces and chat markers included."""
+    from minibatch.serving.bench import load_tokenizer
+    from minibatch.serving.text import TextAssembler
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    text = "<|im_start|>user\nHi 😀 你好，世界！ émigré  naïve\t🙂🙃<|im_end|>\n  x = [1, 2]\n\n" * 20
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assembler, out = TextAssembler(tokenizer, skip_special_tokens=skip_special_tokens), ""
+    for k in range(0, len(ids), 3):  # a few tokens a step, as a speculative step delivers them
+        out += assembler.feed(ids[k:k + 3], final=k + 3 >= len(ids))[0]
+    assert out == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 def test_banning_every_token_id_is_refused_before_a_step(tiny):
     """stop_token_ids (with EOS unless ignore_eos) covering the whole vocabulary leave min_tokens nothing to sample:
     refused at add_request naming stop_token_ids, under every policy; one id left out is accepted."""
