@@ -21,6 +21,7 @@ input can be broken (missing, a folder, binary, empty, truncated, NaN/Infinity).
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import math
 import os
@@ -64,12 +65,14 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     usual permissions (0o666 minus the umask); a replaced file keeps its mode.
 
     Raises:
-        OSError: the folder cannot be made or written, the disk is full, ``path`` is a folder;
-            the message names ``path``.
+        OSError: the folder cannot be made or written, the disk is full, ``path`` is a folder or
+            not a regular file (a device, pipe or socket: never replaced); the message names ``path``.
     """
     given = path = Path(path)
     if path.is_symlink():  # write through the link: replace its target, keep the link
         path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file() and not path.is_dir():  # os.replace would put a file where it was
+        raise OSError(errno.EINVAL, f"cannot write {given}: not a regular file (a device, pipe or socket)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
@@ -228,14 +231,16 @@ def check_output_file(path: str | Path, option: str = "--json") -> Path:
     at write time); creates nothing. Returns ``Path(path)``.
 
     Raises:
-        ValueError: (naming ``option``) empty path, ``path`` is a folder, an ancestor is a file,
-            or the folder is not writable.
+        ValueError: (naming ``option``) empty path, ``path`` is a folder or not a regular file (a
+            device such as /dev/null, a pipe, a socket), an ancestor is a file, or the folder is not writable.
     """
     if not str(path).strip():
         raise ValueError(f"{option} must be a file path, got {str(path)!r}")
     p = Path(path)
     if p.is_dir():
         raise ValueError(f"{option}: {p} is a folder; give a file path (e.g. {p / 'result.json'})")
+    if p.exists() and not p.is_file():  # a write replaces the file: never /dev/null, a pipe or a socket
+        raise ValueError(f"{option}: {p} is not a regular file (a device, pipe or socket); give a file path")
     _check_creatable(p.parent, option)
     return p
 

@@ -621,6 +621,21 @@ def test_failed_write_keeps_the_old_file(tmp_path, monkeypatch, writer, failure)
     assert leftovers(tmp_path) == []
 
 
+def test_a_device_or_pipe_is_never_replaced_by_an_output_file(tmp_path, capsys):
+    """An output path that is a pipe (or /dev/null, a socket) was replaced by a regular file (os.replace); now the
+    option check refuses it and the atomic writer never replaces it."""
+    import stat
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--profile", str(COMMITTED_PROFILE), "--num-requests", "2", "--json", str(fifo)])
+    assert e.value.code == 2 and "not a regular file" in capsys.readouterr().err
+    with pytest.raises(OSError, match="not a regular file"):
+        files.atomic_write_text(fifo, "{}")
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
 @pytest.mark.parametrize("writer", WRITERS)
 def test_writers_write_strict_json_atomically(tmp_path, writer):
     path = tmp_path / "deep" / "er" / "out.json"
