@@ -20,20 +20,20 @@ from minibatch.baselines.vllm_peer import PeerUnavailable
 from minibatch.checks import (MAX_KV_SLOTS, MAX_NUM_REQUESTS, MAX_RATE, MAX_SECONDS, MAX_TOKENS, MIN_RATE, check_int,
                               comma_list)
 from minibatch.config import changed_fields, opt, option
-from minibatch.experiment import (Run, all_policies, check_draft_model, check_policy_settings, default_draft,
+from minibatch.experiment import (BASELINES, Run, all_policies, check_draft_model, check_policy_settings, default_draft,
                                   load_draft_runner, policy_spec, run, warm_up)
 from minibatch.metrics import SLO
 from minibatch.models import ModelConfig
 from minibatch.policies import POLICIES, get_policy
 from minibatch.scheduler.config import StaticConfig
 from minibatch.report import contention, environment, machine_load, print_table, save_figures, write_json
-from minibatch.request import Request, SamplingParams
-from minibatch.workload import ARRIVALS
+from minibatch.request import Request
+from minibatch.workload import ARRIVALS, build_trace
 
 DEFAULT_POLICIES = ("static", "paged", "chunked", "hf_generate_batch")  # the headline comparison
 SIM_DEFAULT_POLICIES = ("static", "orca", "paged", "prefill_first", "chunked")
-GENERATOR_OPTIONS = ("num_requests", "arrival", "rate", "max_prompt_len", "max_output_len", "output_scale",
-                     "long_prompts", "long_prompt_len")  # shape a generated trace: not with --trace
+GENERATOR_OPTIONS = ("num_requests", "arrival", "arrival_cv", "rate", "max_prompt_len", "max_output_len",
+                     "output_scale", "long_prompts", "long_prompt_len")  # shape a generated trace: not with --trace
 
 # compare's own defaults for policy settings: a saturating comparison (32 running requests; a padded
 # batch waits at most 0.5 s); n_slots defaults to kv_slots()
@@ -56,6 +56,8 @@ class CompareConfig(ModelConfig):
     num_requests: int = option(12, "requests in the generated trace", "int", low=1, high=MAX_NUM_REQUESTS)
     rate: float = option(4.0, "arrival rate, requests/s", "real", low=MIN_RATE, high=MAX_RATE)
     arrival: str = option("poisson", "arrival process", "choice", choices=ARRIVALS)
+    arrival_cv: float = option(1.0, "gamma arrivals: coefficient of variation of the gaps (1 = Poisson, > 1 "
+                               "burstier)", "real", low=0.0, high=100.0, low_open=True)
     trace: str | None = option(None, "a trace JSON (workload.save_trace) instead of a generated one", "path",
                                optional=True)
     seed: int = option(0, "seed of the generated trace", "int", low=0, high=2**32 - 1)
@@ -107,6 +109,14 @@ class CompareConfig(ModelConfig):
         check_draft_model(self.draft_model, names)
         if self.kv_cache_memory_bytes is not None and self.settings.get("n_slots") is not None:
             raise ValueError("--kv-cache-memory-bytes and --n-slots both size the KV cache: give one")
+        if self.kv_cache_memory_bytes is not None and not any("n_slots" in policy_spec(p).options for p in names):
+            raise ValueError(f"--kv-cache-memory-bytes sizes a KV cache that none of {','.join(names)} has")
+        if self.arrival != "gamma" and self.arrival_cv != 1.0:
+            raise ValueError("--arrival-cv applies only with --arrival gamma")
+        if self.arrival == "zero" and changed_fields(self, ("rate",)):
+            raise ValueError("--rate does not apply with --arrival zero (every request arrives at 0 s)")
+        if not self.check_reference and self.reference_cache not in (None, "", "default"):
+            raise ValueError("--reference-cache applies only with the reference check (not with --no-reference)")
         if self.long_prompts > self.num_requests:
             raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], "
                              f"got {self.long_prompts}")
@@ -143,28 +153,16 @@ def compare_config(values: dict, command: str, settings: dict, text: str | None 
     names = values.get("policies", DEFAULT_POLICIES if command == "model" else SIM_DEFAULT_POLICIES)
     names = comma_list(names, "--policies") if isinstance(names, str) else tuple(names)
     values["policies"] = tuple(POLICIES) if names == ("all",) and command == "sim" else names
+    if command == "model" and values.get("trace") is not None and values.get("seed", 0) != 0:  # simulate's seeds
+        raise ValueError("--seed shapes a generated trace: it does not apply with --trace")  # the sim's draws too
     if command == "sim":
         values.update(clock="sim", check_reference=False, figures_dir=None)
     values |= {name: None for name in ("figures_dir", "reference_cache") if values.get(name) == ""}
-    return CompareConfig(**values, settings=settings, command=text)
-
-
-def build_trace(cfg: CompareConfig, tokenizer, vocab_size: int) -> list[Request]:
-    """cfg.trace read (token ids checked against ``vocab_size``), or a generated trace.
-
-    Raises:
-        ValueError: a bad trace file (names the file, the request index and the field).
-    """
-    from minibatch.trace_io import load_trace
-    from minibatch.workload import make_trace
-
-    if cfg.trace is not None:
-        return load_trace(cfg.trace, vocab_size=vocab_size)
-    return make_trace(cfg.num_requests, arrival=cfg.arrival, rate_per_s=cfg.rate, lengths="sharegpt",
-                      max_prompt_len=cfg.max_prompt_len, max_output_len=cfg.max_output_len,
-                      output_scale=cfg.output_scale, vocab_size=vocab_size, num_long_prompts=cfg.long_prompts,
-                      long_prompt_len=cfg.long_prompt_len, seed=cfg.seed, sampling=SamplingParams(ignore_eos=True),
-                      tokenizer=tokenizer)
+    cfg = CompareConfig(**values, settings=settings, command=text)
+    baselines_only = command == "model" and all(p in BASELINES for p in cfg.policies)  # transformers or vLLM runs
+    if baselines_only and (given := changed_fields(cfg, ("clock", "attention_backend", "trace_out"))):
+        raise ValueError(f"{opt(given[0])} applies only to our engine's policies, not to {','.join(cfg.policies)}")
+    return cfg
 
 
 def kv_slots(cfg: CompareConfig, requests: list[Request]) -> int:

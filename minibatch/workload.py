@@ -275,3 +275,21 @@ def make_trace(num_requests: int, *, arrival: str = "poisson", rate_per_s: float
         requests.append(Request(f"req-{i:03d}", ids, max_new_tokens=o, sampling=sampling,
                                 arrival_time_s=float(t), prompt_text=text))
     return requests
+
+
+def build_trace(cfg, tokenizer, vocab_size: int) -> list[Request]:
+    """The requests of a ``compare.CompareConfig``: cfg.trace read (token ids checked against ``vocab_size``), or
+    the trace its options generate (ShareGPT lengths, ignore_eos).
+
+    Raises:
+        ValueError: a bad trace file (names the file, the request index and the field).
+    """
+    from minibatch.trace_io import load_trace
+
+    if cfg.trace is not None:
+        return load_trace(cfg.trace, vocab_size=vocab_size)
+    return make_trace(cfg.num_requests, arrival=cfg.arrival, rate_per_s=cfg.rate, cv=cfg.arrival_cv,
+                      lengths="sharegpt", max_prompt_len=cfg.max_prompt_len, max_output_len=cfg.max_output_len,
+                      output_scale=cfg.output_scale, vocab_size=vocab_size, num_long_prompts=cfg.long_prompts,
+                      long_prompt_len=cfg.long_prompt_len, seed=cfg.seed, sampling=SamplingParams(ignore_eos=True),
+                      tokenizer=tokenizer)

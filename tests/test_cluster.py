@@ -103,7 +103,7 @@ def test_every_router_finishes_every_request_and_least_outstanding_balances():
 
 def test_admission_limit_holds_requests_at_the_router():
     profile = Profile.load(PROFILE)
-    cfg = sim_config(policies=("paged",), num_requests=20, arrival="zero")
+    cfg = CompareConfig(**(COMMON | dict(policies=("paged",), num_requests=20, arrival="zero")))  # no rate
     requests = build_trace(cfg, None, profile.vocab_size)
     ccfg = ClusterConfig(replicas=2, router="least_outstanding", max_outstanding=3)
     run = build_cluster(cfg, ccfg, profile, "paged", requests).run(requests)

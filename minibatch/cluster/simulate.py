@@ -69,7 +69,7 @@ class ClusterConfig:
         roles = ("both",) * self.replicas
         if self.disaggregate is not None:
             p, _, d = self.disaggregate.partition(":")
-            if not (p.isdigit() and d.isdigit() and 1 <= int(p) <= MAX_REPLICAS and 1 <= int(d) <= MAX_REPLICAS):
+            if not (p.isdecimal() and d.isdecimal() and 1 <= int(p) <= MAX_REPLICAS and 1 <= int(d) <= MAX_REPLICAS):
                 raise ValueError(f"--disaggregate must be P:D with P, D in [1, {MAX_REPLICAS}] (prefill and decode "
                                  f"replicas), got {self.disaggregate!r}")
             roles = ("prefill",) * int(p) + ("decode",) * int(d)
@@ -170,6 +170,9 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
                                            max_output_len=cfg.max_output_len, output_scale=cfg.output_scale,
                                            system_prompt_len=ccfg.system_prompt_len, seed=cfg.seed,
                                            vocab_size=profile.vocab_size or 49152)
+        if all(c.fresh().next_request(c.start_time_s, ccfg.max_model_len) is None for c in conversations):
+            raise ValueError("every conversation ends before its first turn: its system prompt (--system-prompt-len), "
+                             f"message and answer are longer than --max-model-len ({ccfg.max_model_len})")
         sizing = conversation_sizing(conversations)
         print(f"workload: {len(conversations)} conversations, {sum(c.num_turns for c in conversations)} turns")
     else:
@@ -240,5 +243,8 @@ def simulate(cfg, cluster: ClusterConfig, acceptance_rate: str | None = None) ->
         raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
     Profile.load(cfg.profile)  # a bad profile is reported before the run
     if cluster.is_cluster:
+        if cfg.trace_out:  # schedules are drawn per engine, not per cluster
+            raise ValueError("--trace-out applies to a single engine, not to a cluster (--replicas, --disaggregate, "
+                             "--workload multiturn)")
         return run_cluster_simulation(cfg, cluster, cfg.profile, acceptance)
     return run_simulation(cfg, cfg.profile, acceptance)
