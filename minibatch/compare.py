@@ -107,6 +107,8 @@ class CompareConfig(ModelConfig):
         object.__setattr__(self, "policies", names)
         object.__setattr__(self, "settings", check_policy_settings(self.settings, names))
         check_draft_model(self.draft_model, names)
+        for p in names:  # each policy's own cross-setting checks, now (n_slots: big here, kv_slots() at the run)
+            policy_spec(p).make_config(COMPARE_SETTINGS | {"n_slots": MAX_KV_SLOTS} | self.settings)
         if self.kv_cache_memory_bytes is not None and self.settings.get("n_slots") is not None:
             raise ValueError("--kv-cache-memory-bytes and --n-slots both size the KV cache: give one")
         if self.kv_cache_memory_bytes is not None and not any("n_slots" in policy_spec(p).options for p in names):

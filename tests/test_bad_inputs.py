@@ -432,6 +432,10 @@ def run_cli(argv, capsys):
      "--trace-out applies to a single engine"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--workload", "multiturn", "--conversations",
       "2", "--system-prompt-len", "100", "--max-model-len", "50"], "every conversation ends before its first turn"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--aging-s", "0.5"],
+     "--aging-s applies only with --queue-policy priority"),
+    (["compare", "--model", "tiny-random-llama", "--policies", "chunked", "--target-itl-s", "0.2",
+      "--max-num-batched-tokens", "16"], "--max-num-batched-tokens does not apply with --target-itl-s"),
     # --draft-model without a policy that drafts with a model was silently ignored
     (["compare", "--model", "tiny-random-llama", "--policies", "paged,spec_ngram", "--draft-model",
       "tiny-random-llama"], "--draft-model applies only"),

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minibatch.checks import MAX_BLOCK_SIZE, MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_SPEC_TOKENS, MAX_TOKENS
-from minibatch.config import PREEMPTION_MODES, QUEUE_POLICIES, check_fields, option
+from minibatch.config import PREEMPTION_MODES, QUEUE_POLICIES, check_fields, opt, option
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,11 @@ class IterationConfig(SchedulerConfig):
     queue_policy: str = option("fcfs", "order of service", "choice", choices=QUEUE_POLICIES)
     aging_s: float | None = option(1.0, "priority order: seconds of waiting worth one priority level", "real",
                                    low=0.0, high=MAX_SECONDS, low_open=True, optional=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.queue_policy != "priority" and self.aging_s not in (1.0, None):  # 1.0: the default
+            raise ValueError(f"{opt('aging_s')} applies only with {opt('queue_policy')} priority")
 
 
 @dataclass(frozen=True)
@@ -96,3 +101,9 @@ class ChunkedConfig(PagedConfig):
     target_itl_s: float | None = option(
         None, "adaptive chunk size aiming at this step time, s (none: the fixed budget)", "real", low=0.0,
         high=MAX_SECONDS, low_open=True, optional=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.target_itl_s is not None and self.max_num_batched_tokens != 512:  # 512: the default
+            raise ValueError(f"{opt('max_num_batched_tokens')} does not apply with {opt('target_itl_s')} (the "
+                             "adaptive chunker picks each step's budget)")
