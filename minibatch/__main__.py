@@ -109,6 +109,9 @@ def config_from_args(args, command: str, argv_text: str) -> CompareConfig:
 def check_calibrate_modes(args) -> None:
     """calibrate: --refit measures nothing and --draft-only measures the profile's own model's draft, so options
     they would silently ignore are refused (one given at its default value cannot be told apart and passes)."""
+    for name in ("refit", "draft_only", "out"):  # '' would read as not given (--refit '': a full calibration)
+        if (path := getattr(args, name)) is not None and not path.strip():
+            raise ValueError(f"{opt(name)} must be a file path (leave it out if not wanted), got {path!r}")
     measuring = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | {"threads": None, "scale": 1.0,
                                                                                  "quick": False, "draft_only": None}
     ignored = {"refit": list(measuring), "draft_only": ["model", "dtype", "attention_backend", "quick"]}
@@ -252,19 +255,17 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         run_compare(cfg) if args.command == "compare" else simulate_command(args, cfg)
         return 0
     # calibrate
-    from minibatch.sim.calibrate import calibrate, print_profile, refit
+    from minibatch.sim.calibrate import calibrate, calibrate_draft, print_profile, refit
     from minibatch.sim.cost_model import Profile
 
     model_config(args)  # --model, --device, --dtype, --attention-backend, --draft-model checked now
     if args.threads is not None:
         check_int(args.threads, "--threads", 1, 1024)
     check_real(args.scale, "--scale", 0.0, 1.0, low_open=True)
+    check_calibrate_modes(args)
     if args.out is not None:
         check_output_file(args.out, "--out")
-    check_calibrate_modes(args)
     if args.draft_only:
-        from minibatch.sim.calibrate import calibrate_draft
-
         if not args.draft_model:
             raise ValueError("--draft-only needs --draft-model")
         base = Profile.load(args.draft_only)

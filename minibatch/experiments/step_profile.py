@@ -32,12 +32,15 @@ graphs remove (a step's kernels captured once and replayed with one launch).
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 
 import torch
 
 from minibatch.experiments.step_components import breakdown, labelled
+
+CONTEXT_LEN = 256  # --context-len's default (another value was given)
 
 
 def step_counts(model, num_logits: int, tokens: int, attended: list[int], kv_read_tokens: int,
@@ -124,9 +127,13 @@ def new_tokens(repeats: int) -> int:
 
 
 def check_lengths(max_model_len: int, model_name: str, decode_batches, prefill_lens, context_len: int,
-                  repeats: int) -> None:
+                  repeats: int, block_size: int = 16) -> None:
     """Raise ValueError (naming the option) unless every profiled request fits the model's context: a decode's
-    ``context_len`` or a prefill's length, plus the :func:`new_tokens` it generates, at most ``max_model_len``."""
+    ``context_len`` or a prefill's length, plus the :func:`new_tokens` it generates, at most ``max_model_len``; and
+    a KV block (``block_size`` tokens) no longer than that context."""
+    if block_size > max_model_len:
+        raise ValueError(f"--block-size {block_size} exceeds {model_name}'s max_model_len {max_model_len} (a block "
+                         f"longer than any request); at most {max_model_len}")
     extra = new_tokens(repeats)
     for value, name in ([(context_len, "--context-len")] if decode_batches else []) + [
             (n, "--prefill-lens") for n in prefill_lens]:
@@ -147,8 +154,8 @@ def median_round(rounds: list[dict]) -> dict:
 
 
 def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bfloat16", attention_backend="sdpa",
-                decode_batches=(1, 8, 32, 64), prefill_lens=(256, 1024), context_len: int = 256, repeats: int = 5,
-                threads: int | None = None, vllm_python: str | None = None, block_size: int = 16,
+                decode_batches=(1, 8, 32, 64), prefill_lens=(256, 1024), context_len: int = CONTEXT_LEN,
+                repeats: int = 5, threads: int | None = None, vllm_python: str | None = None, block_size: int = 16,
                 rounds: int = 1) -> dict:
     """Profile every shape on ``model_name`` (KV blocks of ``block_size`` tokens) and place it on this machine's
     roofline; returns the JSON-ready result (``shapes``: one row per shape, ``roofline``: the measured roofs). With
@@ -165,7 +172,7 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     load_before = machine_load()
     model, _, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
                                       attention_backend=attention_backend)
-    check_lengths(runner.max_model_len, model_name, decode_batches, prefill_lens, context_len, repeats)
+    check_lengths(runner.max_model_len, model_name, decode_batches, prefill_lens, context_len, repeats, block_size)
     packed = any(isinstance(m, PanelLinear) for m in model.modules())
     first = measure_device(runner.device, runner.dtype, packed)
     shapes = [("decode", b) for b in decode_batches] + [("prefill", n) for n in prefill_lens]
@@ -219,7 +226,7 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
 def add_profile_arguments(p) -> None:
     p.add_argument("--decode-batches", default="1,8,32,64", help="decode steps of this many requests (comma list)")
     p.add_argument("--prefill-lens", default="256,1024", help="prefill steps of one prompt this long (comma list)")
-    p.add_argument("--context-len", type=int, default=256, help="cached tokens of every decoding request")
+    p.add_argument("--context-len", type=int, default=CONTEXT_LEN, help="cached tokens of every decoding request")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (vLLM's CPU backend: 128)")
     p.add_argument("--repeats", type=int, default=5, help="steps timed (and as many profiled) per shape")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -237,12 +244,14 @@ def profile_command(args, command: str) -> dict:
     from minibatch.files import check_output_file
     from minibatch.report import write_json
 
-    def sizes(text, name):
-        return tuple(check_int(int(x) if x.lstrip("-").isdigit() else x, name, 1, 1 << 16)
+    def sizes(text, name):  # ASCII digits only: int() would take '--5' as a bad literal, '²' not at all
+        return tuple(check_int(int(x) if re.fullmatch(r"-?[0-9]+", x) else x, name, 1, 1 << 16)
                      for x in comma_list(text, name))
     batches, prefills = sizes(args.decode_batches, "--decode-batches"), sizes(args.prefill_lens, "--prefill-lens")
     if not batches and not prefills:
         raise ValueError("--decode-batches and --prefill-lens are both empty: nothing to profile")
+    if not batches and args.context_len != CONTEXT_LEN:
+        raise ValueError("--context-len does not apply with --decode-batches empty (it is the decode steps' context)")
     for value, name, high in ((args.context_len, "--context-len", 1 << 16), (args.block_size, "--block-size",
                               MAX_BLOCK_SIZE), (args.repeats, "--repeats", 1000), (args.rounds, "--rounds", 20)):
         check_int(value, name, 1, high)

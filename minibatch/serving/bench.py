@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
 from minibatch.metrics import SLO
-from minibatch.serving.bench_stats import (ENDPOINTS, arrival_offsets, check_args, check_options, finish_record,
-                                           format_summary, summarize)
+from minibatch.serving.bench_stats import (DEFAULT_BURSTINESS, DEFAULT_MAX_OUTPUT_LEN, ENDPOINTS, arrival_offsets,
+                                           check_args, check_options, finish_record, format_summary, summarize)
 from minibatch.sharegpt import human_gpt_pairs
 
 
@@ -245,11 +245,12 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     a("--endpoint", default="completions", choices=ENDPOINTS, help="/v1/completions or /v1/chat/completions")
     a("--num-prompts", type=int, default=50, help="requests to send (ShareGPT prompts)")
     a("--rate", type=float, default=math.inf, help="mean requests/s (default inf: all at once)")
-    a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1.0 = Poisson)")
+    a("--burstiness", type=float, default=DEFAULT_BURSTINESS, help="gamma shape of the arrival gaps (1.0 = Poisson)")
     a("--max-concurrency", type=int, default=None, help="at most this many requests open (default: unbounded)")
     a("--seed", type=int, default=0, help="seed of the prompt sample and the arrival gaps")
     a("--max-prompt-len", type=int, default=256, help="keep prompts of at most this many tokens")
-    a("--max-output-len", type=int, default=128, help="clip the ShareGPT reply length to this many tokens")
+    a("--max-output-len", type=int, default=DEFAULT_MAX_OUTPUT_LEN,
+      help="clip the ShareGPT reply length to this many tokens (not with --output-len)")
     a("--output-len", type=int, default=None, help="ask every request for exactly this many tokens instead")
     a("--ignore-eos", action="store_true", help="send ignore_eos=true (vLLM and our server know it)")
     for name in ("ttft", "tpot", "e2e"):

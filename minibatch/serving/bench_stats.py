@@ -20,12 +20,14 @@ import math
 
 import numpy as np
 
-from minibatch.checks import MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SECONDS, MAX_TOKENS, check_int, check_real
+from minibatch.checks import (MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SECONDS, MAX_TOKENS, MIN_RATE, check_int,
+                              check_real)
 from minibatch.metrics import (COLUMNS, LATENCIES, PERCENTILES, SLO, RequestMetrics, Sample, format_cell, latencies,
                                summary_values)
 
 ENDPOINTS = ("completions", "chat")
 MAX_BURSTINESS = 1000.0  # gamma shape: at 1000 the gaps are already nearly equal
+DEFAULT_BURSTINESS, DEFAULT_MAX_OUTPUT_LEN = 1.0, 128  # the CLI's defaults (an option at another value was given)
 
 
 def arrival_offsets(num_requests: int, rate: float = math.inf, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -36,10 +38,11 @@ def arrival_offsets(num_requests: int, rate: float = math.inf, burstiness: float
     below 1 burstier, above 1 more even. Drawn from ``numpy.random.default_rng(seed)``.
 
     Raises:
-        ValueError: rate not in (0, MAX_RATE] or inf, burstiness not in (0, MAX_BURSTINESS].
+        ValueError: rate not in [MIN_RATE, MAX_RATE] or inf, burstiness not in (0, MAX_BURSTINESS].
     """
-    if not (0 < rate <= MAX_RATE or rate == math.inf):
-        raise ValueError(f"--rate must be in (0, {MAX_RATE:g}] requests/s or inf (all at once), got {rate}")
+    if not (MIN_RATE <= rate <= MAX_RATE or rate == math.inf):  # below MIN_RATE: gaps of days to eons
+        raise ValueError(f"--rate must be in [{MIN_RATE:g}, {MAX_RATE:g}] requests/s or inf (all at once), "
+                         f"got {rate}")
     check_real(burstiness, "--burstiness (1.0 = Poisson)", 0.0, MAX_BURSTINESS, low_open=True)
     if math.isinf(rate) or num_requests == 0:
         return [0.0] * num_requests
@@ -52,6 +55,9 @@ def check_options(num_prompts: int, rate: float, burstiness: float, max_concurre
     """Raise ValueError with a one-line message naming the first bad option and its allowed range."""
     check_int(num_prompts, "--num-prompts", 1, MAX_NUM_REQUESTS)
     arrival_offsets(0, rate, burstiness)  # checks --rate and --burstiness
+    if rate == math.inf and burstiness != DEFAULT_BURSTINESS:
+        raise ValueError(f"--burstiness {burstiness} does not apply with --rate inf (every request is sent at once); "
+                         "give a finite --rate")
     if max_concurrency is not None:
         check_int(max_concurrency, "--max-concurrency (omit it: unbounded)", 1, MAX_NUM_SEQS)
     if endpoint not in ENDPOINTS:
@@ -66,6 +72,9 @@ def check_args(args: argparse.Namespace) -> SLO | None:
         value = getattr(args, option)
         if value is not None:
             check_int(value, f"--{option.replace('_', '-')}", 1, MAX_TOKENS)
+    if args.output_len is not None and args.max_output_len != DEFAULT_MAX_OUTPUT_LEN:
+        raise ValueError(f"--max-output-len {args.max_output_len} does not apply with --output-len (every request "
+                         "asks for exactly --output-len tokens)")
     check_int(args.seed, "--seed", 0, 2**63 - 1)
     objectives = {name: getattr(args, f"slo_{name}") for name in ("ttft_s", "tpot_s", "e2e_s")}
     for name, value in objectives.items():

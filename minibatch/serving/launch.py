@@ -63,6 +63,7 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     from minibatch.experiment import check_draft_model, default_draft, load_draft_runner
     from minibatch.policies import POLICIES, get_policy, make_engine
     from minibatch.runner import ModelRunner
+    from minibatch.serving.server import build_app
 
     if policy not in POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)} (the engine's policies), got {policy!r}")
@@ -82,8 +83,6 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     name = served_model_name or model
     metrics = ServingMetrics(name)
     async_engine = AsyncEngine(engine, max_num_waiting, keep_history=keep_history, on_step=metrics.on_step)
-    from minibatch.serving.server import build_app
-
     app = build_app(async_engine, tokenizer, name, metrics, max_body_bytes)
     return app, async_engine.start() if start else async_engine
 
@@ -132,8 +131,9 @@ def run_serve(args, settings: dict) -> int:
     check_int(args.threads, "--threads", 1, 1024)
     check_int(args.max_num_waiting, "--max-num-waiting", 1, 1 << 20)
     check_listen_address(args.host, args.port)  # before the model loads, not after "serving on ..."
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        raise ValueError("--served-model-name must be a non-empty id (leave it out for --model's name), got ''")
+    if (name := args.served_model_name) is not None and not name.strip():  # the length: the CLI's line joins spaces
+        raise ValueError(f"--served-model-name must be a non-empty id (leave it out for --model's name), got {name!r}"
+                         + (f" ({len(name)} whitespace characters)" if len(name) > 1 else ""))
     check_int(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 31)
     check_real(args.drain_timeout_s, "--drain-timeout-s", 0.0, 86400.0)
     if args.policy in POLICIES:  # (python -m minibatch loads --policy-module files first; build_server
