@@ -174,25 +174,24 @@ def _load_random(name: str, device: str = "cpu") -> tuple[PreTrainedModel, PreTr
 # ----------------------------------------------------------------------------- public entry point
 
 def check_model_name(name: str, option: str = "model") -> None:
-    """Raise ValueError unless ``name`` is one of MODEL_NAMES, a local model directory (holding
-    a config.json) or a hub id ``owner/name`` that is not a local path. ``option`` names the
-    field in the message (e.g. "--model")."""
+    """Raise ValueError unless ``name`` is one of MODEL_NAMES, a local model directory (holding a config.json)
+    or a hub id ``owner/name`` that is not a local path; ``option`` names the field (e.g. "--model")."""
     choices = f"use one of {', '.join(MODEL_NAMES)}, a local model directory, or a hub id 'owner/name'"
     if not isinstance(name, str) or not name:
         raise ValueError(f"{option} must be a model name: {choices}; got {name!r}")
     if name in MODEL_NAMES:
         return
-    path = Path(name).expanduser()
-    if not path.exists():
+    path, shown = Path(name).expanduser(), repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name)} chars)"
+    if not os.path.exists(path):  # (False, not an error, for a name longer than the file system allows)
         if "/" not in name and os.sep not in name:
-            raise ValueError(f"{option}: unknown model {name!r}: {choices}")
+            raise ValueError(f"{option}: unknown model {shown}: {choices}")
         if not _HUB_ID.match(name):  # a path (".", "/", "~", several parts), not "owner/name"
-            raise ValueError(f"{option}: no such model directory {name!r} ({choices})")
+            raise ValueError(f"{option}: no such model directory {shown} ({choices})")
         return  # a hub id: only from_pretrained can tell whether it exists
     if not path.is_dir():
-        raise ValueError(f"{option}: {name!r} is a file, not a model directory ({choices})")
+        raise ValueError(f"{option}: {shown} is a file, not a model directory ({choices})")
     if not (path / "config.json").is_file():
-        raise ValueError(f"{option}: {name!r} is not a model directory (no config.json in it)")
+        raise ValueError(f"{option}: {shown} is not a model directory (no config.json in it)")
 
 
 def load_model(name: str = "smollm2-135m", dtype: torch.dtype | str = torch.float32,

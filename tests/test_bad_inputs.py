@@ -432,6 +432,7 @@ def run_cli(argv, capsys):
      "--trace-out applies to a single engine"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--workload", "multiturn", "--conversations",
       "2", "--system-prompt-len", "100", "--max-model-len", "50"], "every conversation ends before its first turn"),
+    (["compare", "--model", "a" * 5000], "--model: unknown model"),  # was OSError "File name too long", rc 1
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--aging-s", "0.5"],
      "--aging-s applies only with --queue-policy priority"),
     (["compare", "--model", "tiny-random-llama", "--policies", "chunked", "--target-itl-s", "0.2",
