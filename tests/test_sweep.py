@@ -152,10 +152,16 @@ def test_an_option_the_command_lacks_is_reported_with_its_configuration(tmp_path
 
 
 def test_the_sweeps_own_options_in_a_configuration_are_refused(tmp_path):
-    """json_path and progress in a configuration were silently overridden by the sweep's own."""
+    """json_path and progress in a configuration were silently overridden by the sweep's own; trace_out and
+    figures_dir were shared by every configuration; threads did nothing in a simulation; a grid value listed
+    twice ran twice."""
     grid = write_grid(tmp_path / "g.json", {"rate": [2]},
-                      configs=[{"json_path": str(tmp_path / "x.json")}, {"progress": True}])
+                      configs=[{"json_path": str(tmp_path / "x.json")}, {"progress": True},
+                               {"trace_out": str(tmp_path / "t")}, {"threads": 2}])
     result = run_sweep(str(grid), progress=False)
     errors = [f["error"] for f in result["failed"]]
-    assert len(errors) == 2 and "'json_path' is the sweep's" in errors[0] and "--no-progress" in errors[1]
-    assert not (tmp_path / "x.json").exists()
+    assert len(errors) == 4 and "'json_path' is the sweep's" in errors[0] and "--no-progress" in errors[1]
+    assert "'trace_out' is the sweep's" in errors[2] and "'threads' applies to compare" in errors[3]
+    assert not (tmp_path / "x.json").exists() and not (tmp_path / "t").exists()
+    with pytest.raises(ValueError, match="grid.rate lists a value twice"):
+        run_sweep(str(write_grid(tmp_path / "twice.json", {"rate": [1, 1]})), progress=False)

@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from minibatch.checks import check_int
 from minibatch.files import atomic_write_text
 
 COMMANDS = ("simulate", "compare")
@@ -59,6 +60,8 @@ def load_grid(path: str) -> tuple[str, list[dict]]:
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
             raise ValueError(f"--grid {path}: grid.{key} must be a non-empty list, got {values!r}")
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) < len(values):  # the same run twice
+            raise ValueError(f"--grid {path}: grid.{key} lists a value twice: {values!r}")
     configs = [base | dict(zip(grid, point)) for point in itertools.product(*grid.values())] if grid else []
     configs += [base | c for c in extra if isinstance(c, dict)]
     if len(configs) != (len(list(itertools.product(*grid.values()))) if grid else 0) + len(extra):
@@ -119,18 +122,18 @@ def run_one(command: str, config: dict) -> dict:
     acceptance = config.pop("acceptance_rate", None) if command == "simulate" else None
     if isinstance(acceptance, (int, float, list)) and not isinstance(acceptance, bool):  # YAML's 0.5 or [0.6, 0.3]
         acceptance = ",".join(map(str, acceptance)) if isinstance(acceptance, list) else str(acceptance)
-    swept = {"json_path": "the sweep writes each result (its --json: the table)", "progress": "--no-progress"}
+    swept = {"json_path": "the sweep writes each result (its --json: the table)", "progress": "--no-progress",
+             "trace_out": "every configuration would write the same files", "figures_dir": "likewise"}
     unknown = [k for k in config if k not in (ours | cluster | settings) - set(swept)]
     if unknown:
         raise ValueError(f"{unknown[0]!r} is " + (f"the sweep's, not a configuration's: {swept[unknown[0]]}"
                          if unknown[0] in swept else f"not an option of {command} (keys are option names with "
                                                      "_, e.g. max_num_seqs)"))
+    if threads is not None and check_int(threads, "threads", 1, 1024) and command == "simulate":
+        raise ValueError("'threads' applies to compare configurations (simulate runs no model)")
     if threads is not None:
         import torch
-
-        from minibatch.checks import check_int
-
-        torch.set_num_threads(check_int(threads, "threads", 1, 1024))
+        torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         values = {"figures_dir": None} | {k: v for k, v in config.items() if k in ours} | {"json_path": out,
