@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 from minibatch.checks import (MAX_KV_SLOTS, MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SECONDS, MAX_TOKENS,
-                              OneLineParser, comma_list, int_arg, output_file_arg, real_arg, reals_arg)
+                              MIN_RATE, OneLineParser, comma_list, int_arg, output_file_arg, real_arg, reals_arg)
 from minibatch.files import write_json
 from minibatch.machine import peer_malloc_env
 from minibatch.metrics import SLO
@@ -123,8 +123,10 @@ def policies_arg(text: str) -> str:
 
 def rates_arg(text: str) -> str:
     """An argparse ``type``: ``text`` (the JSON's config records it as given) if it lists request rates in
-    (0, MAX_RATE], comma-separated."""
-    reals_arg(0, MAX_RATE, low_open=True)(text)
+    [MIN_RATE, MAX_RATE] or inf (all at once), comma-separated, as bench-serve takes them."""
+    finite = ",".join(x for x in text.split(",") if x.strip().lower() not in ("inf", "infinity"))
+    if finite or not text.strip():
+        reals_arg(MIN_RATE, MAX_RATE)(finite or text)
     return text
 
 

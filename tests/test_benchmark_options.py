@@ -36,7 +36,7 @@ CASES = [
     ("keep_freed_memory.py", ["--policy", "nope", GUARD], "argument --policy: invalid choice: 'nope'"),
     ("paged_kv.py", ["--n-slots", "400,x", GUARD], "argument --n-slots: must be an int in [1, "),
     ("paged_kv.py", ["--seed", str(2**32), GUARD], "argument --seed: must be an int in [0, 4294967295]"),
-    ("serving.py", ["--rates", "1,inf", GUARD], "argument --rates: must be a finite number in (0, 1000000.0]"),
+    ("serving.py", ["--rates", "1,1e-7", GUARD], "argument --rates: must be a finite number in [1e-06, 1000000.0]"),
     ("serving.py", ["--policies", "chunked,nope", GUARD], "argument --policies: policy must be one of"),
     ("serving.py", ["--slo-ttft-s", "0", GUARD], "argument --slo-ttft-s: must be a finite number in (0,"),
     ("sim_scale.py", ["--num-requests", "0", GUARD], "argument --num-requests: must be an int in [1, 1000000]"),
@@ -50,7 +50,7 @@ CASES = [
     ("chunked_prefill.py", ["--model", "tiny-random-llama", "--quick", "--num-requests", "5"],
      "--num-requests does not apply with --quick"),
     ("spec_decode.py", ["--json", NO_FILE, GUARD], "argument --json: "),
-    ("third_party_clients.py", ["--rates", "-1", GUARD], "argument --rates: must be a finite number in (0,"),
+    ("third_party_clients.py", ["--rates", "-1", GUARD], "argument --rates: must be a finite number in [1e-06,"),
     ("third_party_clients.py", ["--threads", "2000", GUARD], "argument --threads: must be an int in [1, 1024]"),
 ]
 

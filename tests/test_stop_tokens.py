@@ -108,7 +108,7 @@ def test_min_tokens_above_max_new_tokens_and_stop_ids_outside_the_vocab_are_refu
 class Letters:
     """A tokenizer whose token i is the letter chr(97 + i)."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join(chr(97 + i) for i in ids)
 
 
@@ -127,7 +127,7 @@ class Bytes:
     """A tokenizer whose token i is the byte i: a multi-byte character split between tokens decodes to U+FFFD until
     its last byte is out (as a byte-level BPE's byte tokens do)."""
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return bytes(ids).decode("utf-8", errors="replace")
 
 
@@ -153,12 +153,13 @@ def test_no_character_of_a_stop_string_is_sent_when_it_ends_in_a_split_character
 
 
 def test_a_stop_string_that_ended_before_min_tokens_never_counts():
-    """vLLM's rule: only a stop string ending in text decoded once min_tokens tokens are out counts. One that ended
-    earlier used to be found late, cutting the output there and leaking part of it (" 4," for " 4, 5, 6")."""
-    ids = list(" 4, 5, 6, 7".encode())  # ", 5" ends at token 5
-    assert assemble(ids, [", 5"], min_tokens=6) == (" 4, 5, 6, 7", False)
-    assert assemble(ids, [", 5"], min_tokens=5) == (" 4", True)
-    assert assemble(ids, [", 5", ", 7"], min_tokens=6) == (" 4, 5, 6", True)
+    """vLLM v1's rule: only a stop string ending after the text of the first min_tokens tokens counts (as a stop
+    token id counts only from index min_tokens). One that ended earlier used to be found late, cutting the output
+    there and leaking part of it (" 4," for " 4, 5, 6")."""
+    ids = list(" 4, 5, 6, 7".encode())  # ", 5" ends with token 5
+    assert assemble(ids, [", 5"], min_tokens=5) == (" 4, 5, 6, 7", False)
+    assert assemble(ids, [", 5"], min_tokens=4) == (" 4", True)
+    assert assemble(ids, [", 5", ", 7"], min_tokens=5) == (" 4, 5, 6", True)
 
 
 @settings(max_examples=300, deadline=None)
@@ -168,15 +169,14 @@ def test_a_stop_string_that_ended_before_min_tokens_never_counts():
        min_tokens=st.integers(0, 12))
 def test_text_assembler_against_a_reference(chars, stops, min_tokens):
     """Fed byte by byte: the text sent is the decoded text up to the stop string that completes first among those
-    ending after the text decoded before min_tokens tokens (the leftmost if several complete at one token), or
-    all of it; nothing of a stop string is sent."""
+    ending after the text of the first min_tokens tokens (the leftmost if several complete at one token), or all
+    of it; nothing of a stop string is sent."""
     ids = list("".join(chars).encode())
     full = Bytes().decode(ids)
     stable = [len(Bytes().decode(ids[:k]).rstrip("\ufffd")) for k in range(len(ids) + 1)]
-    boundary = stable[min_tokens - 1] if 1 < min_tokens <= len(ids) else 0
+    boundary = stable[min(min_tokens, len(ids))]
     matches = [(next(k for k in range(len(ids) + 1) if stable[k] >= i + len(s)), i) for s in stops
                for i in range(len(full)) if full.startswith(s, i) and i + len(s) > boundary]
-    matches = [(k, i) for k, i in matches if k >= max(min_tokens, 1)]
     want = (full[:min(matches)[1]], True) if matches else (full, False)
     assert assemble(ids, stops, min_tokens) == want
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minibatch.checks import MAX_BLOCK_SIZE, MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_SPEC_TOKENS, MAX_TOKENS
-from minibatch.config import PREEMPTION_MODES, QUEUE_POLICIES, check_fields, opt, option
+from minibatch.config import PREEMPTION_MODES, QUEUE_POLICIES, changed_fields, check_fields, opt, option
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class IterationConfig(SchedulerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.queue_policy != "priority" and self.aging_s not in (1.0, None):  # 1.0: the default
+        if self.queue_policy != "priority" and self.aging_s is not None and changed_fields(self, ("aging_s",)):
             raise ValueError(f"{opt('aging_s')} applies only with {opt('queue_policy')} priority")
 
 
@@ -104,6 +104,6 @@ class ChunkedConfig(PagedConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.target_itl_s is not None and self.max_num_batched_tokens != 512:  # 512: the default
+        if self.target_itl_s is not None and changed_fields(self, ("max_num_batched_tokens",)):
             raise ValueError(f"{opt('max_num_batched_tokens')} does not apply with {opt('target_itl_s')} (the "
                              "adaptive chunker picks each step's budget)")

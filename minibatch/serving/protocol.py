@@ -40,9 +40,12 @@ def short_repr(value) -> str:
     """``repr(value)`` in at most ``MAX_ECHO_CHARS`` characters (and "...", with the value's length when it was
     cut): an error never sends a huge value back, nor spends long writing its whole repr (``reprlib``)."""
     text = _ECHO.repr(value)
+    limit = {str: None, list: _ECHO.maxlist, tuple: _ECHO.maxtuple, dict: _ECHO.maxdict, set: _ECHO.maxset}
+    cut = len(text) > MAX_ECHO_CHARS or (len(repr(value[:MAX_ECHO_CHARS])) > MAX_ECHO_CHARS if isinstance(value, str)
+                                         else type(value) in limit and len(value) > limit[type(value)])
     if len(text) > MAX_ECHO_CHARS:
         text = text[:MAX_ECHO_CHARS] + "..."
-    if "..." in text and isinstance(value, (str, list, tuple, dict, set)):
+    if cut and isinstance(value, (str, list, tuple, dict, set)):
         text += f" ({len(value)} {'characters' if isinstance(value, str) else 'items'})"
     return text
 

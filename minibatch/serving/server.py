@@ -8,8 +8,8 @@ queue answers 503 with Retry-After; a bad body answers 400 naming the field, a b
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,10 +41,13 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     max_model_len = context.tokens
     app.state.engine, app.state.metrics, app.state.context = engine, metrics, context
     # The event loop does I/O only: decoding, validating, templating and tokenizing a body run in a thread, so a
-    # huge body never stalls /health or streams; bodies over SMALL_BODY_BYTES in a lane of their own, so a few
-    # huge ones never queue ahead of a normal request. The tokenizer is not safe to share: used under a lock.
+    # huge body never stalls /health or streams; bodies over SMALL_BODY_BYTES in a lane of their own, with its own
+    # copy of the tokenizer, so huge ones (even a valid prompt that takes a second to tokenize) never hold up a
+    # normal request. Each copy encodes once now: its first call changes its settings (not while another runs).
     lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"minibatch-prepare-{n}") for n in ("small", "large")]
-    tokenizer_lock = threading.Lock()
+    tokenizers = [tokenizer, copy.deepcopy(tokenizer)]
+    for t in tokenizers:
+        t.encode("warm up")
     message_tokens = template_tokens_per_message(tokenizer)  # a longer list of messages than fits is refused unread
     # a token's text is at most this many characters: a prompt of more than max_model_len times it cannot fit
     max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(tokenizer, "get_vocab") \
@@ -56,32 +59,31 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
             raise APIError(f"{field}: {num_chars} characters cannot fit {context} (a token covers at most "
                            f"{max_token_chars} characters)", field)
 
-    def prepare_completion(data: bytes):
+    def prepare_completion(data: bytes, tok):
         body = decode_json(data)
         check_list_lengths(body, context)  # a huge list fails here, not after checking each item
         body = parse_body(CompletionRequest, body)
         prompt = one_prompt(body.prompt)
         if isinstance(prompt, str):
             check_length(len(prompt), "prompt")
-            with tokenizer_lock:
-                prompt = list(tokenizer.encode(prompt))
+            prompt = list(tok.encode(prompt))
         return body, prompt
 
-    def prepare_chat(data: bytes):
+    def prepare_chat(data: bytes, tok):
         body = decode_json(data)
         check_list_lengths(body, context, message_tokens)
         body = parse_body(ChatCompletionRequest, body)
-        if not getattr(tokenizer, "chat_template", None):
+        if not getattr(tok, "chat_template", None):
             raise APIError(f"messages: model {model_name!r} has no chat template; use /v1/completions", "messages")
         messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in body.messages]
         check_length(sum(len(m["content"]) for m in messages), "messages")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        with tokenizer_lock:
-            return body, list(tokenizer.encode(text, add_special_tokens=False))
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return body, list(tok.encode(text, add_special_tokens=False))
 
     async def prepared(raw: HTTPRequest, prepare):
         data = await read_body(raw, max_body_bytes)
-        return await asyncio.get_running_loop().run_in_executor(lanes[len(data) > SMALL_BODY_BYTES], prepare, data)
+        lane = int(len(data) > SMALL_BODY_BYTES)
+        return await asyncio.get_running_loop().run_in_executor(lanes[lane], prepare, data, tokenizers[lane])
 
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError):

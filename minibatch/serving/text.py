@@ -15,11 +15,11 @@ class TextAssembler:
     incremental detokenization: the whole output decoded at every step costs O(n) a token, 2 ms at 8000 tokens).
 
     Args:
-        tokenizer: a Hugging Face tokenizer (``decode`` with ``skip_special_tokens``).
+        tokenizer: a Hugging Face tokenizer (``decode`` with ``skip_special_tokens``, ``clean_up_tokenization_spaces``).
         stop: stop strings; the text ends before the first one found (OpenAI's ``stop``; the
             stop string itself is not returned).
         skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
-        min_tokens: vLLM's ``min_tokens``: stop strings are looked for only once this many tokens are out.
+        min_tokens: vLLM's ``min_tokens``: a stop string counts only where it ends after this many tokens' text.
     """
 
     def __init__(self, tokenizer, stop: list[str] | None = None, skip_special_tokens: bool = True,
@@ -42,20 +42,21 @@ class TextAssembler:
         """Add ``token_ids``; returns (new text, whether a stop string was found). ``final``:
         the request has finished, so everything held back is released.
 
-        A stop string counts only where it ends in text new since the last call (vLLM's rule: one that ended before
-        ``min_tokens`` tokens were out never counts), and the ``hold`` characters before the newest text are kept
-        back, so no character of a stop string is ever sent. Characters not yet complete (a multi-byte character
-        split between tokens decodes to U+FFFD for now) are neither sent nor looked at until they are."""
+        A stop string counts only where it ends in text new since the last call, and after the text of the first
+        ``min_tokens`` tokens (vLLM v1's rule; stop token ids count from there too); the ``hold`` characters before
+        the newest text are kept back, so no character of a stop string is ever sent. Characters not yet complete (a
+        multi-byte character split between tokens decodes to U+FFFD for now) are neither sent nor looked at."""
         if self.stopped:
             return "", True
         self.token_ids += list(token_ids)
-        prefix, window = (self.tokenizer.decode(self.token_ids[self.prefix_offset:end], skip_special_tokens=self
-                                                .skip_special_tokens) for end in (self.read_offset, None))
+        prefix, window = (self.tokenizer.decode(self.token_ids[self.prefix_offset:end], clean_up_tokenization_spaces=
+                                                False, skip_special_tokens=self.skip_special_tokens)
+                          for end in (self.read_offset, None))  # (a clean-up would change text already settled)
         text = self.settled + window[len(prefix):]
         if final or (len(window) > len(prefix) and not window.endswith("\ufffd")):  # complete characters: settle
             self.settled, self.prefix_offset, self.read_offset = text, self.read_offset, len(self.token_ids)
         stable = len(text) if final else len(text.rstrip("\ufffd"))  # an incomplete character waits for its bytes
-        if self.stop and len(self.token_ids) >= self.min_tokens:
+        if self.stop and len(self.token_ids) > self.min_tokens:
             hits = [i for s in self.stop if (i := text.find(s, max(0, self.checked - len(s) + 1), stable)) >= 0]
             if hits:  # each starts at or after self.sent: nothing of it was sent
                 self.stopped = True
