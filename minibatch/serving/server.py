@@ -47,7 +47,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"minibatch-prepare-{n}") for n in ("small", "large")]
     tokenizers = [tokenizer, copy.deepcopy(tokenizer)]
     for t in tokenizers:
-        t.encode("warm up")
+        if t is not None:  # (a test's app on a simulated engine has none)
+            t.encode("warm up")
     message_tokens = template_tokens_per_message(tokenizer)  # a longer list of messages than fits is refused unread
     # a token's text is at most this many characters: a prompt of more than max_model_len times it cannot fit
     max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if hasattr(tokenizer, "get_vocab") \
