@@ -17,7 +17,7 @@ import dataclasses
 import sys
 
 from minibatch.cluster.simulate import ClusterConfig, simulate_command
-from minibatch.checks import OneLineParser
+from minibatch.checks import OneLineParser, given_options, one_line
 from minibatch.cluster.sweep import add_sweep_arguments, sweep_command
 from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareConfig, compare_config, run_compare
 from minibatch.config import choices_of, opt, setting_fields
@@ -106,18 +106,16 @@ def config_from_args(args, command: str, argv_text: str) -> CompareConfig:
                           argv_text)
 
 
-def check_calibrate_modes(args) -> None:
+def check_calibrate_modes(parser, args) -> None:
     """calibrate: --refit measures nothing and --draft-only measures the profile's own model's draft, so options
     they would silently ignore are refused (one given at its default value cannot be told apart and passes)."""
     for name in ("refit", "draft_only", "out"):  # '' would read as not given (--refit '': a full calibration)
         if (path := getattr(args, name)) is not None and not path.strip():
             raise ValueError(f"{opt(name)} must be a file path (leave it out if not wanted), got {path!r}")
-    measuring = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | {"threads": None, "scale": 1.0,
-                                                                                 "quick": False, "draft_only": None}
-    ignored = {"refit": list(measuring), "draft_only": ["model", "dtype", "attention_backend", "quick"]}
+    measuring = [f.name for f in dataclasses.fields(ModelConfig)] + ["threads", "scale", "quick", "draft_only"]
+    ignored = {"refit": measuring, "draft_only": ["model", "dtype", "attention_backend", "quick"]}
     for mode in ("refit", "draft_only"):
-        given = [name for name in ignored[mode] if getattr(args, mode) and getattr(args, name) != measuring[name]]
-        if given:
+        if getattr(args, mode) and (given := given_options(parser, args, ignored[mode], ("calibrate",))):
             raise ValueError(f"{opt(given[0])} does not apply with {opt(mode)} (it "
                              + ("fits the stored samples again, measuring nothing)" if mode == "refit" else
                                 "measures the draft of the profile's own model and dtype)"))
@@ -194,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         load_plugins(argv)
     except ValueError as e:
-        print(f"minibatch: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"minibatch: error: {one_line(e)}", file=sys.stderr)
         raise SystemExit(2) from None
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -205,10 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{sub}: interrupted", file=sys.stderr)
         code = 130
     except (ValueError, TypeError, NotImplementedError, FileNotFoundError, IsADirectoryError) as e:
-        print(f"{sub}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"{sub}: error: {one_line(e)}", file=sys.stderr)
         code = 2
     except OSError as e:  # a write failed (disk full, permissions), a model could not be fetched
-        print(f"{sub}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"{sub}: error: {one_line(e)}", file=sys.stderr)
         code = 1
     except MemoryError:
         print(f"{sub}: error: out of memory (use fewer requests, shorter lengths or fewer KV slots)", file=sys.stderr)
@@ -262,7 +260,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
     if args.threads is not None:
         check_int(args.threads, "--threads", 1, 1024)
     check_real(args.scale, "--scale", 0.0, 1.0, low_open=True)
-    check_calibrate_modes(args)
+    check_calibrate_modes(parser, args)
     if args.out is not None:
         check_output_file(args.out, "--out")
     if args.draft_only:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+import reprlib
 from numbers import Real
 
 # Limits shared by the engine's and the run's configuration: beyond them a value is a typo, not an
@@ -23,6 +24,7 @@ MAX_BLOCK_SIZE = 4096
 MAX_SPEC_TOKENS = 64  # num_speculative_tokens, k
 MIN_RATE, MAX_RATE = 1e-6, 1e6  # requests/s (below MIN_RATE arrivals pass any sane trace length)
 MAX_SECONDS = 7 * 24 * 3600.0  # any waiting time or latency objective: a week
+MAX_ECHO_CHARS = 200  # an error quotes at most this much of the value it refuses
 
 
 class FieldTypeError(TypeError, ValueError):
@@ -49,7 +51,7 @@ def check_int(value, name: str, low: int | None = 0, high: int | None = None) ->
             raise TypeError
         out = operator.index(value)
     except TypeError:
-        raise FieldTypeError(f"{name} must be {allowed}, got {value!r}") from None
+        raise FieldTypeError(f"{name} must be {allowed}, got {short_repr(value)}") from None
     if (low is not None and out < low) or (high is not None and out > high):
         raise ValueError(f"{name} must be {allowed}, got {out}")
     return out
@@ -65,37 +67,29 @@ def check_real(value, name: str, low: float | None = None, high: float | None = 
     """
     allowed = "a finite number" + ("" if low is None else f" {_range_text(low, high, low_open, high_open)}")
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise FieldTypeError(f"{name} must be {allowed}, got {value!r}")
+        raise FieldTypeError(f"{name} must be {allowed}, got {short_repr(value)}")
     out = float(value)
-    bad = not math.isfinite(out)
-    bad = bad or (low is not None and (out <= low if low_open else out < low))
-    bad = bad or (high is not None and (out >= high if high_open else out > high))
-    if bad:
+    if not math.isfinite(out) or (low is not None and (out <= low if low_open else out < low)) \
+            or (high is not None and (out >= high if high_open else out > high)):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return out
 
 
 def check_choice(value, name: str, choices) -> str:
-    """``value`` if it is one of ``choices``.
-
-    Raises:
-        ValueError: naming ``name`` and the choices.
-    """
+    """``value`` if it is one of ``choices``; else ValueError naming ``name`` and the choices."""
     if value not in tuple(choices):
-        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {short_repr(value)}")
     return value
 
 
 def check_str(value, name: str, allow_none: bool = False) -> str | None:
-    """``value`` if it is a non-empty str (or None when ``allow_none``).
-
-    Raises:
-        TypeError: not a str. ValueError: empty.
-    """
+    """``value`` if it is a non-empty str (or None when ``allow_none``); else FieldTypeError (not a str) or
+    ValueError (empty), naming ``name``."""
     if value is None and allow_none:
         return None
     if not isinstance(value, str):
-        raise FieldTypeError(f"{name} must be a non-empty string{' or None' if allow_none else ''}, got {value!r}")
+        raise FieldTypeError(f"{name} must be a non-empty string{' or None' if allow_none else ''}, "
+                             f"got {short_repr(value)}")
     if not value:
         raise ValueError(f"{name} must be a non-empty string, got ''")
     return value
@@ -108,9 +102,9 @@ def comma_list(text: str, name: str) -> tuple[str, ...]:
         ValueError: an empty item ("a,,b", "a,", ",") or an item given twice; the message names ``name``."""
     items = tuple(x.strip() for x in text.split(",")) if text.strip() else ()
     if any(not x for x in items):
-        raise ValueError(f"{name} must be a comma-separated list without empty items, got {text!r}")
+        raise ValueError(f"{name} must be a comma-separated list without empty items, got {short_repr(text)}")
     if len(set(items)) < len(items):
-        raise ValueError(f"{name} lists an item twice: {text!r}")
+        raise ValueError(f"{name} lists an item twice: {short_repr(text)}")
     return items
 
 
@@ -139,17 +133,14 @@ def check_in_vocab(ids: list[int], vocab_size: int, name: str = "prompt_token_id
 
 
 def check_device(value, name: str = "device") -> str:
-    """``value`` if it names a torch device this machine has: "cpu", "cuda" or "cuda:N".
-
-    Raises:
-        ValueError: another string, or CUDA asked for where torch sees no GPU (or not that many).
-    """
+    """``value`` if it names a torch device this machine has: "cpu", "cuda" or "cuda:N"; else ValueError (another
+    string, or CUDA asked for where torch sees no GPU, or not that many)."""
     import re
 
     import torch
 
     if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value):
-        raise ValueError(f"{name} must be cpu, cuda or cuda:N, got {value!r}")
+        raise ValueError(f"{name} must be cpu, cuda or cuda:N, got {short_repr(value)}")
     if value.startswith("cuda"):
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = int(value.split(":")[1]) if ":" in value else 0
@@ -158,31 +149,9 @@ def check_device(value, name: str = "device") -> str:
     return value
 
 
-def check_listen_address(host: str, port: int) -> None:
-    """Raise ValueError (naming --host and --port) unless a server can listen on ``host``:``port`` now: the name
-    resolves and the port is free (a test bind, closed at once)."""
-    import errno
-    import socket
-
-    if not host.strip():
-        raise ValueError("--host must be a host name or address (127.0.0.1: this machine only; 0.0.0.0: every "
-                         "interface), got ''")
-    try:
-        bound = 0
-        for family, kind, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-            with socket.socket(family, kind) as s:  # every address the name gives, as the server binds them
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-                try:
-                    s.bind(address)
-                    bound += 1
-                except OSError as e:
-                    if e.errno != errno.EADDRNOTAVAIL:  # an address family this machine lacks is skipped
-                        raise
-        if not bound:
-            raise OSError(errno.EADDRNOTAVAIL, "no address of this host is on this machine")
-    except (OSError, UnicodeError) as e:  # UnicodeError: a name no DNS label can hold
-        raise ValueError(f"--host {host} --port {port}: cannot listen there ({getattr(e, 'strerror', None) or e})") \
-            from None
+def one_line(message) -> str:
+    """``message`` on one line (an error for stderr): its lines joined by a space; spaces inside a line are kept."""
+    return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -190,7 +159,7 @@ class OneLineParser(argparse.ArgumentParser):
     no usage block and never a traceback (the CLI's parser, and the benchmarks')."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
 
 
 def int_arg(low: int, high: int):
@@ -250,13 +219,18 @@ def device_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).removeprefix("it ")) from None
 
 
+def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace, names, command: tuple = ()) -> list:
+    """The options among ``names`` (dest names) whose value in ``args`` is not their default, i.e. were given (one
+    given at its default value cannot be told apart). The defaults are the parser's own values for the arguments
+    ``command`` alone (a subcommand's name, or none), so those must parse with no required option."""
+    defaults = vars(parser.parse_args(list(command)))
+    return [name for name in names if getattr(args, name) != defaults[name]]
+
+
 def check_not_given(parser: argparse.ArgumentParser, args: argparse.Namespace, names, why: str) -> None:
-    """``parser.error`` naming the first option of ``names`` (dest names) whose value in ``args`` is not its default,
-    i.e. was given: for options a mode (``why``, e.g. "with --quick, which sets it") replaces or ignores. The
-    defaults are the parser's own values for no arguments, so it must have no required option."""
-    defaults = vars(parser.parse_args([]))
-    given = [name for name in names if getattr(args, name) != defaults[name]]
-    if given:
+    """``parser.error`` naming the first option of ``names`` (dest names) that was given (:func:`given_options`):
+    for options a mode (``why``, e.g. "with --quick, which sets it") replaces or ignores."""
+    if given := given_options(parser, args, names):
         parser.error(f"--{given[0].replace('_', '-')} does not apply {why}")
 
 
@@ -280,6 +254,25 @@ def run_script(main) -> None:
     try:
         code = main()
     except (ValueError, OSError) as e:
-        print(f"{Path(sys.argv[0]).name}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: error: {one_line(e)}", file=sys.stderr)
         raise SystemExit(2) from None
     raise SystemExit(code if isinstance(code, int) else 0)  # a main's int is its exit code; a result dict is 0
+
+
+def short_repr(value) -> str:
+    """``repr(value)`` in at most ``MAX_ECHO_CHARS`` characters (and "...", with the value's length when it was
+    cut): an error never sends a huge value back, nor spends long writing its whole repr (``reprlib``)."""
+    text = _ECHO.repr(value)
+    limit = {str: None, list: _ECHO.maxlist, tuple: _ECHO.maxtuple, dict: _ECHO.maxdict, set: _ECHO.maxset}
+    cut = len(text) > MAX_ECHO_CHARS or (len(repr(value[:MAX_ECHO_CHARS])) > MAX_ECHO_CHARS if isinstance(value, str)
+                                         else type(value) in limit and len(value) > limit[type(value)])
+    if len(text) > MAX_ECHO_CHARS:
+        text = text[:MAX_ECHO_CHARS] + "..."
+    if cut and isinstance(value, (str, list, tuple, dict, set)):
+        text += f" ({len(value)} {'characters' if isinstance(value, str) else 'items'})"
+    return text
+
+
+_ECHO = reprlib.Repr()  # bounded work for a value of any size (Python 3.11's Repr takes no arguments)
+_ECHO.maxlevel, _ECHO.maxlist, _ECHO.maxtuple, _ECHO.maxdict, _ECHO.maxset = 3, 32, 32, 16, 16
+_ECHO.maxstring = _ECHO.maxlong = _ECHO.maxother = MAX_ECHO_CHARS

@@ -155,12 +155,12 @@ def compare_config(values: dict, command: str, settings: dict, text: str | None 
     names = values.get("policies", DEFAULT_POLICIES if command == "model" else SIM_DEFAULT_POLICIES)
     names = comma_list(names, "--policies") if isinstance(names, str) else tuple(names)
     values["policies"] = tuple(POLICIES) if names == ("all",) and command == "sim" else names
-    if command == "model" and values.get("trace") is not None and values.get("seed", 0) != 0:  # simulate's seeds
-        raise ValueError("--seed shapes a generated trace: it does not apply with --trace")  # the sim's draws too
     if command == "sim":
         values.update(clock="sim", check_reference=False, figures_dir=None)
     values |= {name: None for name in ("figures_dir", "reference_cache") if values.get(name) == ""}
     cfg = CompareConfig(**values, settings=settings, command=text)
+    if command == "model" and cfg.trace is not None and changed_fields(cfg, ("seed",)):  # simulate's seeds
+        raise ValueError("--seed shapes a generated trace: it does not apply with --trace")  # the sim's draws too
     baselines_only = command == "model" and all(p in BASELINES for p in cfg.policies)  # transformers or vLLM runs
     if baselines_only and (given := changed_fields(cfg, ("clock", "attention_backend", "trace_out"))):
         raise ValueError(f"{opt(given[0])} applies only to our engine's policies, not to {','.join(cfg.policies)}")

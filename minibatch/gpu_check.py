@@ -38,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from minibatch.checks import one_line
 from minibatch.gpu_steps import (CheckContext, StepFailed, check_benchmark, check_cuda_tests, check_environment,
                                  check_greedy_bf16, check_greedy_fp32, check_kernels, check_main_job,
                                  check_profile, real_weights_available)
@@ -138,7 +139,7 @@ def run_gpu_check(device: str | None = None, steps: list[str] | None = None, ben
             try:
                 report = StepReport(step.name, step.what, PASSED, 0.0, step.run(ctx))
             except Exception as e:  # a step's failure is a result: record it and go on with the others
-                details = getattr(e, "details", {}) | {"error": f"{type(e).__name__}: {' '.join(str(e).split())}"}
+                details = getattr(e, "details", {}) | {"error": f"{type(e).__name__}: {one_line(e)}"}
                 if not isinstance(e, StepFailed):
                     details["traceback"] = traceback.format_exc(limit=-6)
                 report = StepReport(step.name, step.what, FAILED, 0.0, details)

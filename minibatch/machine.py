@@ -1,7 +1,7 @@
 """What machine this is: the CPU model and its vector instruction sets, read from /proc/cpuinfo, and its last-level
 caches' size (sysfs); how its C allocator treats the memory a step frees (``keep_freed_memory``); a KV cache on
 2 MiB pages (``huge_page_zeros``); and a process-level helper for its native libraries' stderr
-(``native_stderr_hidden``).
+(``native_stderr_hidden``); whether a server can listen at an address here (``check_listen_address``).
 
 Results record the CPU model, its instruction sets, the allocator's state and the KV cache's pages
 (``report.environment``); the C++ kernels' build name covers the first two (``kernels.cpp_build``).
@@ -209,3 +209,30 @@ def native_stderr_hidden():
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Raise ValueError (naming --host and --port) unless a server can listen on ``host``:``port`` now: the name
+    resolves and the port is free (a test bind, closed at once)."""
+    import errno
+    import socket
+
+    if not host.strip():
+        raise ValueError("--host must be a host name or address (127.0.0.1: this machine only; 0.0.0.0: every "
+                         "interface), got ''")
+    try:
+        bound = 0
+        for family, kind, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+            with socket.socket(family, kind) as s:  # every address the name gives, as the server binds them
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+                try:
+                    s.bind(address)
+                    bound += 1
+                except OSError as e:
+                    if e.errno != errno.EADDRNOTAVAIL:  # an address family this machine lacks is skipped
+                        raise
+        if not bound:
+            raise OSError(errno.EADDRNOTAVAIL, "no address of this host is on this machine")
+    except (OSError, UnicodeError) as e:  # UnicodeError: a name no DNS label can hold
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({getattr(e, 'strerror', None) or e})") \
+            from None

@@ -43,7 +43,7 @@ import torch
 if TYPE_CHECKING:  # transformers is imported where a model is built or loaded: `import minibatch` stays light
     from transformers import PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from minibatch.checks import check_device
+from minibatch.checks import check_device, short_repr
 from minibatch.config import check_fields, opt, option
 from minibatch.gguf import load_smollm2
 from minibatch.precision import DTYPES
@@ -181,7 +181,7 @@ def check_model_name(name: str, option: str = "model") -> None:
         raise ValueError(f"{option} must be a model name: {choices}; got {name!r}")
     if name in MODEL_NAMES:
         return
-    path, shown = Path(name).expanduser(), repr(name) if len(name) <= 200 else f"{name[:200]!r}... ({len(name)} chars)"
+    path, shown = Path(name).expanduser(), short_repr(name)
     if not os.path.exists(path):  # (False, not an error, for a name longer than the file system allows)
         if "/" not in name and os.sep not in name:
             raise ValueError(f"{option}: unknown model {shown}: {choices}")

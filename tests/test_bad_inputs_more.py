@@ -57,9 +57,10 @@ def run_cli(argv, capsys):
      "--context-len does not apply with --decode-batches empty"),
     (PROFILE_CMD + ["--decode-batches", "", "--prefill-lens", "8", "--block-size", "4096"],
      "--block-size 4096 exceeds tiny-random-llama's max_model_len 512"),
-    # serve: the value given is shown (the line joins runs of spaces, so its length says how many)
+    # serve: the value given is shown as it is (the one-line error keeps runs of spaces)
     (["serve", "--model", "tiny-random-llama", "--port", "1", "--served-model-name", "  "],
-     "--served-model-name must be a non-empty id (leave it out for --model's name), got ' ' (2 whitespace characters)"),
+     "--served-model-name must be a non-empty id (leave it out for --model's name), got '  '"),
+    (["compare", "--model", "no  such  model"], "unknown model 'no  such  model'"),
     (["serve", "--model", "tiny-random-llama", "--port", "1", "--served-model-name", "\t"], r"got '\t'"),
 ])
 def test_cli_bad_option_is_one_line_exit_2(argv, message, capsys, monkeypatch):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import re
-import reprlib
 import uuid
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from minibatch.checks import short_repr
 from minibatch.request import Request, SamplingParams
 
 # OpenAI parameters we do not implement -> the values that mean "off" (accepted, they change nothing)
@@ -33,26 +33,6 @@ UNSUPPORTED = {
 }
 MAX_STOP_STRINGS = 16
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where json.loads can make a lone surrogate (or a pair)
-MAX_ECHO_CHARS = 200  # an error quotes at most this much of the value it refuses
-
-
-def short_repr(value) -> str:
-    """``repr(value)`` in at most ``MAX_ECHO_CHARS`` characters (and "...", with the value's length when it was
-    cut): an error never sends a huge value back, nor spends long writing its whole repr (``reprlib``)."""
-    text = _ECHO.repr(value)
-    limit = {str: None, list: _ECHO.maxlist, tuple: _ECHO.maxtuple, dict: _ECHO.maxdict, set: _ECHO.maxset}
-    cut = len(text) > MAX_ECHO_CHARS or (len(repr(value[:MAX_ECHO_CHARS])) > MAX_ECHO_CHARS if isinstance(value, str)
-                                         else type(value) in limit and len(value) > limit[type(value)])
-    if len(text) > MAX_ECHO_CHARS:
-        text = text[:MAX_ECHO_CHARS] + "..."
-    if cut and isinstance(value, (str, list, tuple, dict, set)):
-        text += f" ({len(value)} {'characters' if isinstance(value, str) else 'items'})"
-    return text
-
-
-_ECHO = reprlib.Repr()  # bounded work for a value of any size (Python 3.11's Repr takes no arguments)
-_ECHO.maxlevel, _ECHO.maxlist, _ECHO.maxtuple, _ECHO.maxdict, _ECHO.maxset = 3, 32, 32, 16, 16
-_ECHO.maxstring = _ECHO.maxlong = _ECHO.maxother = MAX_ECHO_CHARS
 
 
 class APIError(Exception):

@@ -19,11 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from minibatch.checks import MAX_ECHO_CHARS, short_repr
 from minibatch.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from minibatch.serving.metrics import ServingMetrics
-from minibatch.serving.protocol import (MAX_ECHO_CHARS, APIError, ChatCompletionRequest, CompletionRequest, Context,
+from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Context,
                                         api_error_of, check_list_lengths, decode_json, make_request, one_prompt,
-                                        parse_body, short_repr)
+                                        parse_body)
 from minibatch.serving.text import TextAssembler, template_tokens_per_message
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
