@@ -433,6 +433,13 @@ def run_cli(argv, capsys):
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--workload", "multiturn", "--conversations",
       "2", "--system-prompt-len", "100", "--max-model-len", "50"], "every conversation ends before its first turn"),
     (["compare", "--model", "a" * 5000], "--model: unknown model"),  # was OSError "File name too long", rc 1
+    # the profile's model has a context limit: simulate priced a 100000-token prompt on SmolLM2 (8192)
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--num-requests", "4", "--long-prompts", "1",
+      "--long-prompt-len", "100000"], "requests ['req-002'] need more than smollm2-135m's max_model_len = 8192"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--num-requests", "4", "--long-prompts", "1",
+      "--long-prompt-len", "100000", "--replicas", "2"], "need more than smollm2-135m's max_model_len = 8192"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--workload", "multiturn", "--max-model-len",
+      "9000"], "--max-model-len 9000 exceeds smollm2-135m's max_model_len 8192"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--aging-s", "0.5"],
      "--aging-s applies only with --queue-policy priority"),
     (["compare", "--model", "tiny-random-llama", "--policies", "chunked", "--target-itl-s", "0.2",
@@ -967,6 +974,7 @@ BAD_PROFILES = {  # case -> (changes {dotted key: value or _DELETE} or raw text,
     "draft wrong type": ({"draft": [1, 2]}, ["'draft'", "knots"]),
     "vocab_size bool": ({"vocab_size": True}, ["'vocab_size'", "int >= 1"]),
     "vocab_size 0": ({"vocab_size": 0}, ["'vocab_size'"]),
+    "max_model_len string": ({"max_model_len": "8192"}, ["'max_model_len'", "int >= 1", "context limit"]),
     "samples not a list": ({"samples": {}}, ["'samples'", "list", "calibrate"]),
     "sample missing key": ({"samples": [{"scenario": "x", "layout": "packed", "time_s": 0.1}]},
                            ["'samples'", "sample 0", "num_tokens"]),
@@ -993,7 +1001,7 @@ def test_bad_profile_file(tmp_path, case):
     for w in words:
         assert w in msg, (w, msg)
     if not isinstance(change, str):
-        assert "re-run python -m minibatch calibrate" in msg or "vocab_size" in msg
+        assert "re-run python -m minibatch calibrate" in msg or "set it to the model's" in msg
 
 
 def test_committed_profile_loads_and_saves_identically(tmp_path):

@@ -163,6 +163,7 @@ def test_calibrate_writes_a_profile_that_fits_its_samples(tiny_profile):
     p = Profile.load(tiny_profile)
     assert set(p.layouts) == {"packed", "padded"} and p.draft is not None
     assert p.meta["command"].startswith("python -m minibatch calibrate")
+    assert p.max_model_len == 512 and p.vocab_size == 512  # tiny-random-llama's context and vocab: simulate checks
     samples = p.meta["samples"]
     assert {s["scenario"].split("-")[0] for s in samples} >= {"decode", "long", "prefill", "chunked", "static"}
     for layout in ("packed", "padded"):

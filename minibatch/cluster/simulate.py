@@ -157,13 +157,16 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
     """Each of cfg.policies as a cluster on the workload; prints the overall and per-replica tables; returns (and
     with cfg.json_path writes) the results."""
     from minibatch.cluster.multiturn import make_conversations
-    from minibatch.compare import build_trace
     from minibatch.metrics import SLO
     from minibatch.report import environment, print_table, write_json
     from minibatch.sim.cost_model import Profile
+    from minibatch.sim.simulator import profile_trace
 
     profile = Profile.load(profile_path)
-    requests, conversations = [], []
+    requests, conversations, limit = [], [], profile.max_model_len  # None: a profile that does not record it
+    if ccfg.workload == "multiturn" and limit is not None and ccfg.max_model_len > limit:
+        raise ValueError(f"--max-model-len {ccfg.max_model_len} exceeds {profile.model}'s max_model_len {limit} "
+                         f"(recorded in {profile_path}): give --max-model-len <= {limit}")
     if ccfg.workload == "multiturn":
         conversations = make_conversations(ccfg.conversations, rate_per_s=cfg.rate, think_time_s=ccfg.think_time_s,
                                            max_turns=ccfg.max_turns, max_user_len=cfg.max_prompt_len,
@@ -176,7 +179,7 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
         sizing = conversation_sizing(conversations)
         print(f"workload: {len(conversations)} conversations, {sum(c.num_turns for c in conversations)} turns")
     else:
-        requests = sizing = build_trace(cfg, None, profile.vocab_size)
+        requests = sizing = profile_trace(cfg, profile)
         print(f"trace: {len(requests)} requests, arrivals over {requests[-1].arrival_time_s:.1f} s")
     print(f"cluster: {' + '.join(f'{ccfg.roles.count(r)} {r}' for r in dict.fromkeys(ccfg.roles))} replicas, "
           f"router {ccfg.router}" + (f", at most {ccfg.max_outstanding} outstanding per replica"

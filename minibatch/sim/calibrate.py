@@ -134,7 +134,8 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
         print(f"warning: {contention(env)}")
     meta = {"command": command, "environment": env, "device": str(device), "scale": scale, "quick": quick,
             "dtype": dtype_name(model.dtype), "attention_backend": runner.attention_backend.name,
-            "vocab_size": model.config.vocab_size}  # simulate draws its made-up prompt ids below it
+            "vocab_size": model.config.vocab_size,  # simulate draws its made-up prompt ids below it
+            "max_model_len": runner.max_model_len}  # and refuses requests longer than this
     profile = fit_profile(model_name, samples, meta)
     if draft_model:
         from minibatch.experiment import load_draft_runner

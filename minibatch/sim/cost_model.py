@@ -215,13 +215,18 @@ class Profile:
                              f"config.vocab_size> to the file")
         return self.meta["vocab_size"]
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The model's context limit in tokens, recorded by calibrate; None for a profile made before it was."""
+        return self.meta.get("max_model_len")
+
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         """Read a profile written by :meth:`save`, checking every key the simulator uses.
 
         Keys: format ("minibatch-profile-v1"), model (str), layouts ({"packed": ..., "padded": ...},
         packed required; each {knots, curve_s, coef_s}), draft (the same or null; optional); the
-        rest is ``meta``, where vocab_size (int >= 1), samples and draft_samples (the calibration
+        rest is ``meta``, where vocab_size and max_model_len (ints >= 1), samples and draft_samples (the calibration
         steps --refit fits again) are checked when present.
 
         Raises:

@@ -35,9 +35,10 @@ def check_profile_data(data, path) -> None:
         problem = None if name == "draft" and value is None else layout_problem(value)
         if problem:
             raise ValueError(f"{path}: key {name!r}: {problem}; {recalibrate}")
-    if "vocab_size" in data and not (is_int(data["vocab_size"]) and data["vocab_size"] >= 1):
-        raise ValueError(f"{path}: key 'vocab_size' must be an int >= 1, got {data['vocab_size']!r}; "
-                         "set it to the model's config.vocab_size")
+    for key, what in (("vocab_size", "config.vocab_size"), ("max_model_len", "context limit")):
+        if key in data and not (is_int(data[key]) and data[key] >= 1):
+            raise ValueError(f"{path}: key {key!r} must be an int >= 1, got {data[key]!r}; "
+                             f"set it to the model's {what}")
     for key, needed in (("samples", SAMPLE_KEYS), ("draft_samples", DRAFT_SAMPLE_KEYS)):
         problem = samples_problem(data.get(key), needed) if key in data else None
         if problem:

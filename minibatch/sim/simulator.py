@@ -48,6 +48,19 @@ def simulate_policies(cfg, profile: Profile, requests, acceptance_rate=None, pro
     return runs
 
 
+def profile_trace(cfg, profile) -> list:
+    """cfg's trace (``compare.build_trace``) with prompt ids below the profile's vocab_size. Raises ValueError if a
+    request needs more tokens than the profiled model's max_model_len (when the profile records it)."""
+    from minibatch.compare import build_trace
+
+    requests, limit = build_trace(cfg, None, profile.vocab_size), profile.max_model_len
+    if limit is not None and (too_long := [r.request_id for r in requests if r.max_num_tokens > limit]):
+        raise ValueError(f"requests {too_long[:5]}{' ...' if len(too_long) > 5 else ''} need more than "
+                         f"{profile.model}'s max_model_len = {limit} tokens (--max-prompt-len, --max-output-len, "
+                         "--long-prompt-len, --trace)")
+    return requests
+
+
 def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
     """``python -m minibatch simulate``: the trace of ``cfg`` (a CompareConfig) through each of
     its policies (our engine's only: the HF peers need the model) on the clock calibrated in
@@ -59,7 +72,7 @@ def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
     """
     from dataclasses import asdict
 
-    from minibatch.compare import build_trace, kv_slots
+    from minibatch.compare import kv_slots
     from minibatch.policies import POLICIES
     from minibatch.report import environment, machine_differences, print_table, write_json
 
@@ -68,7 +81,7 @@ def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
         raise ValueError(f"--policies: simulate runs our engine's policies only ({','.join(POLICIES)}); "
                          f"{','.join(outside)} need the real model: use compare")
     profile = Profile.load(profile_path)
-    requests = build_trace(cfg, None, profile.vocab_size)
+    requests = profile_trace(cfg, profile)
     print(f"profile {profile_path}: {profile.model} in {profile.dtype}, calibrated by {profile.meta.get('command')!r}")
     env = environment()
     differs = machine_differences(profile.meta.get("environment", {}), env)
