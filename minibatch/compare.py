@@ -119,9 +119,7 @@ class CompareConfig(ModelConfig):
             raise ValueError("--rate does not apply with --arrival zero (every request arrives at 0 s)")
         if not self.check_reference and self.reference_cache not in (None, "", "default"):
             raise ValueError("--reference-cache applies only with the reference check (not with --no-reference)")
-        if self.long_prompts > self.num_requests:
-            raise ValueError(f"--long-prompts must be in [0, --num-requests = {self.num_requests}], "
-                             f"got {self.long_prompts}")
+        check_int(self.long_prompts, "--long-prompts (at most --num-requests)", 0, self.num_requests)
         if self.trace is not None and not Path(self.trace).is_file():
             raise ValueError(f"--trace: no such file {self.trace!r}")
         if self.profile is not None and self.clock != "sim":  # a wall-clock run would silently not use it
@@ -183,10 +181,8 @@ def make_compare_clock(cfg: CompareConfig, device="cpu"):
     from minibatch.clock import SimClock, make_clock
     from minibatch.sim.cost_model import Profile
 
-    if cfg.clock == "sim" and cfg.profile:
-        profile = Profile.load(cfg.profile)
-        return SimClock(profile, profile)
-    return make_clock(cfg.clock, device)
+    profile = Profile.load(cfg.profile) if cfg.clock == "sim" and cfg.profile else None
+    return SimClock(profile, profile) if profile else make_clock(cfg.clock, device)
 
 
 def run_policies(cfg: CompareConfig, requests: list[Request], executor, clock_factory, *, draft_runner=None,
@@ -254,8 +250,11 @@ def run_compare(cfg: CompareConfig) -> dict:
           f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over {requests[-1].arrival_time_s:.1f} s")
     runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend)
     if cfg.kv_cache_memory_bytes is not None:
+        block = max((getattr(cfg.policy_config(p, requests), "block_size", 1) for p in cfg.policies if p in POLICIES),
+                    default=1)
         n_slots = check_int(cfg.kv_cache_memory_bytes // runner.kv_bytes_per_token, "--kv-cache-memory-bytes // "
-                            f"{runner.kv_bytes_per_token} KV bytes per token (n_slots)", 1, MAX_KV_SLOTS)
+                            f"{runner.kv_bytes_per_token} KV bytes per token (n_slots: one KV block of {block} "
+                            "tokens at least)", block, MAX_KV_SLOTS)
         cfg = replace(cfg, settings=cfg.settings | {"n_slots": n_slots}, kv_cache_memory_bytes=None)
         print(f"KV cache: {n_slots} token slots of {runner.kv_bytes_per_token} bytes")
     too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]

@@ -200,7 +200,7 @@ def test_step_with_nothing_queued_is_a_no_op(policy):
     ("chunked", dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     ("paged", dict(max_num_batched_tokens=-3), "max_num_batched_tokens"),
     ("paged", dict(n_slots=0), "n_slots"),
-    ("paged", dict(n_slots=8, block_size=16), "n_slots"),
+    ("paged", dict(n_slots=8, block_size=16), "--n-slots .* must be >= --block-size 16"),  # the config names options
     ("orca", dict(max_num_seqs=0), "max_num_seqs"),
     ("static", dict(batch_size=0), "batch_size"),
     ("static", dict(max_wait_s=math.inf), "max_wait_s"),
@@ -440,6 +440,11 @@ def run_cli(argv, capsys):
       "--long-prompt-len", "100000", "--replicas", "2"], "need more than smollm2-135m's max_model_len = 8192"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--workload", "multiturn", "--max-model-len",
       "9000"], "--max-model-len 9000 exceeds smollm2-135m's max_model_len 8192"),
+    # n_slots below one block: named as options, or as --kv-cache-memory-bytes when that sized the cache
+    (["compare", "--model", "tiny-random-llama", "--policies", "paged", "--n-slots", "8", "--no-reference"],
+     "--n-slots (KV cache token slots) must be >= --block-size 16 (one KV block at least), got 8"),
+    (["compare", "--model", "tiny-random-llama", "--policies", "paged", "--kv-cache-memory-bytes", "3000",
+      "--no-reference"], "--kv-cache-memory-bytes // 256 KV bytes per token (n_slots: one KV block of 16 tokens"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--aging-s", "0.5"],
      "--aging-s applies only with --queue-policy priority"),
     (["compare", "--model", "tiny-random-llama", "--policies", "chunked", "--target-itl-s", "0.2",

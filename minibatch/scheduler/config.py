@@ -54,6 +54,9 @@ class IterationConfig(SchedulerConfig):
         super().__post_init__()
         if self.queue_policy != "priority" and self.aging_s is not None and changed_fields(self, ("aging_s",)):
             raise ValueError(f"{opt('aging_s')} applies only with {opt('queue_policy')} priority")
+        if self.n_slots < self.block_size:  # named as options: the scheduler's own check names its arguments
+            raise ValueError(f"{opt('n_slots')} (KV cache token slots) must be >= {opt('block_size')} "
+                             f"{self.block_size} (one KV block at least), got {self.n_slots}")
 
 
 @dataclass(frozen=True)
