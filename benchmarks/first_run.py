@@ -13,6 +13,8 @@ installed. Run nothing else meanwhile.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -22,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from minibatch.checks import OneLineParser, output_file_arg
+from minibatch.__main__ import build_parser
+from minibatch.checks import OneLineParser, given_options, output_file_arg
+from minibatch.config import opt
 from minibatch.report import environment, machine_load, write_json
 
 ROW_FIELDS = ("output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "e2e_p50_s", "goodput_req_s")
@@ -33,6 +37,15 @@ def main(argv=None) -> dict:
     p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     p.add_argument("compare_args", nargs="*", help="extra options for compare (after --)")
     args = p.parse_args(argv)
+    compare, said = build_parser(), io.StringIO()  # compare's own options, checked now, not after a subprocess
+    try:
+        with contextlib.redirect_stderr(said):
+            given = given_options(compare, compare.parse_args(["compare", *args.compare_args]),
+                                  ("json_path", "figures_dir"), ("compare",))
+    except SystemExit:
+        p.error(f"compare option: {said.getvalue().strip().partition(': error: ')[2]}")
+    if given:
+        p.error(f"{opt(given[0])} is set by this script (compare writes into a temporary folder)")
     load_before = machine_load()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "compare.json"
@@ -44,7 +57,8 @@ def main(argv=None) -> dict:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         total = time.perf_counter() - t0
         if proc.returncode != 0:
-            raise SystemExit(f"compare failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+            last = (proc.stderr.strip().splitlines() or [""])[-1]
+            raise ValueError(f"compare failed (exit {proc.returncode}): {last}")
         result = json.loads(out.read_text())
 
     def seconds(pattern: str) -> float | None:
