@@ -10,12 +10,14 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 import torch
 
+from minibatch.checks import MAX_SECONDS, FieldTypeError, check_real, short_repr
 from minibatch.scheduler.output import PADDED
 
 
@@ -112,6 +114,10 @@ class CostModel:
     per_token_s: float = 0.0015
     per_context_token_s: float = 0.000002
 
+    def __post_init__(self):  # a negative or NaN cost would run the timeline backwards or stall it
+        for name in ("fixed_s", "per_seq_s", "per_token_s", "per_context_token_s"):
+            check_real(getattr(self, name), f"CostModel.{name} (seconds)", 0.0, MAX_SECONDS)
+
     def forward_time_s(self, rows: int, num_tokens: int, context: int) -> float:
         """One forward over ``rows`` sequences, ``num_tokens`` tokens, ``context`` context tokens."""
         return self.fixed_s + self.per_seq_s * rows + self.per_token_s * num_tokens + self.per_context_token_s * context
@@ -199,9 +205,15 @@ class SimClock(WallClock):
     kind = "sim"
 
     def __init__(self, cost_model: StepCostModel | None = None, draft_cost_model: StepCostModel | None = None):
+        """Raises TypeError: a cost model without ``step_time_s`` and ``forward_time_s`` (e.g. a number, a class)."""
         super().__init__("cpu")
         self.cost_model = cost_model or CostModel()
         self.draft_cost_model = draft_cost_model or DRAFT_COST_MODEL
+        for name, model in (("cost_model", self.cost_model), ("draft_cost_model", self.draft_cost_model)):
+            if isinstance(model, type) or not all(callable(getattr(model, m, None))
+                                                   for m in ("step_time_s", "forward_time_s")):
+                raise FieldTypeError(f"SimClock {name} must be a CostModel or a calibrated Profile (an object with "
+                                     f"step_time_s and forward_time_s), got {short_repr(model)}")
 
     def start_step(self) -> None:
         pass
@@ -211,6 +223,9 @@ class SimClock(WallClock):
         draft_time_s is not used): returns (step seconds, of which drafting) and advances now_s."""
         draft_s = sum(self.draft_cost_model.forward_time_s(*f) for f in draft_forwards)
         dt = self.cost_model.step_time_s(shape) + draft_s
+        if not 0.0 <= dt < math.inf:  # NaN too: a NaN timeline admits no arrival again (the run would never end)
+            raise ValueError(f"the SimClock's cost model priced a step at {dt} s ({draft_s} s of drafting): a step "
+                             f"takes a finite time >= 0 ({type(self.cost_model).__name__}, {shape})")
         self._advance(dt)
         return dt, draft_s
 

@@ -17,7 +17,7 @@ import heapq
 import weakref
 from typing import Iterator
 
-from minibatch.checks import check_in_vocab
+from minibatch.checks import FieldTypeError, check_in_vocab, short_repr
 from minibatch.clock import SimClock, StepShape, WallClock
 from minibatch.records import StepRecord, TokenEvent
 from minibatch.request import Request, RequestStatus, SamplingParams
@@ -45,6 +45,13 @@ class Engine:
     """
 
     def __init__(self, scheduler: Scheduler, executor, clock: WallClock | SimClock | None = None):
+        """Raises FieldTypeError: an executor or clock that is not one (a class, a name such as "sim")."""
+        for name, obj, needs in (("executor", executor, ("execute", "free")),
+                                 ("clock", clock, ("start_step", "end_step", "advance_to"))):
+            if obj is not None and (isinstance(obj, type) or not all(callable(getattr(obj, m, None)) for m in needs)):
+                raise FieldTypeError(f"{name} must be an object with {', '.join(needs)} (e.g. "
+                                     + ("ModelRunner(...) or SimExecutor()" if name == "executor" else
+                                        "SimClock() or WallClock()") + f"), got {short_repr(obj)}")
         self.scheduler = scheduler
         self.executor = executor
         self.clock = clock if clock is not None else SimClock()
@@ -141,7 +148,7 @@ class Engine:
             heapq.heapify(self.pending)
         self.scheduler.abort(request, reason)  # also finishes it (a not-yet-arrived one too)
         self.executor.free([request_id])
-        request.finish_time_s = self.clock.now_s
+        request.finish_time_s = max(self.clock.now_s, request.arrival_time_s)  # (not before it arrived)
         return True
 
     def has_unfinished(self) -> bool:

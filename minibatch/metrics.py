@@ -236,7 +236,8 @@ class BenchmarkSummary:
     """What ``benchmark_serving`` prints, plus schedule-trace numbers: every registered column
     (:data:`COLUMNS`) as an attribute (``summary.ttft_p90_s``), then the trace fields (None without a
     trace): num_steps, padding_waste_fraction, slot_utilization, mean_batch_size, kv_waste_fraction,
-    max_num_running (the most requests running at once), num_preemptions. Times in seconds; latency
+    max_num_running (the most requests running at once), num_preemptions; and num_aborted (requests aborted, left
+    out of every column). Times in seconds; latency
     statistics of an empty sample are None; goodput_req_s is None without an SLO."""
 
     TRACE_FIELDS = ("num_steps", "padding_waste_fraction", "slot_utilization", "mean_batch_size",
@@ -265,13 +266,18 @@ def summarize(requests: list[Request], trace: list[StepRecord] | None = None,
     duration_s runs from the first arrival to the last finish. vLLM divides by the benchmark's
     wall duration (first request sent to last response received), which is the same span when
     the benchmark starts sending at the first arrival. Throughputs and goodput are per second
-    of duration_s.
+    of duration_s. Aborted requests (finish_reason "abort": ``Engine.abort_request``) are left out of
+    every column and counted in ``num_aborted``, as vLLM's benchmark counts failed requests apart.
 
     Raises:
-        ValueError: no requests, an unfinished request (named), or a zero duration.
+        ValueError: no requests, an unfinished request (named), every request aborted, or a zero duration.
     """
     if not requests:
         raise ValueError("summarize needs at least one request")
+    done = [r for r in requests if r.finish_reason != "abort"]
+    if not done:
+        raise ValueError(f"all {len(requests)} requests were aborted: no latency or throughput to summarize")
+    num_aborted, requests = len(requests) - len(done), done
     metrics = request_metrics(requests)
     duration_s = max(r.finish_time_s for r in requests) - min(r.arrival_time_s for r in requests)
     if not duration_s > 0:
@@ -286,5 +292,5 @@ def summarize(requests: list[Request], trace: list[StepRecord] | None = None,
         "kv_waste_fraction": kv_waste_fraction(trace) if traced else None,
         "max_num_running": max((r.num_running for r in trace), default=0) if traced else None,
         "num_preemptions": sum(len(r.preempted) for r in trace) if traced else None,
-    }
+    } | {"num_aborted": num_aborted}
     return BenchmarkSummary(values, slo)

@@ -13,7 +13,7 @@ import json
 import reprlib
 from pathlib import Path
 
-from minibatch.checks import check_in_vocab
+from minibatch.checks import FieldTypeError, check_in_vocab, check_int, short_repr
 from minibatch.request import Request, SamplingParams
 
 TRACE_FORMAT = "minibatch-trace-v1"
@@ -24,7 +24,8 @@ def save_trace(requests: list[Request], path: str | Path) -> None:
     atomically (:func:`minibatch.files.atomic_write_text`: a failed write keeps the old file).
 
     One request per line: request_id, prompt_token_ids, max_new_tokens, sampling (the
-    SamplingParams fields), arrival_time_s (s), prompt_text (or null), priority (int).
+    SamplingParams fields), arrival_time_s (s), prompt_text (or null), priority (int), and where set
+    (OPTIONAL_FIELDS): parent_request_id, num_speculative_tokens, num_external_computed_tokens.
 
     Raises:
         ValueError: no requests, or a non-finite number (e.g. arrival_time_s = inf) that JSON
@@ -33,6 +34,8 @@ def save_trace(requests: list[Request], path: str | Path) -> None:
     """
     from minibatch.files import atomic_write_text
 
+    if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):
+        raise FieldTypeError(f"requests must be a list of Requests, got {short_repr(requests)}")
     if not requests:
         raise ValueError("requests must hold >= 1 request (load_trace refuses an empty trace)")
     rows = []
@@ -40,6 +43,7 @@ def save_trace(requests: list[Request], path: str | Path) -> None:
         row = {"request_id": r.request_id, "prompt_token_ids": r.prompt_token_ids,
                "max_new_tokens": r.max_new_tokens, "sampling": dataclasses.asdict(r.sampling),
                "arrival_time_s": r.arrival_time_s, "prompt_text": r.prompt_text, "priority": r.priority}
+        row |= {k: getattr(r, k) for k, unset in OPTIONAL_FIELDS.items() if getattr(r, k) != unset}
         try:
             rows.append(json.dumps(row, separators=(",", ":"), allow_nan=False))
         except ValueError:
@@ -52,8 +56,11 @@ def save_trace(requests: list[Request], path: str | Path) -> None:
 
 # The keys of a trace file; "sampling" holds SamplingParams fields.
 TRACE_KEYS = ("format", "requests")
+# Request fields a trace row holds only where set (their value when unset): a fork's parent (parallel sampling),
+# a request's own speculative k, KV that arrives from elsewhere (disaggregated prefill)
+OPTIONAL_FIELDS = {"parent_request_id": None, "num_speculative_tokens": None, "num_external_computed_tokens": 0}
 TRACE_REQUEST_KEYS = ("request_id", "prompt_token_ids", "max_new_tokens", "sampling", "arrival_time_s",
-                      "prompt_text", "priority")
+                      "prompt_text", "priority", *OPTIONAL_FIELDS)
 TRACE_REQUIRED_KEYS = ("request_id", "prompt_token_ids", "max_new_tokens")
 
 
@@ -92,7 +99,8 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
     object with request_id (non-empty string, unique), prompt_token_ids (non-empty list of ints
     >= 0, below ``vocab_size`` when given), max_new_tokens (int >= 1), and optionally
     arrival_time_s (finite number >= 0, default 0), sampling (SamplingParams fields), priority
-    (int, default 0), prompt_text (string or null); an optional field that is null gets its default. No other keys.
+    (int, default 0), prompt_text (string or null), and the Request fields of OPTIONAL_FIELDS; an optional field
+    that is null gets its default. No other keys.
 
     Raises:
         ValueError: every bad file: missing, a folder, binary, empty, truncated or not JSON, wrong
@@ -102,6 +110,8 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
     """
     from minibatch.files import read_json
 
+    if vocab_size is not None:
+        check_int(vocab_size, "vocab_size", 1)
     data = read_json(path, what="trace")
     if not isinstance(data, dict):
         raise ValueError(f'{path}: a trace must be a JSON object {{"format": "{TRACE_FORMAT}", "requests": [...]}}, '
@@ -136,7 +146,8 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
                 r = Request(row["request_id"], row["prompt_token_ids"], max_new_tokens=row["max_new_tokens"],
                             sampling=sampling,
                             arrival_time_s=_default(row, "arrival_time_s", 0.0),
-                            prompt_text=row.get("prompt_text"), priority=_default(row, "priority", 0))
+                            prompt_text=row.get("prompt_text"), priority=_default(row, "priority", 0),
+                            **{k: _default(row, k, unset) for k, unset in OPTIONAL_FIELDS.items()})
             except (TypeError, ValueError) as e:  # Request's own message, less its "request 'id': " prefix
                 raise ValueError(str(e).removeprefix(f"request {row['request_id']!r}: ")) from None
             if vocab_size is not None:

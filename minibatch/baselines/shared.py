@@ -4,6 +4,8 @@ filling a Request from HF's tokens and time stamps, and the progress bar.
 
 from __future__ import annotations
 
+import dataclasses
+
 from minibatch.request import Request, RequestStatus, SamplingParams
 
 
@@ -15,12 +17,15 @@ def max_model_len(model) -> int | None:
     return None if max_len == NO_POSITION_LIMIT else max_len
 
 
-def check_requests(model, requests: list[Request]) -> None:
-    """Check a baseline's input before it runs.
+def check_requests(model, requests: list[Request], baseline: str = "this baseline",
+                   unsupported: tuple[str, ...] = ()) -> None:
+    """Check a baseline's input before it runs; ``unsupported``: the SamplingParams fields (min_tokens, logprobs,
+    stop_token_ids) that ``baseline`` does not apply, refused when set rather than silently ignored.
 
     Raises:
         ValueError: empty input, a duplicate request_id, a request that already ran (not WAITING, or with
-            computed or output tokens) or one whose prompt + max_new_tokens exceeds the model's context.
+            computed or output tokens), one that sets an unsupported field, or one whose prompt + max_new_tokens
+            exceeds the model's context.
     """
     if not requests:
         raise ValueError("requests is empty: give at least one Request")
@@ -31,6 +36,9 @@ def check_requests(model, requests: list[Request]) -> None:
         seen.add(r.request_id)
         if r.status != RequestStatus.WAITING or r.num_computed_tokens or r.output_token_ids:
             raise ValueError(f"request {r.request_id!r} already ran; pass request.copy()")
+        if given := [name for name in unsupported if getattr(r.sampling, name) not in (0, None, ())]:
+            raise ValueError(f"request {r.request_id!r}: {baseline} does not apply sampling {given[0]} "
+                             f"({getattr(r.sampling, given[0])!r}); leave it unset, or run one of our policies")
     max_len = max_model_len(model)
     if max_len is not None:
         for r in requests:
@@ -39,6 +47,14 @@ def check_requests(model, requests: list[Request]) -> None:
                     f"request {r.request_id!r}: prompt ({r.num_prompt_tokens}) + max_new_tokens "
                     f"({r.max_new_tokens}) must be <= max_model_len ({max_len})"
                 )
+
+
+def without_logprobs(requests: list[Request]) -> list[Request]:
+    """``requests`` (a run's own copies) with no top-logprobs asked for, in place: what ``compare``'s bf16 rule asks
+    of every policy, and HF's generate does not return (a baseline's divergence is then judged on its tokens)."""
+    for r in requests:
+        r.sampling = dataclasses.replace(r.sampling, logprobs=None)
+    return requests
 
 
 def batch_sampling(requests: list[Request]) -> SamplingParams | None:

@@ -24,6 +24,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from minibatch.checks import MAX_SECONDS, FieldTypeError, check_int, check_real, short_repr
 from minibatch.cluster.routers import Replica, Router
 from minibatch.request import Request, RequestStatus
 
@@ -35,6 +36,10 @@ class KVLink:
 
     bytes_per_s: float = 25e9
     latency_s: float = 10e-6
+
+    def __post_init__(self):
+        check_real(self.bytes_per_s, "KVLink.bytes_per_s", 0.0, 1e15, low_open=True)
+        check_real(self.latency_s, "KVLink.latency_s (seconds)", 0.0, MAX_SECONDS)
 
     def transfer_s(self, num_tokens: int, kv_bytes_per_token: int) -> float:
         return self.latency_s + num_tokens * kv_bytes_per_token / self.bytes_per_s
@@ -66,7 +71,8 @@ class Cluster:
         max_model_len: a multi-turn conversation ends before a turn that would not fit.
 
     Raises:
-        ValueError: no engines, or roles that do not pair up.
+        ValueError: no engines, roles that do not pair up, a bad max_outstanding or kv_bytes_per_token.
+        FieldTypeError: a router without ``route`` (e.g. its name: use ``get_router(name)``).
     """
 
     def __init__(self, engines: list, router: Router, *, roles: list[str] | None = None,
@@ -78,6 +84,11 @@ class Cluster:
         if "both" in roles and len(set(roles)) > 1 or (set(roles) & {"prefill", "decode"}
                                                         and set(roles) != {"prefill", "decode"}):
             raise ValueError("roles: all 'both' (colocated), or 'prefill' and 'decode' replicas (disaggregated)")
+        if isinstance(router, type) or not callable(getattr(router, "route", None)):
+            raise FieldTypeError(f"router must be a Router instance (get_router(name)), got {short_repr(router)}")
+        if max_outstanding is not None:
+            check_int(max_outstanding, "max_outstanding (None: no admission limit)", 1, 1 << 20)
+        check_int(kv_bytes_per_token, "kv_bytes_per_token", 0, 1 << 30)
         self.replicas = [Replica(i, e, role) for i, (e, role) in enumerate(zip(engines, roles))]
         self.router, self.max_outstanding, self.kv_link = router, max_outstanding, kv_link
         self.kv_bytes_per_token, self.max_model_len = kv_bytes_per_token, max_model_len
@@ -85,7 +96,13 @@ class Cluster:
 
     # ------------------------------------------------------------------ the loop
     def run(self, requests: list[Request] = (), conversations: list = ()) -> ClusterRun:
-        """Run fresh copies of ``requests`` (and the turns of ``conversations``) to completion."""
+        """Run fresh copies of ``requests`` (and the turns of ``conversations``) to completion, once per Cluster.
+
+        Raises:
+            ValueError: the engines have run before, two requests share a request_id, or a request cannot run on
+                a replica it may be routed to (too long for its KV cache or context; before any step).
+        """
+        self._check(requests)
         self._events: list = []  # heap of (time, order, kind, request)
         self._order = 0
         self._held: deque = deque()  # requests waiting at the router (admission limit)
@@ -118,6 +135,18 @@ class Cluster:
             raise RuntimeError(f"{len(self._held)} requests still held at the router with every replica idle")
         return self._result
 
+    def _check(self, requests) -> None:
+        if any(r.engine.requests or r.engine.trace for r in self.replicas):
+            raise ValueError("a Cluster runs once: its engines have run requests already (make new engines)")
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"request_id {next(i for i in ids if ids.count(i) > 1)!r} is given twice")
+        for r in requests:  # each on every replica the router may pick (a disaggregated one's parts on their roles)
+            for replica in self.replicas:
+                part = r.copy()
+                part.max_new_tokens = 1 if replica.role == "prefill" else part.max_new_tokens
+                replica.engine.check_request(part)
+
     def _push(self, t: float, role: str, request: Request, new: bool = False) -> None:
         """An event: at time ``t``, route ``request`` among the replicas of ``role``."""
         heapq.heappush(self._events, (t, self._order, role, request, new))
@@ -134,6 +163,9 @@ class Cluster:
             self._held.append((request, role))
             return
         replica = self.router.route(request, eligible, t)
+        if not any(replica is r for r in eligible):  # (an index, None, another cluster's replica)
+            raise ValueError(f"{type(self.router).__name__}.route must return one of the replicas it is given, "
+                             f"got {short_repr(replica)}")
         if role == "prefill":  # the prefill part: prompt and first token only
             part = request.copy()
             part.max_new_tokens = 1
