@@ -161,24 +161,26 @@ def run(policy: str, requests: list[Request], executor, clock=None, *, config=No
     """Run fresh copies of ``requests`` under ``policy``; returns the :class:`Run`.
 
     executor: a ModelRunner or SimExecutor (ignored by BASELINES); clock: default a SimClock.
-    config, options, draft_runner, speculator: as ``make_engine`` (a BASELINES policy's settings are
-        its ``config_cls``'s); model: BASELINES only (default ``executor.model``).
-    slo: the latency objectives goodput counts.
+    config, options, speculator: as ``make_engine`` (a BASELINES policy's settings are its ``config_cls``'s);
+    draft_runner: for the policies that draft with a model (a loop over policies passes it to all);
+    model: BASELINES only (default ``executor.model``). slo: the latency objectives goodput counts.
 
     Raises:
-        ValueError: an unknown policy or a bad option (named); what the engine raises.
+        ValueError: an unknown policy or a bad option (named), a baseline with no model; what the engine raises.
     """
     reqs = [r.copy() for r in requests]
     t0 = time.perf_counter()
     if policy in BASELINES:
-        baseline = BASELINES[policy]
+        baseline, model = BASELINES[policy], model if model is not None else getattr(executor, "model", None)
+        if model is None:
+            raise ValueError(f"policy {policy!r} runs the model itself: pass model=, or a ModelRunner as executor")
         check_settings(baseline, options)
-        cfg = baseline.make_config(shared_settings(baseline, config) | options)
-        out = baseline.run(model if model is not None else executor.model, reqs, cfg, progress)
+        out = baseline.run(model, reqs, baseline.make_config(shared_settings(baseline, config) | options), progress)
         extra = out[1] if isinstance(out, tuple) else {}
         return Run(policy, reqs, None, time.perf_counter() - t0, slo, extra=extra)
-    engine = make_engine(policy, executor, clock, config=config, draft_runner=draft_runner, speculator=speculator,
-                         **options)
+    drafts = policy in POLICIES and get_policy(policy).proposer == "draft"
+    engine = make_engine(policy, executor, clock, config=config, draft_runner=draft_runner if drafts else None,
+                         speculator=speculator, **options)
     engine.generate(reqs, progress=progress)
     return Run(policy, reqs, engine, time.perf_counter() - t0, slo)
 
@@ -269,8 +271,7 @@ def alternating_step_ms(engines: dict, steps: int) -> dict:
 
 
 def default_draft(model: str) -> str:
-    """The draft model of the ``spec`` policy: smollm2-135m-draft for smollm2-135m; for any other
-    model the model itself (self-speculation: every draft accepted, no speedup, still exact)."""
+    """The ``spec`` policy's draft: smollm2-135m-draft for smollm2-135m, else the model itself (self-speculation)."""
     return "smollm2-135m-draft" if model == "smollm2-135m" else model
 
 
@@ -282,9 +283,8 @@ def check_draft_model(draft_model: str | None, policies) -> None:
 
 def load_draft_runner(name: str, target_name: str, model, tokenizer, device="cpu", attention_backend: str = "torch"):
     """A ModelRunner on the draft model ``name`` (in the target's dtype) for the target ``model`` loaded as
-    ``target_name`` (the target's own model object when they are the same: self-speculation).
-    smollm2-135m-draft's LM head is cut to the 8192 ids its target uses most (``models.draft_vocab_subset``,
-    FR-Spec).
+    ``target_name`` (the target's own model object when they are the same: self-speculation). smollm2-135m-draft's
+    LM head is cut to the 8192 ids its target uses most (``models.draft_vocab_subset``, FR-Spec).
 
     Raises:
         ValueError: the draft's vocab_size differs from the target's (not the same tokenizer).

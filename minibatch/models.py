@@ -210,6 +210,7 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | str = torch.floa
     from minibatch.precision import resolve_dtype
 
     check_model_name(name)
+    check_device(device)  # "gpu", or cuda where torch sees none: said now, not by torch after loading
     dtype = resolve_dtype(dtype, device)
     if name.startswith("~"):  # a local path written with ~, as check_model_name reads it
         name = os.path.expanduser(name)

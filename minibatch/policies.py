@@ -214,6 +214,8 @@ def make_engine(policy: str, executor, clock=None, *, config=None, draft_runner=
     if speculator is not None:
         settings["num_speculative_tokens"] = _speculator_max_k(spec, speculator, settings)
     check_settings(spec, settings)
+    if draft_runner is not None and spec.proposer != "draft":  # it would be silently unused
+        raise ValueError(f"draft_runner applies only to a policy that drafts with a model (spec), not {policy!r}")
     if not callable(getattr(executor, "execute", None)):
         raise FieldTypeError(f"executor must be a ModelRunner or SimExecutor (has execute()), "
                              f"got {type(executor).__name__}")

@@ -269,8 +269,9 @@ def fork_requests(request: Request, n: int, seeds: list[int] | None = None) -> l
     Raises:
         ValueError: n < 1, or len(seeds) != n.
     """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+    from minibatch.checks import MAX_NUM_SEQS, check_int
+
+    check_int(n, "n", 1, MAX_NUM_SEQS)
     if seeds is None:
         base = request.sampling.seed or 0
         seeds = [base + i for i in range(n)]

@@ -3,15 +3,20 @@ naming the argument before any work, never a hang, a half-run object or a silent
 
 import math
 
+import numpy as np
 import pytest
 
-from minibatch import CostModel, Request, SamplingParams, SimClock, SimExecutor, WallClock, make_engine
+from minibatch import (CostModel, FixedK, ModelRunner, Request, SamplingParams, SimClock, SimExecutor, WallClock,
+                       make_engine)
 from minibatch.cluster.cluster import Cluster, KVLink
 from minibatch.cluster.routers import Router, get_router
 from minibatch.experiment import run
+from minibatch.lessons.cluster import run_cluster
+from minibatch.lessons.exercise import miss
 from minibatch.metrics import summarize
 from minibatch.models import load_model
 from minibatch.request import fork_requests
+from minibatch.spec.speculator import expected_tokens, predicted_speedup
 from minibatch.trace_io import load_trace, save_trace
 
 GREEDY = SamplingParams(ignore_eos=True)
@@ -147,3 +152,51 @@ def test_a_trace_keeps_forks_speculative_k_and_external_kv(tmp_path):
 def test_save_trace_refuses_what_is_not_a_list_of_requests(tmp_path, requests):
     with pytest.raises(TypeError, match="requests must be a list of Requests"):
         save_trace(requests, tmp_path / "t.json")
+
+
+# ----------------------------------------------------------------------------- constructors and helpers
+@pytest.mark.parametrize("make, message", [
+    (lambda: SimExecutor(max_model_len=0), "max_model_len must be an int >= 1"),
+    (lambda: SimExecutor(vocab_size=1.5), "vocab_size must be an int >= 1"),
+    (lambda: SimExecutor(acceptance_rate=True), "acceptance_rate"),
+    (lambda: SimExecutor(acceptance_rate="0.5"), "acceptance_rate"),
+    (lambda: SimExecutor(proposal_rate=2), "proposal_rate"),
+    (lambda: fork_requests(Request("a", [1], 2), 1.5), "n must be an int in"),
+    (lambda: fork_requests(Request("a", [1], 2), True), "n must be an int in"),
+    (lambda: FixedK(2.5), r"num_speculative_tokens \(k\) must be an int in \[0, 64\]"),
+    (lambda: FixedK(100), r"num_speculative_tokens \(k\) must be an int in \[0, 64\]"),
+    (lambda: expected_tokens(2.0, 4), "alpha"),  # returned 31
+    (lambda: predicted_speedup(0.5, 4, 0, 0), "verify_cost_ratio"),  # ZeroDivisionError
+    (lambda: load_model("tiny-random-llama", device="gpu"), "device must be cpu, cuda or cuda:N"),
+    (lambda: ModelRunner("tiny-random-llama"), r"model must be a model object \(load_model\(name\)\[0\]\)"),
+    (lambda: make_engine("paged", SimExecutor(), draft_runner=object()), "draft_runner applies only"),
+    (lambda: run("hf_generate", trace(2), SimExecutor()), "runs the model itself: pass model="),
+    (lambda: run_cluster(), "run_cluster needs conversations"),
+    (lambda: run_cluster(requests=["a"]), "requests must be Requests"),
+])
+def test_api_arguments_are_named_when_wrong(make, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        make()
+
+
+def test_a_vocab_subset_must_hold_ids_of_the_model(one_thread):
+    model, tokenizer = load_model("tiny-random-llama")
+    for subset, message in (([], "vocab_subset must hold >= 1 token id"), ([10**9], r"vocab_subset\[0\]")):
+        with pytest.raises(ValueError, match=message):  # [] generated only token 0; 10**9 an IndexError
+            ModelRunner(model, tokenizer, vocab_subset=subset)
+
+
+def test_a_run_cluster_request_past_the_profiled_context_is_refused():
+    with pytest.raises(ValueError, match=r"must be <= max_model_len \(8192\)"):
+        run_cluster(requests=[Request("big", [100] * 9000, 4, GREEDY)], replicas=1)
+
+
+@pytest.mark.parametrize("answer, measured, said", [
+    (np.float64(3.5), 3, "is too high"),  # an np.bool_ index raised TypeError, blamed on the student
+    (np.int64(3), 4, "is too low"),
+    ([1, 2], (1, 2), "has the right entries but must be a tuple"),  # IndexError
+    (5, {1, 2}, "must be a set of 2"),  # TypeError
+    (np.array([1, 2]), [1, 3], "must be a list of 2"),
+])
+def test_an_exercise_says_how_an_answer_misses_whatever_its_type(answer, measured, said):
+    assert miss(answer, measured) == said

@@ -138,6 +138,8 @@ class Cluster:
     def _check(self, requests) -> None:
         if any(r.engine.requests or r.engine.trace for r in self.replicas):
             raise ValueError("a Cluster runs once: its engines have run requests already (make new engines)")
+        if not all(isinstance(r, Request) for r in requests):
+            raise FieldTypeError(f"requests must be Requests, got {short_repr(list(requests))}")
         ids = [r.request_id for r in requests]
         if len(set(ids)) < len(ids):
             raise ValueError(f"request_id {next(i for i in ids if ids.count(i) > 1)!r} is given twice")

@@ -108,8 +108,8 @@ def build_cluster(cfg, ccfg: ClusterConfig, profile, policy: str, sizing: list, 
     if ccfg.disaggregate and (not issubclass(spec.scheduler, PagedScheduler) or spec.proposer):
         raise ValueError(f"{PAGED_POLICIES_ONLY}, without speculative decoding; {policy!r} is not")
     config = cfg.policy_config(policy, sizing)
-    engines = [make_engine(policy, sim_executor(policy, acceptance_rate, cfg.seed), SimClock(profile, profile),
-                           config=config) for _ in ccfg.roles]
+    engines = [make_engine(policy, sim_executor(policy, acceptance_rate, cfg.seed, max_model_len=profile.max_model_len),
+                           SimClock(profile, profile), config=config) for _ in ccfg.roles]
     per_token = ccfg.kv_bytes_per_token
     if per_token is None:
         elements = KV_ELEMENTS_PER_TOKEN.get(profile.model)

@@ -25,6 +25,7 @@ Writing a check::
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Callable
 
 CORRECT, NOT_YET = "correct:", "not yet:"
@@ -61,15 +62,22 @@ def expect(answer, measured, name: str = "my_prediction", *, show_answer: bool =
     raise AssertionError(f"{why} (to see the answer, run the check with show_answer=True)")
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _is_number(x) -> bool:  # numpy's numbers too (a student's np.float64), never a bool (numpy's neither)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and type(x).__name__ != "bool_"
 
 
 def miss(answer, measured, words: tuple[str, str] = ("too low", "too high")) -> str:
     """How ``answer`` misses ``measured``, without saying ``measured``: "is too low", "['orca'] is too early",
-    "has 2 of 3 entries wrong", ..."""
+    "has 2 of 3 entries wrong", ... (a student's answer of any type gets a sentence, never an exception)."""
+    try:
+        return _miss(answer, measured, words)
+    except Exception:  # an answer of a type the comparison cannot take (an array for a list, ...)
+        return f"is not what the engine did (a {type(measured).__name__} is expected, got a {type(answer).__name__})"
+
+
+def _miss(answer, measured, words: tuple[str, str]) -> str:
     if _is_number(answer) and _is_number(measured):
-        return f"is {words[answer > measured]}"
+        return f"is {words[int(answer > measured)]}"
     if isinstance(measured, dict):
         if not isinstance(answer, dict) or set(answer) != set(measured):
             return f"must be a dict with the keys {sorted(map(str, measured))}"
@@ -77,6 +85,8 @@ def miss(answer, measured, words: tuple[str, str] = ("too low", "too high")) -> 
         how = miss(answer[key], measured[key], words)
         return f"[{key!r}]" + ("" if how.startswith("[") else " ") + how
     if isinstance(measured, (set, frozenset)) or isinstance(answer, (set, frozenset)):
+        if not isinstance(answer, (set, frozenset, list, tuple)):
+            return f"must be a set of {len(measured)}"
         answer, measured = set(answer), set(measured)
         wrong, missing = len(answer - measured), len(measured - answer)
         return f"has {wrong} wrong {'entry' if wrong == 1 else 'entries'} and misses {missing}"
@@ -86,6 +96,8 @@ def miss(answer, measured, words: tuple[str, str] = ("too low", "too high")) -> 
         if len(answer) != len(measured):
             return f"has {len(answer)} entries, the answer {len(measured)}"
         wrong = [i for i, (a, m) in enumerate(zip(answer, measured)) if a != m]
+        if not wrong:  # the same values in another kind of sequence
+            return f"has the right entries but must be a {type(measured).__name__}"
         return f"has {len(wrong)} of {len(measured)} entries wrong, the first at index {wrong[0]}"
     return "is not what the engine did"
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import random
+from numbers import Real
 
+from minibatch.checks import FieldTypeError, check_int, check_real, short_repr
 from minibatch.runner.kv_owner import KVOwnership
 from minibatch.scheduler.output import SchedulerOutput, StepResult
 from minibatch.spec.speculator import SpecDecodingStats, rows_to_draft
@@ -47,13 +49,18 @@ class SimExecutor(KVOwnership):
     def __init__(self, max_model_len: int = 1 << 20, vocab_size: int | None = None,
                  acceptance_rate: float | list[float] | None = None, seed: int = 0, draft_forwards: bool = True,
                  proposal_rate: float = 1.0, draft_catch_up: bool = False, speculator=None):
-        rates = [acceptance_rate] if isinstance(acceptance_rate, (int, float)) else acceptance_rate
-        if rates is not None and (not rates or not all(0.0 <= a <= 1.0 for a in rates)):
-            raise ValueError(f"acceptance_rate must be in [0, 1] (or a non-empty list of such), got {acceptance_rate}")
+        check_int(max_model_len, "max_model_len", 1)
+        if vocab_size is not None:
+            check_int(vocab_size, "vocab_size", 1)
+        rates = [acceptance_rate] if isinstance(acceptance_rate, (Real, str)) else acceptance_rate
+        if rates is not None and (not isinstance(rates, (list, tuple)) or not rates):
+            raise FieldTypeError(f"acceptance_rate must be in [0, 1] (or a non-empty list of such), got "
+                                 f"{short_repr(acceptance_rate)}")
+        for a in rates or ():
+            check_real(a, "acceptance_rate (each rate)", 0.0, 1.0)
         if rates is not None and any(b > a for a, b in zip(rates, rates[1:])):
             raise ValueError(f"acceptance_rate per-position rates must be non-increasing, got {acceptance_rate}")
-        if not 0.0 <= proposal_rate <= 1.0:
-            raise ValueError(f"proposal_rate must be in [0, 1], got {proposal_rate}")
+        check_real(proposal_rate, "proposal_rate", 0.0, 1.0)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.acceptance_rate = acceptance_rate

@@ -18,7 +18,8 @@ from minibatch.sim.cost_model import Profile
 from minibatch.sim.executor import SimExecutor
 
 
-def sim_executor(policy: str, acceptance_rate=None, seed: int = 0, proposal_rate: float = 1.0) -> SimExecutor:
+def sim_executor(policy: str, acceptance_rate=None, seed: int = 0, proposal_rate: float = 1.0,
+                 max_model_len: int | None = None) -> SimExecutor:
     """A fresh SimExecutor for ``policy``: a speculative policy accepts drafts with
     ``acceptance_rate`` (a float, or per-position rates); a draft model's policy pays draft
     forwards; n-gram lookup finds drafts for a row with probability ``proposal_rate``.
@@ -33,7 +34,7 @@ def sim_executor(policy: str, acceptance_rate=None, seed: int = 0, proposal_rate
         raise ValueError(f"policy {policy!r} in simulation needs an acceptance rate (--acceptance-rate)")
     return SimExecutor(acceptance_rate=acceptance_rate if proposer else None, seed=seed,
                        draft_forwards=proposer == "draft", proposal_rate=proposal_rate if proposer == "ngram" else 1.0,
-                       draft_catch_up=True)
+                       draft_catch_up=True, **({} if max_model_len is None else {"max_model_len": max_model_len}))
 
 
 def simulate_policies(cfg, profile: Profile, requests, acceptance_rate=None, proposal_rate: float = 1.0) -> dict:
@@ -43,7 +44,7 @@ def simulate_policies(cfg, profile: Profile, requests, acceptance_rate=None, pro
 
     runs = {}
     for policy in cfg.policies:
-        ex = sim_executor(policy, acceptance_rate, cfg.seed, proposal_rate)
+        ex = sim_executor(policy, acceptance_rate, cfg.seed, proposal_rate, profile.max_model_len)
         runs |= run_policies(cfg, requests, ex, lambda: SimClock(profile, profile), policies=(policy,))
     return runs
 

@@ -29,20 +29,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minibatch.checks import MAX_SPEC_TOKENS
+from minibatch.checks import MAX_SPEC_TOKENS, check_int, check_real
 from minibatch.config import option
 from minibatch.request import Request
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens emitted by one verification of k drafts] = sum_{i=0..k} alpha^i."""
-    return sum(alpha ** i for i in range(k + 1))
+    """E[tokens emitted by one verification of k drafts] = sum_{i=0..k} alpha^i. Raises ValueError: alpha outside
+    [0, 1], k outside [0, 64]."""
+    check_real(alpha, "alpha (the acceptance rate)", 0.0, 1.0)
+    return sum(alpha ** i for i in range(check_int(k, "k", 0, MAX_SPEC_TOKENS) + 1))
 
 
 def predicted_speedup(alpha: float, k: int, verify_cost_ratio: float, draft_cost_ratio: float) -> float:
     """Batch-1 speedup over plain decoding: expected_tokens(alpha, k) / (v + c k), in decode-step units
     (alpha: Leviathan's per-token acceptance probability; k = 0 is a plain decode, speedup 1)."""
-    return expected_tokens(alpha, k) / (verify_cost_ratio + draft_cost_ratio * k) if k else 1.0
+    cost = check_real(verify_cost_ratio, "verify_cost_ratio", 0.0, 1e6, low_open=True) + check_real(
+        draft_cost_ratio, "draft_cost_ratio", 0.0, 1e6) * k
+    return expected_tokens(alpha, k) / cost if k else 1.0
 
 
 def best_k(alpha: float, draft_cost_ratio: float, max_k: int, verify_cost_ratio: float = 1.0) -> int:
@@ -108,14 +112,11 @@ class FixedK:
     """k draft tokens for every decoding request (k >= 0; 0 turns speculation off).
 
     Raises:
-        ValueError: k < 0.
+        ValueError: k outside [0, 64].
     """
 
     def __init__(self, k: int = 4):
-        if k < 0:
-            raise ValueError(f"num_speculative_tokens (k) must be >= 0, got {k}")
-        self.k = k
-        self.max_k = k
+        self.k = self.max_k = check_int(k, "num_speculative_tokens (k)", 0, MAX_SPEC_TOKENS)
 
     def num_spec_tokens(self, request: Request, pending: tuple[int, int] | None = None) -> int:
         return self.k
