@@ -109,6 +109,12 @@ class Engine:
                              f"{type(self.executor).__name__} (speculative decoding): use min_tokens 0")
         if request.status != RequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} already ran; pass request.copy()")
+        if request.num_speculative_tokens is not None and getattr(self.executor, "speculator", None) is None:
+            raise ValueError(f"request {request.request_id!r}: num_speculative_tokens applies only under a "
+                             "speculative policy (spec, spec_ngram)")
+        if request.num_external_computed_tokens and not getattr(self.scheduler, "receives_external_kv", False):
+            raise ValueError(f"request {request.request_id!r}: num_external_computed_tokens (KV from elsewhere) needs "
+                             f"a paged scheduler, not {type(self.scheduler).__name__}: it would be computed again")
         max_len = self.executor.max_model_len
         if request.max_num_tokens > max_len:
             raise ValueError(

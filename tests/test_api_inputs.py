@@ -11,6 +11,8 @@ from minibatch import (CostModel, FixedK, ModelRunner, Request, SamplingParams, 
 from minibatch.cluster.cluster import Cluster, KVLink
 from minibatch.cluster.routers import Router, get_router
 from minibatch.experiment import run
+from minibatch.kv.block_manager import BlockManager
+from minibatch.kv.contiguous import kv_bytes_per_token
 from minibatch.lessons.cluster import run_cluster
 from minibatch.lessons.exercise import miss
 from minibatch.metrics import summarize
@@ -200,3 +202,25 @@ def test_a_run_cluster_request_past_the_profiled_context_is_refused():
 ])
 def test_an_exercise_says_how_an_answer_misses_whatever_its_type(answer, measured, said):
     assert miss(answer, measured) == said
+
+
+@pytest.mark.parametrize("policy, request_kwargs, message", [
+    ("paged", dict(num_speculative_tokens=2), "num_speculative_tokens applies only under a speculative policy"),
+    ("orca", dict(num_external_computed_tokens=2), "num_external_computed_tokens .* needs a paged scheduler"),
+    ("static", dict(num_external_computed_tokens=2), "num_external_computed_tokens .* needs a paged scheduler"),
+])
+def test_a_request_setting_its_policy_would_ignore_is_refused(policy, request_kwargs, message):
+    engine = make_engine(policy, SimExecutor(), SimClock())
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(Request("a", [1, 2, 3, 4], 3, GREEDY, **request_kwargs))
+    assert not engine.requests  # refused whole: the engine is as it was
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: BlockManager(2.5, 4), "num_blocks must be an int >= 1"),
+    (lambda: BlockManager(4, 4, watermark=1.0), r"watermark must be a finite number in \[0.0, 1.0\)"),
+    (lambda: kv_bytes_per_token(-1, 2, 64), "num_layers must be an int >= 1"),
+])
+def test_kv_sizes_are_checked(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()

@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from minibatch.checks import check_int, check_real
+
 
 @dataclass
 class KVBlock:
@@ -69,14 +71,10 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = False,
                  watermark: float = 0.0, num_cpu_blocks: int = 0):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-        if num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {num_cpu_blocks}")
+        check_int(num_blocks, "num_blocks", 1)
+        check_int(block_size, "block_size", 1)
+        check_real(watermark, "watermark", 0.0, 1.0, high_open=True)
+        check_int(num_cpu_blocks, "num_cpu_blocks", 0)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -28,6 +28,8 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
+from minibatch.checks import check_int
+
 FREE_LABEL = "."  # free slot in render()
 LABELS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -202,7 +204,11 @@ class ContiguousAllocator:
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int = 4) -> int:
     """Bytes of KV cache per token slot: 2 (K and V) * num_layers * num_kv_heads * head_dim *
     dtype_bytes. smollm2-135m in fp32: 2 * 30 * 3 * 64 * 4 = 46,080 B (45 KiB). A loaded
-    model's ``ModelRunner.kv_bytes_per_token`` gives the same from its config and dtype."""
+    model's ``ModelRunner.kv_bytes_per_token`` gives the same from its config and dtype. Raises ValueError: a
+    size below 1."""
+    for value, name in ((num_layers, "num_layers"), (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"),
+                        (dtype_bytes, "dtype_bytes")):
+        check_int(value, name, 1)
     return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 

@@ -42,6 +42,7 @@ class PagedScheduler(Scheduler):
     """
 
     name = "paged"
+    receives_external_kv = True  # a request's num_external_computed_tokens arrive from elsewhere (vLLM's KV connector)
     pages_kv = True  # block tables of block_size slots: the KV block map draws them
     config_cls = PagedConfig
     chunked_prefill = False  # may a prompt be split across steps? (ChunkedPrefillScheduler)
