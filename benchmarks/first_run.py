@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from minibatch.__main__ import build_parser
+from minibatch.__main__ import build_parser, load_plugins
 from minibatch.checks import OneLineParser, given_options, output_file_arg
 from minibatch.config import opt
 from minibatch.report import environment, machine_load, write_json
@@ -37,13 +37,19 @@ def main(argv=None) -> dict:
     p.add_argument("--json", dest="json_path", type=output_file_arg, default=None)
     p.add_argument("compare_args", nargs="*", help="extra options for compare (after --)")
     args = p.parse_args(argv)
-    compare, said = build_parser(), io.StringIO()  # compare's own options, checked now, not after a subprocess
+    said = io.StringIO()  # compare's own options (a --policy-module's too), checked now, not after a subprocess
     try:
         with contextlib.redirect_stderr(said):
+            load_plugins(["compare", *args.compare_args])
+            compare = build_parser()
             given = given_options(compare, compare.parse_args(["compare", *args.compare_args]),
                                   ("json_path", "figures_dir"), ("compare",))
-    except SystemExit:
+    except SystemExit as e:
+        if e.code in (0, None):  # -- --help: compare's help was printed
+            raise
         p.error(f"compare option: {said.getvalue().strip().partition(': error: ')[2]}")
+    except ValueError as e:  # a bad --policy-module file
+        p.error(f"compare option: {e}")
     if given:
         p.error(f"{opt(given[0])} is set by this script (compare writes into a temporary folder)")
     load_before = machine_load()

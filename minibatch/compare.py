@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from minibatch.baselines.shared import requests_for
 from minibatch.baselines.vllm_peer import PeerUnavailable
 from minibatch.checks import (MAX_KV_SLOTS, MAX_NUM_REQUESTS, MAX_RATE, MAX_SECONDS, MAX_TOKENS, MIN_RATE, check_int,
                               comma_list)
@@ -132,9 +133,9 @@ class CompareConfig(ModelConfig):
             if getattr(self, name) not in (None, "", "default"):  # the reference cache's "default": its own folder
                 check_output_dir(getattr(self, name), opt(name))
         if self.trace is not None:  # a bad trace file fails now; its ids are checked against the vocab later
-            from minibatch.trace_io import load_trace
+            from minibatch.trace_io import check_trace_policies, load_trace
 
-            load_trace(self.trace)
+            check_trace_policies(load_trace(self.trace), names)  # a request a policy would refuse mid-comparison
             if given := changed_fields(self, GENERATOR_OPTIONS):
                 raise ValueError(f"{opt(given[0])} shapes a generated trace: it does not apply with --trace")
 
@@ -195,8 +196,8 @@ def run_policies(cfg: CompareConfig, requests: list[Request], executor, clock_fa
     for policy in cfg.policies if policies is None else policies:
         config = cfg.policy_config(policy, requests)
         try:
-            r = run(policy, requests, executor, clock_factory(), config=config, draft_runner=draft_runner,
-                    model=model, progress=cfg.progress, slo=slo)
+            r = run(policy, requests_for(policy, requests, rule), executor, clock_factory(), config=config,
+                    draft_runner=draft_runner, model=model, progress=cfg.progress, slo=slo)
         except PeerUnavailable as e:  # a peer engine that is not installed: its row is skipped, saying why
             print(f"{policy}: skipped: {e}")
             continue

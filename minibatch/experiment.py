@@ -27,16 +27,16 @@ from minibatch.scheduler.config import SchedulerConfig, StaticConfig
 
 
 def _hf_generate(model, requests: list[Request], config: StaticConfig, progress: bool) -> list[Request]:
-    from minibatch.baselines import run_hf_generate, without_logprobs
+    from minibatch.baselines import run_hf_generate
 
-    return run_hf_generate(model, without_logprobs(requests), batch_size=config.batch_size,
-                           max_wait_s=config.max_wait_s, progress=progress)
+    return run_hf_generate(model, requests, batch_size=config.batch_size, max_wait_s=config.max_wait_s,
+                           progress=progress)
 
 
 def _hf_generate_batch(model, requests: list[Request], config: SchedulerConfig, progress: bool) -> list[Request]:
-    from minibatch.baselines import run_hf_generate_batch, without_logprobs
+    from minibatch.baselines import run_hf_generate_batch
 
-    return run_hf_generate_batch(model, without_logprobs(requests), progress=progress)
+    return run_hf_generate_batch(model, requests, progress=progress)
 
 
 def _vllm(model, requests: list[Request], config, progress: bool):
@@ -63,8 +63,8 @@ class Baseline:
 
 # The peers: HF generate on padded static batches (the outside baseline, static batching's settings),
 # transformers' own continuous batching (generate_batch, no settings) and vLLM (in a child process, with the same
-# max_num_seqs, KV bytes and token budget). They need the model itself. HF's return no logprobs: a request's ask is
-# dropped from the run's copies (compare's bf16 rule asks every policy; a baseline is judged on its tokens).
+# max_num_seqs, KV bytes and token budget). They need the model itself (sampling they do not apply is refused:
+# baselines.shared.UNSUPPORTED).
 BASELINES = {b.name: b for b in (Baseline("hf_generate", _hf_generate, StaticConfig),
                                  Baseline("hf_generate_batch", _hf_generate_batch, SchedulerConfig),
                                  Baseline("vllm", _vllm, VllmConfig))}

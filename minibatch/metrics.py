@@ -237,7 +237,7 @@ class BenchmarkSummary:
     (:data:`COLUMNS`) as an attribute (``summary.ttft_p90_s``), then the trace fields (None without a
     trace): num_steps, padding_waste_fraction, slot_utilization, mean_batch_size, kv_waste_fraction,
     max_num_running (the most requests running at once), num_preemptions; and num_aborted (requests aborted, left
-    out of every column). Times in seconds; latency
+    out of the latency and throughput columns; the trace fields count every step). Times in seconds; latency
     statistics of an empty sample are None; goodput_req_s is None without an SLO."""
 
     TRACE_FIELDS = ("num_steps", "padding_waste_fraction", "slot_utilization", "mean_batch_size",
@@ -266,8 +266,9 @@ def summarize(requests: list[Request], trace: list[StepRecord] | None = None,
     duration_s runs from the first arrival to the last finish. vLLM divides by the benchmark's
     wall duration (first request sent to last response received), which is the same span when
     the benchmark starts sending at the first arrival. Throughputs and goodput are per second
-    of duration_s. Aborted requests (finish_reason "abort": ``Engine.abort_request``) are left out of
-    every column and counted in ``num_aborted``, as vLLM's benchmark counts failed requests apart.
+    of duration_s. Aborted requests (finish_reason "abort": ``Engine.abort_request``) are left out of the
+    latency and throughput columns and counted in ``num_aborted``, as vLLM's benchmark counts failed requests apart
+    (the trace fields, from ``trace``, still count every step).
 
     Raises:
         ValueError: no requests, an unfinished request (named), every request aborted, or a zero duration.

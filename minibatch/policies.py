@@ -216,7 +216,7 @@ def make_engine(policy: str, executor, clock=None, *, config=None, draft_runner=
     check_settings(spec, settings)
     if draft_runner is not None and spec.proposer != "draft":  # it would be silently unused
         raise ValueError(f"draft_runner applies only to a policy that drafts with a model (spec), not {policy!r}")
-    if not callable(getattr(executor, "execute", None)):
+    if isinstance(executor, type) or not callable(getattr(executor, "execute", None)):  # before a wrapper hides it
         raise FieldTypeError(f"executor must be a ModelRunner or SimExecutor (has execute()), "
                              f"got {type(executor).__name__}")
     cfg = spec.make_config(shared_settings(spec, config) | settings)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import reprlib
 from pathlib import Path
 
 from minibatch.checks import FieldTypeError, check_in_vocab, check_int, short_repr
@@ -80,7 +79,7 @@ def _check_trace_request(row) -> None:
     fields = [f.name for f in dataclasses.fields(SamplingParams)]
     if not isinstance(sampling, dict):
         raise ValueError(f"sampling must be an object with keys among {', '.join(fields)}, "
-                         f"got {reprlib.repr(sampling)}")
+                         f"got {short_repr(sampling)}")
     unknown = [k for k in sampling if k not in fields]
     if unknown:
         raise ValueError(f"sampling: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(fields)})")
@@ -124,7 +123,7 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))} (allowed: {', '.join(TRACE_KEYS)})")
     if data["format"] != TRACE_FORMAT:
-        raise ValueError(f"{path}: format must be {TRACE_FORMAT!r}, got {reprlib.repr(data['format'])}")
+        raise ValueError(f"{path}: format must be {TRACE_FORMAT!r}, got {short_repr(data['format'])}")
     rows = data["requests"]
     if not isinstance(rows, list):
         raise ValueError(f"{path}: 'requests' must be a list of request objects, got a {type(rows).__name__}")
@@ -156,3 +155,25 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: request {i}: {e}") from None
     return out
+
+
+def check_trace_policies(requests: list[Request], policies) -> None:
+    """Raise ValueError, before any run, for a request that one of ``policies`` would refuse partway through a
+    comparison: sampling a peer engine does not apply (``baselines.shared.UNSUPPORTED``), ``num_speculative_tokens``
+    for a policy that does not speculate, ``num_external_computed_tokens`` for a scheduler that cannot receive KV."""
+    from minibatch.baselines.shared import unsupported_sampling
+    from minibatch.policies import POLICIES
+
+    for policy in policies:
+        spec = POLICIES.get(policy)
+        for r in requests:
+            if spec is None and (field := unsupported_sampling(r, policy)):
+                why = f"sets sampling {field}, which {policy} does not apply"
+            elif spec is not None and r.num_speculative_tokens is not None and not spec.proposer:
+                why = f"sets num_speculative_tokens, but {policy} does not speculate"
+            elif spec is not None and r.num_external_computed_tokens and not getattr(spec.scheduler,
+                                                                                      "receives_external_kv", False):
+                why = f"sets num_external_computed_tokens, but {policy}'s scheduler cannot receive KV"
+            else:
+                continue
+            raise ValueError(f"--trace: request {r.request_id!r} {why}: leave {policy} out of --policies")

@@ -14,7 +14,7 @@ from minibatch.experiment import run
 from minibatch.kv.block_manager import BlockManager
 from minibatch.kv.contiguous import kv_bytes_per_token
 from minibatch.lessons.cluster import run_cluster
-from minibatch.lessons.exercise import miss
+from minibatch.lessons.exercise import expect, miss
 from minibatch.metrics import summarize
 from minibatch.models import load_model
 from minibatch.request import fork_requests
@@ -57,7 +57,7 @@ def test_a_nan_step_time_fails_the_step_instead_of_stalling_the_run():
 @pytest.mark.parametrize("clock, executor, message", [
     ("sim", SimExecutor(), "clock must be an object with start_step"),
     (WallClock, SimExecutor(), "clock must be an object with start_step"),
-    (None, SimExecutor, "executor must be an object with execute"),
+    (None, SimExecutor, "executor must be a ModelRunner or SimExecutor"),  # the class, not an instance
 ])
 def test_make_engine_refuses_a_name_or_class_for_an_object(clock, executor, message):
     with pytest.raises(TypeError, match=message):
@@ -224,3 +224,43 @@ def test_a_request_setting_its_policy_would_ignore_is_refused(policy, request_kw
 def test_kv_sizes_are_checked(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_a_disaggregated_cluster_needs_paged_decode_replicas_and_takes_a_generator():
+    orca = [make_engine("orca", SimExecutor(), SimClock(), n_slots=256) for _ in range(2)]
+    with pytest.raises(ValueError, match="a decode replica needs a paged scheduler"):
+        Cluster(orca, get_router("round_robin"), roles=["prefill", "decode"])
+    cluster = Cluster(engines(), get_router("round_robin"))
+    assert len(cluster.run(r for r in trace()).requests) == 6  # a generator, not spent by the checks
+
+
+def test_logprobs_zero_is_a_request_the_hf_baselines_refuse(one_thread):
+    model, _ = load_model("tiny-random-llama")
+    with pytest.raises(ValueError, match="hf_generate does not apply sampling logprobs"):
+        run("hf_generate", [Request("s", [1, 2, 3], 4, SamplingParams(logprobs=0))], None, model=model)
+
+
+@pytest.mark.parametrize("answer, measured, correct", [
+    ([1, 2], (1, 2), True), ((1, [2, 3]), [1, (2, 3)], True), (np.array([1, 2]), [1, 2], False),
+    (np.float64(3.0), 3, True), ("3", 3, False),
+])
+def test_an_exercise_compares_answers_of_any_type(answer, measured, correct):
+    if correct:
+        assert expect(answer, measured) == measured
+    else:
+        with pytest.raises(AssertionError, match="my_prediction"):  # a sentence, never the array's ValueError
+            expect(answer, measured)
+
+
+@pytest.mark.parametrize("request_kwargs, message", [
+    (dict(sampling=SamplingParams(min_tokens=2)), "sets sampling min_tokens, which hf_generate_batch does not apply"),
+    (dict(num_speculative_tokens=2), "sets num_speculative_tokens, but static does not speculate"),
+])
+def test_compare_refuses_a_trace_a_selected_policy_would_refuse_midway(tmp_path, capsys, request_kwargs, message):
+    """Before, the other policies ran (minutes) and the comparison then failed at hf_generate_batch or static."""
+    from minibatch.__main__ import main
+
+    save_trace([Request("a", [5, 6, 7], 4, **request_kwargs)], tmp_path / "t.json")
+    with pytest.raises(SystemExit) as info:
+        main(["compare", "--model", "tiny-random-llama", "--trace", str(tmp_path / "t.json")])
+    assert info.value.code == 2 and f"--trace: request 'a' {message}" in capsys.readouterr().err

@@ -59,7 +59,7 @@ def run_cli(argv, capsys):
      "--block-size 4096 exceeds tiny-random-llama's max_model_len 512"),
     # serve: the value given is shown as it is (the one-line error keeps runs of spaces)
     (["serve", "--model", "tiny-random-llama", "--port", "1", "--served-model-name", "  "],
-     "--served-model-name must be a non-empty id (leave it out for --model's name), got '  '"),
+     "--served-model-name must be a non-empty id (omit it for --model's), got '  '"),
     (["compare", "--model", "no  such  model"], "unknown model 'no  such  model'"),
     (["serve", "--model", "tiny-random-llama", "--port", "1", "--served-model-name", "\t"], r"got '\t'"),
 ])

@@ -33,7 +33,5 @@ Limits of the HF APIs (documented, not hidden):
 from minibatch.baselines.generation_config import plain_generation, plain_generation_config
 from minibatch.baselines.hf_batch import run_hf_generate_batch
 from minibatch.baselines.hf_generate import run_hf_generate
-from minibatch.baselines.shared import without_logprobs
 
-__all__ = ["plain_generation", "plain_generation_config", "run_hf_generate", "run_hf_generate_batch",
-           "without_logprobs"]
+__all__ = ["plain_generation", "plain_generation_config", "run_hf_generate", "run_hf_generate_batch"]

@@ -131,7 +131,7 @@ def run_hf_generate_batch(model, requests: list[Request], progress: bool = False
         ValueError: empty input, duplicate ids, a used or too long request.
         RuntimeError: HF failed a request, lost one, or its generation thread died.
     """
-    check_requests(model, requests, "hf_generate_batch", ("min_tokens", "logprobs", "stop_token_ids"))
+    check_requests(model, requests, "hf_generate_batch")
     if max_batch_tokens is not None and max_batch_tokens < 1:
         raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
     eos = eos_token_ids(model)

@@ -148,7 +148,7 @@ def run_hf_generate(model, requests: list[Request], batch_size: int = 8, max_wai
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not max_wait_s >= 0:
         raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
-    check_requests(model, requests, "hf_generate", ("min_tokens", "logprobs"))
+    check_requests(model, requests, "hf_generate")
     eos, pad_id, max_len = eos_token_ids(model), pad_token_id(model), max_model_len(model)
     pending = sorted(requests, key=lambda r: r.arrival_time_s)  # stable: ties keep input order (FCFS)
     bar = progress_bar(progress, len(requests), "hf-generate")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from minibatch.checks import short_repr
 from minibatch.request import Request, RequestStatus, SamplingParams
 
 
@@ -17,10 +18,9 @@ def max_model_len(model) -> int | None:
     return None if max_len == NO_POSITION_LIMIT else max_len
 
 
-def check_requests(model, requests: list[Request], baseline: str = "this baseline",
-                   unsupported: tuple[str, ...] = ()) -> None:
-    """Check a baseline's input before it runs; ``unsupported``: the SamplingParams fields (min_tokens, logprobs,
-    stop_token_ids) that ``baseline`` does not apply, refused when set rather than silently ignored.
+def check_requests(model, requests: list[Request], baseline: str) -> None:
+    """Check a baseline's input before it runs (``baseline``: its policy name; a sampling field it does not apply,
+    ``UNSUPPORTED``, is refused when set rather than silently ignored).
 
     Raises:
         ValueError: empty input, a duplicate request_id, a request that already ran (not WAITING, or with
@@ -36,9 +36,9 @@ def check_requests(model, requests: list[Request], baseline: str = "this baselin
         seen.add(r.request_id)
         if r.status != RequestStatus.WAITING or r.num_computed_tokens or r.output_token_ids:
             raise ValueError(f"request {r.request_id!r} already ran; pass request.copy()")
-        if given := [name for name in unsupported if getattr(r.sampling, name) not in (0, None, ())]:
-            raise ValueError(f"request {r.request_id!r}: {baseline} does not apply sampling {given[0]} "
-                             f"({getattr(r.sampling, given[0])!r}); leave it unset, or run one of our policies")
+        if field := unsupported_sampling(r, baseline):
+            raise ValueError(f"request {r.request_id!r}: {baseline} does not apply sampling {field} "
+                             f"({short_repr(getattr(r.sampling, field))}); leave it unset, or run one of our policies")
     max_len = max_model_len(model)
     if max_len is not None:
         for r in requests:
@@ -49,12 +49,27 @@ def check_requests(model, requests: list[Request], baseline: str = "this baselin
                 )
 
 
-def without_logprobs(requests: list[Request]) -> list[Request]:
-    """``requests`` (a run's own copies) with no top-logprobs asked for, in place: what ``compare``'s bf16 rule asks
-    of every policy, and HF's generate does not return (a baseline's divergence is then judged on its tokens)."""
-    for r in requests:
-        r.sampling = dataclasses.replace(r.sampling, logprobs=None)
-    return requests
+# The SamplingParams fields each peer engine does not apply (refused when a request sets them, never ignored): HF's
+# generate returns no logprobs and has no min_tokens, its continuous batching no per-request stop ids; our vLLM job
+# passes neither min_tokens nor a request's own stop ids
+UNSUPPORTED = {"hf_generate": ("min_tokens", "logprobs"), "vllm": ("min_tokens", "stop_token_ids"),
+               "hf_generate_batch": ("min_tokens", "logprobs", "stop_token_ids")}
+
+
+def unsupported_sampling(request: Request, baseline: str) -> str | None:
+    """The first sampling field ``request`` sets that ``baseline`` does not apply (logprobs 0 is set), or None."""
+    unset = {"logprobs": (None,)}
+    return next((name for name in UNSUPPORTED.get(baseline, ())
+                 if getattr(request.sampling, name) not in unset.get(name, (0, ()))), None)
+
+
+def requests_for(policy: str, requests: list[Request], rule: str) -> list[Request]:
+    """``compare``'s requests for ``policy``: under the logprob-close rule (bf16) it asks every policy for top
+    logprobs (``equivalence.with_logprobs``); a peer that returns none gets copies without that ask and is judged on
+    its tokens."""
+    if rule == "exact" or "logprobs" not in UNSUPPORTED.get(policy, ()):
+        return requests
+    return [dataclasses.replace(r.copy(), sampling=dataclasses.replace(r.sampling, logprobs=None)) for r in requests]
 
 
 def batch_sampling(requests: list[Request]) -> SamplingParams | None:

@@ -169,7 +169,7 @@ def run_vllm(model, requests: list[Request], config: VllmConfig, progress: bool 
         PeerUnavailable: no vLLM to run; ValueError: bad requests (as the HF baselines), a sampled request;
         RuntimeError: vLLM failed (the last lines of its output) or lost a request.
     """
-    check_requests(model, requests, "the vllm peer", ("min_tokens", "stop_token_ids"))
+    check_requests(model, requests, "vllm")
     python = vllm_python(config)
     with tempfile.TemporaryDirectory(prefix="minibatch-vllm-") as tmp:
         job = vllm_job(model, requests, config, model_directory(model, Path(tmp)))

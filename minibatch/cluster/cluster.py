@@ -89,6 +89,9 @@ class Cluster:
         if max_outstanding is not None:
             check_int(max_outstanding, "max_outstanding (None: no admission limit)", 1, 1 << 20)
         check_int(kv_bytes_per_token, "kv_bytes_per_token", 0, 1 << 30)
+        if any(role == "decode" and not getattr(e.scheduler, "receives_external_kv", False)
+               for e, role in zip(engines, roles)):  # a decode replica receives each prompt's KV
+            raise ValueError("a decode replica needs a paged scheduler (one that receives KV from elsewhere)")
         self.replicas = [Replica(i, e, role) for i, (e, role) in enumerate(zip(engines, roles))]
         self.router, self.max_outstanding, self.kv_link = router, max_outstanding, kv_link
         self.kv_bytes_per_token, self.max_model_len = kv_bytes_per_token, max_model_len
@@ -102,6 +105,7 @@ class Cluster:
             ValueError: the engines have run before, two requests share a request_id, or a request cannot run on
                 a replica it may be routed to (too long for its KV cache or context; before any step).
         """
+        requests = list(requests)  # (a generator would be spent by the checks)
         self._check(requests)
         self._events: list = []  # heap of (time, order, kind, request)
         self._order = 0

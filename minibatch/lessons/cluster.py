@@ -25,12 +25,13 @@ def run_cluster(conversations=(), requests=(), *, router: str = "round_robin", r
     from minibatch.metrics import SLO
     from minibatch.sim.cost_model import Profile
 
+    from minibatch.checks import FieldTypeError, short_repr
     from minibatch.request import Request
 
     if not conversations and not requests:
         raise ValueError("run_cluster needs conversations (multi-turn) or requests to run")
-    if not all(isinstance(r, Request) for r in requests):
-        raise TypeError(f"requests must be Requests, got {[type(r).__name__ for r in requests][:3]}")
+    if not all(isinstance(r, Request) for r in requests):  # (before they size the KV cache; Cluster.run checks too)
+        raise FieldTypeError(f"requests must be Requests, got {short_repr(list(requests))}")
     cfg = CompareConfig(clock="sim", check_reference=False, figures_dir=None, progress=False, policies=(policy,))
     if "disaggregate" not in cluster_options:  # P:D sets the replicas itself
         cluster_options["replicas"] = replicas

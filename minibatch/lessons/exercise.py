@@ -53,13 +53,25 @@ def expect(answer, measured, name: str = "my_prediction", *, show_answer: bool =
     :class:`NotYet` for a stub, AssertionError when they differ: its message gives a direction (see the module
     docstring; ``words`` = what to say for a number below / above the answer) and, only with ``show_answer``, the
     measured answer. Returns ``measured``."""
-    if require(answer, name) == measured:
+    if _same(require(answer, name), measured):
         return measured
     how = miss(answer, measured, words)
     why = name + ("" if how.startswith("[") else " ") + how
     if show_answer:
         raise AssertionError(f"{why}; the engine: {measured!r}")
     raise AssertionError(f"{why} (to see the answer, run the check with show_answer=True)")
+
+
+def _same(answer, measured) -> bool:
+    """answer == measured, for an answer of any type: a list and a tuple of the same entries are the same; what
+    compares elementwise (a numpy array) or fails to compare is not."""
+    try:
+        if isinstance(answer, (list, tuple)) and isinstance(measured, (list, tuple)):
+            return len(answer) == len(measured) and all(_same(a, m) for a, m in zip(answer, measured))
+        same = answer == measured
+        return type(same).__name__ in ("bool", "bool_") and bool(same)
+    except Exception:
+        return False
 
 
 def _is_number(x) -> bool:  # numpy's numbers too (a student's np.float64), never a bool (numpy's neither)

@@ -83,6 +83,8 @@ class ModelRunner(KVOwnership):
                  prepack_weights: bool = True, fuse_decode_layers: bool = True):
         if not isinstance(model, torch.nn.Module):  # (a name, or load_model's (model, tokenizer) pair)
             raise FieldTypeError(f"model must be a model object (load_model(name)[0]), got {short_repr(model)}")
+        if vocab_subset is not None:  # (before the model's weights are prepacked)
+            vocab_subset = check_token_ids(vocab_subset, "vocab_subset", model.get_input_embeddings().num_embeddings)
         self.model = model.eval()
         if prepack_weights:
             prepack_linears(model) or pack_linears(model)
@@ -106,8 +108,8 @@ class ModelRunner(KVOwnership):
         self.attention_backend.check(self.device, self.dtype)
         self.sampler = Sampler()
         self._static: dict | None = None  # the running padded batch (static batching)
-        self.vocab_subset = (None if vocab_subset is None else torch.as_tensor(
-            check_token_ids(vocab_subset, "vocab_subset", self.vocab_size), dtype=torch.long, device=self.device))
+        self.vocab_subset = (None if vocab_subset is None
+                             else torch.as_tensor(vocab_subset, dtype=torch.long, device=self.device))
         if self.vocab_subset is not None:  # the LM head's rows for those ids, contiguous (read once per step)
             head = model.get_output_embeddings()
             self._subset_weight = head.weight.detach()[self.vocab_subset].contiguous()

@@ -123,7 +123,7 @@ def run_serve(args, settings: dict) -> int:
     import torch
     import uvicorn
 
-    from minibatch.checks import check_int, check_real
+    from minibatch.checks import check_int, check_real, short_repr
     from minibatch.experiment import check_policy_settings
     from minibatch.machine import check_listen_address
     from minibatch.policies import POLICIES
@@ -133,7 +133,7 @@ def run_serve(args, settings: dict) -> int:
     check_int(args.max_num_waiting, "--max-num-waiting", 1, 1 << 20)
     check_listen_address(args.host, args.port)  # before the model loads, not after "serving on ..."
     if (name := args.served_model_name) is not None and not name.strip():
-        raise ValueError(f"--served-model-name must be a non-empty id (leave it out for --model's name), got {name!r}")
+        raise ValueError(f"--served-model-name must be a non-empty id (omit it for --model's), got {short_repr(name)}")
     check_int(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 31)
     check_real(args.drain_timeout_s, "--drain-timeout-s", 0.0, 86400.0)
     if args.policy in POLICIES:  # (python -m minibatch loads --policy-module files first; build_server

@@ -38,9 +38,11 @@ class SimExecutor(KVOwnership):
         DraftModelProposer does; False: one token per row (the older, simpler model).
     vocab_size: None (default): prompts may hold any id and made-up tokens are < 32000; an int:
         the simulated model's vocabulary (``Engine.add_request`` refuses ids >= it).
+    max_model_len: the simulated model's context in tokens (``Engine.add_request`` refuses a request longer).
 
     Raises:
-        ValueError: acceptance_rate or proposal_rate outside [0, 1], per-position rates that increase.
+        ValueError: acceptance_rate or proposal_rate outside [0, 1], per-position rates that increase, an empty
+            list, max_model_len or vocab_size below 1. FieldTypeError: a value of the wrong type (a bool, a str).
     """
 
     eos_token_ids: tuple[int, ...] = ()
@@ -53,13 +55,14 @@ class SimExecutor(KVOwnership):
         if vocab_size is not None:
             check_int(vocab_size, "vocab_size", 1)
         rates = [acceptance_rate] if isinstance(acceptance_rate, (Real, str)) else acceptance_rate
-        if rates is not None and (not isinstance(rates, (list, tuple)) or not rates):
-            raise FieldTypeError(f"acceptance_rate must be in [0, 1] (or a non-empty list of such), got "
-                                 f"{short_repr(acceptance_rate)}")
+        if rates is not None and not isinstance(rates, (list, tuple)):
+            raise FieldTypeError(f"acceptance_rate must be in [0, 1] (or a list of such), got {short_repr(rates)}")
+        if rates is not None and not rates:
+            raise ValueError("acceptance_rate must be in [0, 1] (or a non-empty list of such), got []")
         for a in rates or ():
             check_real(a, "acceptance_rate (each rate)", 0.0, 1.0)
         if rates is not None and any(b > a for a, b in zip(rates, rates[1:])):
-            raise ValueError(f"acceptance_rate per-position rates must be non-increasing, got {acceptance_rate}")
+            raise ValueError(f"acceptance_rate per-position rates must be non-increasing, got {short_repr(rates)}")
         check_real(proposal_rate, "proposal_rate", 0.0, 1.0)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size

@@ -22,7 +22,8 @@ def sim_executor(policy: str, acceptance_rate=None, seed: int = 0, proposal_rate
                  max_model_len: int | None = None) -> SimExecutor:
     """A fresh SimExecutor for ``policy``: a speculative policy accepts drafts with
     ``acceptance_rate`` (a float, or per-position rates); a draft model's policy pays draft
-    forwards; n-gram lookup finds drafts for a row with probability ``proposal_rate``.
+    forwards; n-gram lookup finds drafts for a row with probability ``proposal_rate``; ``max_model_len``: the
+    profiled model's context (None: the SimExecutor's default, no practical limit).
 
     Raises:
         ValueError: a speculative policy without acceptance_rate.

@@ -35,8 +35,7 @@ from minibatch.request import Request
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens emitted by one verification of k drafts] = sum_{i=0..k} alpha^i. Raises ValueError: alpha outside
-    [0, 1], k outside [0, 64]."""
+    """E[tokens emitted by one verification of k drafts] = sum_{i=0..k} alpha^i (alpha in [0, 1], k in [0, 64])."""
     check_real(alpha, "alpha (the acceptance rate)", 0.0, 1.0)
     return sum(alpha ** i for i in range(check_int(k, "k", 0, MAX_SPEC_TOKENS) + 1))
 
@@ -44,14 +43,15 @@ def expected_tokens(alpha: float, k: int) -> float:
 def predicted_speedup(alpha: float, k: int, verify_cost_ratio: float, draft_cost_ratio: float) -> float:
     """Batch-1 speedup over plain decoding: expected_tokens(alpha, k) / (v + c k), in decode-step units
     (alpha: Leviathan's per-token acceptance probability; k = 0 is a plain decode, speedup 1)."""
-    cost = check_real(verify_cost_ratio, "verify_cost_ratio", 0.0, 1e6, low_open=True) + check_real(
-        draft_cost_ratio, "draft_cost_ratio", 0.0, 1e6) * k
-    return expected_tokens(alpha, k) / cost if k else 1.0
+    check_real(verify_cost_ratio, "verify_cost_ratio", 0.0, 1e6, low_open=True)
+    check_real(draft_cost_ratio, "draft_cost_ratio", 0.0, 1e6)
+    return expected_tokens(alpha, k) / (verify_cost_ratio + draft_cost_ratio * k) if k else 1.0
 
 
 def best_k(alpha: float, draft_cost_ratio: float, max_k: int, verify_cost_ratio: float = 1.0) -> int:
     """argmax over k in 0..max_k of :func:`predicted_speedup` (k = 0: a plain decode, 1 token for 1 unit)."""
-    return max(range(max_k + 1), key=lambda k: predicted_speedup(alpha, k, verify_cost_ratio, draft_cost_ratio))
+    return max(range(max_k + 1), key=lambda k: sum(alpha ** i for i in range(k + 1)) / (  # unchecked: every step
+        verify_cost_ratio + draft_cost_ratio * k) if k else 1.0)
 
 
 def num_next_drafts(request: Request, emitted, speculator, pending: tuple[int, int] | None = None) -> int:
@@ -155,12 +155,12 @@ class AdaptiveK:
     def __init__(self, max_k: int = 8, prior_alpha: float = 0.6, prior_weight: float = 8.0, window: int = 64,
                  draft_cost_ratio: float | None = None, initial_cost_ratio: float = 0.1,
                  verify_cost_ratio: float = 1.0, pooled_window: int = 2048):
-        if max_k < 1:
-            raise ValueError(f"max_k must be >= 1, got {max_k}")
-        if not 0.0 < prior_alpha < 1.0:
-            raise ValueError(f"prior_alpha must be in (0, 1), got {prior_alpha}")
-        if not verify_cost_ratio > 0:
-            raise ValueError(f"verify_cost_ratio must be > 0, got {verify_cost_ratio}")
+        check_int(max_k, "max_k", 1, MAX_SPEC_TOKENS)
+        check_real(prior_alpha, "prior_alpha", 0.0, 1.0, low_open=True, high_open=True)
+        for value, name in ((verify_cost_ratio, "verify_cost_ratio"), (initial_cost_ratio, "initial_cost_ratio"),
+                            (draft_cost_ratio, "draft_cost_ratio")):  # (best_k then runs unchecked, every step)
+            if value is not None:
+                check_real(value, name, 0.0, 1e6, low_open=name == "verify_cost_ratio")
         if prior_weight < 0 or window < 1 or pooled_window < 1:
             raise ValueError(f"need prior_weight >= 0, window >= 1 and pooled_window >= 1, "
                              f"got {prior_weight}, {window}, {pooled_window}")
