@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from minibatch.baselines.shared import requests_for
+from minibatch.baselines.shared import check_trace_policies, requests_for
 from minibatch.baselines.vllm_peer import PeerUnavailable
 from minibatch.checks import (MAX_KV_SLOTS, MAX_NUM_REQUESTS, MAX_RATE, MAX_SECONDS, MAX_TOKENS, MIN_RATE, check_int,
                               comma_list)
@@ -133,7 +133,7 @@ class CompareConfig(ModelConfig):
             if getattr(self, name) not in (None, "", "default"):  # the reference cache's "default": its own folder
                 check_output_dir(getattr(self, name), opt(name))
         if self.trace is not None:  # a bad trace file fails now; its ids are checked against the vocab later
-            from minibatch.trace_io import check_trace_policies, load_trace
+            from minibatch.trace_io import load_trace
 
             check_trace_policies(load_trace(self.trace), names)  # a request a policy would refuse mid-comparison
             if given := changed_fields(self, GENERATOR_OPTIONS):

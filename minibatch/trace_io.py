@@ -155,25 +155,3 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: request {i}: {e}") from None
     return out
-
-
-def check_trace_policies(requests: list[Request], policies) -> None:
-    """Raise ValueError, before any run, for a request that one of ``policies`` would refuse partway through a
-    comparison: sampling a peer engine does not apply (``baselines.shared.UNSUPPORTED``), ``num_speculative_tokens``
-    for a policy that does not speculate, ``num_external_computed_tokens`` for a scheduler that cannot receive KV."""
-    from minibatch.baselines.shared import unsupported_sampling
-    from minibatch.policies import POLICIES
-
-    for policy in policies:
-        spec = POLICIES.get(policy)
-        for r in requests:
-            if spec is None and (field := unsupported_sampling(r, policy)):
-                why = f"sets sampling {field}, which {policy} does not apply"
-            elif spec is not None and r.num_speculative_tokens is not None and not spec.proposer:
-                why = f"sets num_speculative_tokens, but {policy} does not speculate"
-            elif spec is not None and r.num_external_computed_tokens and not getattr(spec.scheduler,
-                                                                                      "receives_external_kv", False):
-                why = f"sets num_external_computed_tokens, but {policy}'s scheduler cannot receive KV"
-            else:
-                continue
-            raise ValueError(f"--trace: request {r.request_id!r} {why}: leave {policy} out of --policies")

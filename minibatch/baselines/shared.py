@@ -1,5 +1,6 @@
-"""What both HF baselines share on the Request side: input checks, the batch's one sampling setting,
-filling a Request from HF's tokens and time stamps, and the progress bar.
+"""What the peer engines share on the Request side: input checks (the sampling each does not apply; a trace's
+requests against the policies a comparison runs), the batch's one sampling setting, filling a Request from HF's
+tokens and time stamps, and the progress bar.
 """
 
 from __future__ import annotations
@@ -70,6 +71,27 @@ def requests_for(policy: str, requests: list[Request], rule: str) -> list[Reques
     if rule == "exact" or "logprobs" not in UNSUPPORTED.get(policy, ()):
         return requests
     return [dataclasses.replace(r.copy(), sampling=dataclasses.replace(r.sampling, logprobs=None)) for r in requests]
+
+
+def check_trace_policies(requests: list[Request], policies) -> None:
+    """Raise ValueError, before any run, for a request that one of ``policies`` would refuse partway through a
+    comparison: sampling a peer engine does not apply (``baselines.shared.UNSUPPORTED``), ``num_speculative_tokens``
+    for a policy that does not speculate, ``num_external_computed_tokens`` for a scheduler that cannot receive KV."""
+    from minibatch.policies import POLICIES
+
+    for policy in policies:
+        spec = POLICIES.get(policy)
+        for r in requests:
+            if spec is None and (field := unsupported_sampling(r, policy)):
+                why = f"sets sampling {field}, which {policy} does not apply"
+            elif spec is not None and r.num_speculative_tokens is not None and not spec.proposer:
+                why = f"sets num_speculative_tokens, but {policy} does not speculate"
+            elif spec is not None and r.num_external_computed_tokens and not getattr(spec.scheduler,
+                                                                                      "receives_external_kv", False):
+                why = f"sets num_external_computed_tokens, but {policy}'s scheduler cannot receive KV"
+            else:
+                continue
+            raise ValueError(f"--trace: request {r.request_id!r} {why}: leave {policy} out of --policies")
 
 
 def batch_sampling(requests: list[Request]) -> SamplingParams | None:
