@@ -148,10 +148,11 @@ class Cluster:
         if len(set(ids)) < len(ids):
             raise ValueError(f"request_id {next(i for i in ids if ids.count(i) > 1)!r} is given twice")
         for r in requests:  # each on every replica the router may pick (a disaggregated one's parts on their roles)
+            fresh = r.copy()  # what run() adds (r itself may have run before); check_request only reads it
+            part = fresh.copy() if self.disaggregated else fresh
+            part.max_new_tokens = 1 if self.disaggregated else part.max_new_tokens  # the prefill part, as _dispatch
             for replica in self.replicas:
-                part = r.copy()
-                part.max_new_tokens = 1 if replica.role == "prefill" else part.max_new_tokens
-                replica.engine.check_request(part)
+                replica.engine.check_request(part if replica.role == "prefill" else fresh)
 
     def _push(self, t: float, role: str, request: Request, new: bool = False) -> None:
         """An event: at time ``t``, route ``request`` among the replicas of ``role``."""

@@ -23,10 +23,9 @@ def run_cluster(conversations=(), requests=(), *, router: str = "round_robin", r
     from minibatch.cluster.simulate import ClusterConfig, build_cluster, cluster_rows, conversation_sizing
     from minibatch.compare import CompareConfig
     from minibatch.metrics import SLO
-    from minibatch.sim.cost_model import Profile
-
     from minibatch.checks import FieldTypeError, short_repr
     from minibatch.request import Request
+    from minibatch.sim.cost_model import Profile
 
     if not conversations and not requests:
         raise ValueError("run_cluster needs conversations (multi-turn) or requests to run")
