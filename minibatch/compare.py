@@ -223,11 +223,11 @@ def run_policies(cfg: CompareConfig, requests: list[Request], executor, clock_fa
 def run_compare(cfg: CompareConfig) -> dict:
     """Run the comparison; print a table, save figures and (optionally) JSON. Returns the result dict."""
     from minibatch.equivalence import TOP_K, rule_for, with_logprobs
+    from minibatch.kernels.prebuild import start_kernel_builds
     from minibatch.models import load_model
     from minibatch.precision import dtype_name
     from minibatch.reference import default_cache_dir, reference_outputs
-    from minibatch.runner.kv_owner import check_kv_fits
-    from minibatch.runner.model_runner import ModelRunner, start_kernel_builds
+    from minibatch.runner import ModelRunner, kv_owner
 
     load_before = machine_load()  # other busy processes slow a wall-clock run: recorded before and after
     builds = start_kernel_builds(cfg.device, cfg.dtype, cfg.attention_backend)  # compiled while the model loads
@@ -263,7 +263,7 @@ def run_compare(cfg: CompareConfig) -> dict:
         raise ValueError(f"requests {too_long[:5]}{' ...' if len(too_long) > 5 else ''} need more than "
                          f"max_model_len = {runner.max_model_len} tokens (--max-prompt-len, --max-output-len)")
     swap = cfg.settings.get("preemption_mode") == "swap"
-    check_kv_fits(kv_slots(cfg, requests) * (2 if swap else 1), runner.kv_bytes_per_token, runner.device,
+    kv_owner.check_kv_fits(kv_slots(cfg, requests) * (2 if swap else 1), runner.kv_bytes_per_token, runner.device,
                   "--n-slots (KV cache" + (" and as much CPU swap space)" if swap else ")"))
     drafts = any(p in POLICIES and get_policy(p).proposer == "draft" for p in cfg.policies)
     draft_name = cfg.draft_model or default_draft(cfg.model)

@@ -208,11 +208,11 @@ def warm_up(runner, draft_runner=None, policies=None) -> None:
 
 
 def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threads: int | None = None,
-                dtype="float32", attention_backend="torch"):
+                dtype="float32", attention_backend="torch", **runner_options):
     """For benchmark scripts: ``(model, tokenizer, ModelRunner, clock_factory)``, where
     clock_factory() makes a fresh WallClock on ``device`` (clock "wall") or SimClock ("sim").
     threads: torch CPU threads (None: torch's choice); dtype: a torch dtype or a ``--dtype`` name;
-    attention_backend: a registered attention backend (``runner.backends``)."""
+    attention_backend: a registered attention backend (``runner.backends``); runner_options: ModelRunner's others."""
     import torch
 
     from minibatch.clock import SimClock, WallClock
@@ -222,7 +222,7 @@ def load_runner(model_name: str, device: str = "cpu", clock: str = "wall", threa
     if threads:
         torch.set_num_threads(threads)
     model, tokenizer = load_model(model_name, device=device, dtype=dtype)
-    runner = ModelRunner(model, tokenizer, attention_backend=attention_backend)
+    runner = ModelRunner(model, tokenizer, attention_backend=attention_backend, **runner_options)
     return model, tokenizer, runner, (lambda: WallClock(device)) if clock == "wall" else SimClock
 
 

@@ -253,11 +253,13 @@ def check_main_job(ctx: CheckContext) -> dict:
 def check_benchmark(ctx: CheckContext) -> dict:
     """One saturated trace (ShareGPT lengths, every request at t = 0, ignore_eos) through our static,
     orca, paged, chunked and spec_ngram policies and both HF baselines at the same batch cap, KV
-    budget and dtype; output throughput and the best continuous policy's ratio to each baseline.
+    budget and dtype (on a GPU ours use the triton backend: decode steps from CUDA graphs, ``runner.cuda_graphs``);
+    output throughput and the best continuous policy's ratio to each baseline.
     Fails if a request did not produce its max_new_tokens."""
     model = "smollm2-135m-random" if ctx.on_gpu else "tiny-random-llama"
     cap = 64 if ctx.on_gpu else 8
     fields = dict(model=model, device=ctx.device, policies=BENCH_POLICIES, num_requests=ctx.bench_requests,
+                  attention_backend="triton" if ctx.on_gpu else "torch",  # on a GPU: decode steps from CUDA graphs
                   arrival="zero", check_reference=False, settings={"batch_size": cap, "max_num_seqs": cap},
                   max_prompt_len=1024 if ctx.on_gpu else 128, max_output_len=512 if ctx.on_gpu else 64,
                   output_scale=0.5 if ctx.on_gpu else 0.25)

@@ -1,5 +1,5 @@
 """Building the C++ kernels: one build per extension whichever thread asks first, and compare's background builds
-(``runner.model_runner.start_kernel_builds``) name the kernels the runner will load. No compiler is run here: the
+(``kernels.prebuild.start_kernel_builds``) name the kernels the runner will load. No compiler is run here: the
 build itself is replaced by a stand-in. Also what results record about the machine: its instruction sets and its
 C allocator's settings (``machine.keep_freed_memory``)."""
 
@@ -18,7 +18,7 @@ import torch
 from minibatch.kernels import (cpp_build, cpu_amx_linear, cpu_bf16_linear, cpu_decode, cpu_decode_layer, cpu_linear,
                                cpu_prefill)
 from minibatch.kernels.cpp_build import CppExtension, build_in_background
-from minibatch.runner.model_runner import start_kernel_builds
+from minibatch.kernels.prebuild import start_kernel_builds
 
 
 def test_a_load_during_a_background_build_waits_for_it_and_builds_once(monkeypatch):

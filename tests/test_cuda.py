@@ -83,10 +83,12 @@ def test_smollm2_shaped_model_on_cuda(dtype):
     refs = reference_outputs(model, reqs, logprobs=0 if rule == "exact" else TOP_K)
     for backend in ("torch", "triton"):
         done = [r.copy() for r in reqs]
-        make_engine("chunked", ModelRunner(model, tok, attention_backend=backend), SimClock(), max_num_seqs=8,
-                    n_slots=2048, block_size=16, max_num_batched_tokens=32).generate(done)
+        runner = ModelRunner(model, tok, attention_backend=backend)
+        make_engine("chunked", runner, SimClock(), max_num_seqs=8, n_slots=2048, block_size=16,
+                    max_num_batched_tokens=32).generate(done)
         report = check_outputs(done, refs, rule)
         assert report["passed"], (backend, report)
+    assert runner.decode_graphs.replays > 0  # triton's decode steps ran from CUDA graphs (its head shape, 16-blocks)
 
 
 def test_wall_clock_waits_for_the_gpu():
@@ -96,3 +98,31 @@ def test_wall_clock_waits_for_the_gpu():
     engine = make_engine("paged", ModelRunner(model, tok), WallClock("cuda"), max_num_seqs=8, n_slots=2048)
     engine.generate(reqs)
     assert all(s.end_s > s.start_s for s in engine.trace)
+
+
+@pytest.mark.parametrize("policy", ["paged", "chunked"])
+def test_decode_steps_replay_cuda_graphs(tiny, policy):
+    """With the triton backend, all-decode steps replay CUDA graphs (``runner.cuda_graphs``), padded to the captured
+    sizes, token for token as HF generate; ``enforce_eager`` turns them off."""
+    model, tok, reqs, refs = tiny
+    runner = ModelRunner(model, tok, attention_backend="triton")
+    assert runner.decode_graphs is not None, runner.graphs_unsupported
+    outputs, _ = generate(runner, reqs, policy, n_slots=1024)
+    graphs = runner.decode_graphs
+    assert outputs == refs
+    assert graphs.disabled is None and graphs.replays > 0
+    assert graphs.graphs and all(graph is not None for graph, _ in graphs.graphs.values())
+    assert set(graphs.graphs) <= {1, 2, 4, 8}  # 8 requests at most: padded to 1, 2, 4 or 8
+    eager = ModelRunner(model, tok, attention_backend="triton", enforce_eager=True)
+    assert eager.decode_graphs is None and eager.graphs_unsupported == "enforce_eager=True"
+
+
+def test_cuda_graphs_follow_a_reallocated_kv_cache(tiny):
+    """A new KV cache (another engine's geometry) drops the graphs that read the old one; swap preemption moves
+    blocks between replays."""
+    model, tok, reqs, refs = tiny
+    runner = ModelRunner(model, tok, attention_backend="triton")
+    first, _ = generate(runner, reqs, "paged", n_slots=1024)
+    second, engine = generate(runner, reqs, "paged", n_slots=80, preemption_mode="swap")
+    assert first == second == refs
+    assert engine.scheduler.num_preemptions > 0 and runner.decode_graphs.replays > 0

@@ -170,8 +170,10 @@ def run_profile(model_name: str = "smollm2-135m", device: str = "cpu", dtype="bf
     from minibatch.runner.prepack import PanelLinear
 
     load_before = machine_load()
+    # eager steps: a step replayed from a CUDA graph runs no Python, so its components could not be told apart
+    # (benchmarks/cuda_graphs.py times the graphs)
     model, _, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
-                                      attention_backend=attention_backend)
+                                      attention_backend=attention_backend, enforce_eager=True)
     check_lengths(runner.max_model_len, model_name, decode_batches, prefill_lens, context_len, repeats, block_size)
     packed = any(isinstance(m, PanelLinear) for m in model.modules())
     first = measure_device(runner.device, runner.dtype, packed)

@@ -26,6 +26,7 @@ from minibatch.request import Request
 from minibatch.runner import attention
 from minibatch.runner.backends import get_backend
 from minibatch.runner.batch import PackedSequence, build_packed_batch, pack_sequences
+from minibatch.runner.cuda_graphs import DecodeGraphs, graphs_unsupported, model_sliding_window
 from minibatch.runner.fused_layers import FusedDecoder, kernel_norms, unsupported
 from minibatch.runner.sampler import Sampler, ban_tokens, step_logprobs
 from minibatch.runner.kv_owner import KVOwnership, check_kv_fits
@@ -60,6 +61,11 @@ class ModelRunner(KVOwnership):
             layers' norm kernel in every step, prefills included (``runner.fused_layers.kernel_norms``: one call
             instead of eight operators, the same output bits; the modules change class in place).
 
+        enforce_eager: run every step eagerly (vLLM's option of that name). Else, on CUDA with an attention backend
+            that supports it (``triton``), all-decode steps replay a CUDA graph recorded once per padded batch size
+            (``runner.cuda_graphs``: one launch instead of ~1,500); ``decode_graphs`` is None where they do not, and
+            ``graphs_unsupported`` says why.
+
     On a CPU it also makes the C allocator keep freed memory for the next step (``machine.keep_freed_memory``:
     without it every prefill step faults its activations' pages in afresh), for the whole process.
 
@@ -80,7 +86,7 @@ class ModelRunner(KVOwnership):
     """
 
     def __init__(self, model, tokenizer=None, attention_backend: str = "torch", vocab_subset=None,
-                 prepack_weights: bool = True, fuse_decode_layers: bool = True):
+                 prepack_weights: bool = True, fuse_decode_layers: bool = True, enforce_eager: bool = False):
         if not isinstance(model, torch.nn.Module):  # (a name, or load_model's (model, tokenizer) pair)
             raise FieldTypeError(f"model must be a model object (load_model(name)[0]), got {short_repr(model)}")
         if vocab_subset is not None:  # (before the model's weights are prepacked)
@@ -123,6 +129,9 @@ class ModelRunner(KVOwnership):
         self.fused_unsupported = (unsupported(model, self.attention_backend.name) if fuse_decode_layers
                                   else "fuse_decode_layers=False")
         self.fused_decoder = FusedDecoder(model) if self.fused_unsupported is None else None
+        self.sliding_window = model_sliding_window(model)
+        self.graphs_unsupported = graphs_unsupported(self, enforce_eager)
+        self.decode_graphs = DecodeGraphs(self) if self.graphs_unsupported is None else None
         if self.fused_decoder is not None and self.fused_decoder.prepacked:
             kernel_norms(model)  # bf16: the fused layers' RMSNorm serves the modules too (prefills), the same bits
 
@@ -152,6 +161,8 @@ class ModelRunner(KVOwnership):
         if new_gpu:
             if self.fused_decoder is not None:
                 self.fused_decoder.forget_cache()  # its per-layer views would keep the old cache alive
+            if self.decode_graphs is not None:
+                self.decode_graphs.reset()  # its graphs and buffers read the old cache
             self.kv_cache = None  # free the old one first
             self.kv_cache = (huge_page_zeros(shape, self.dtype) if self.device.type == "cpu"  # fewer TLB misses
                              else torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -213,6 +224,8 @@ class ModelRunner(KVOwnership):
             return self._forward_packed(batch)
 
     def _forward_packed(self, batch) -> tuple[torch.Tensor, list[str]]:
+        if self.decode_graphs is not None and (logits := self.decode_graphs.run(batch)) is not None:
+            return logits, batch.sample_request_ids  # an all-decode step replayed from its CUDA graph
         hidden = None if self.fused_decoder is None else self.fused_decoder.hidden_states(batch, self._kv())
         if hidden is None:
             inputs = dict(input_ids=batch.input_ids[None],  # (1, num_tokens)
@@ -272,27 +285,3 @@ class ModelRunner(KVOwnership):
         self._static = None  # another engine's padded batch
         self.sampler = Sampler()
 
-
-def start_kernel_builds(device, dtype, attention_backend: str):
-    """Start building, on a background thread (``kernels.cpp_build.build_in_background``), the C++ kernels a
-    ModelRunner on ``device`` with ``attention_backend`` may build on first use for a model in ``dtype`` (a torch
-    dtype or a ``--dtype`` name, "auto" included), in the order it loads them: the packed linears' for float32 on a
-    CPU (the AMX linear's for bf16 on a CPU with AMX, else the AVX512-BF16 linear's where the CPU has that), then
-    the ``cpp`` backend's decode kernel and the fused decode layer's, then its prefill kernel's for float32, or for
-    bf16 where the CPU has AVX512-BF16 (none on a GPU, or without a C++ compiler).
-    Returns the thread, to ``join()`` before anything is timed."""
-    from minibatch.kernels import cpu_amx_linear, cpu_bf16_linear, cpu_decode, cpu_decode_layer, cpu_linear, cpu_prefill
-    from minibatch.kernels.cpp_build import build_in_background, compiler_available
-    from minibatch.precision import resolve_dtype
-
-    on_cpu = torch.device(device).type == "cpu" and compiler_available()
-    float32 = on_cpu and resolve_dtype(dtype, device) == torch.float32
-    bf16 = on_cpu and resolve_dtype(dtype, device) == torch.bfloat16
-    amx = bf16 and cpu_amx_linear.cpu_has_amx()
-    avx512_bf16 = bf16 and not amx and cpu_bf16_linear.cpu_has_avx512_bf16()
-    cpp = on_cpu and attention_backend == "cpp"
-    prefill = cpp and (float32 or bf16 and cpu_bf16_linear.cpu_has_avx512_bf16())  # the paged prefill kernel's dtypes
-    return build_in_background(([cpu_linear.KERNEL] if float32 else []) + ([cpu_amx_linear.KERNEL] if amx else [])
-                               + ([cpu_bf16_linear.KERNEL] if avx512_bf16 else [])
-                               + ([cpu_decode.KERNEL] if cpp else []) + ([cpu_decode_layer.KERNEL] if cpp else [])
-                               + ([cpu_prefill.KERNEL] if prefill else []))

@@ -15,7 +15,9 @@ class AttentionBackend:
     name: the registry key (``--attention-backend NAME``); description: one line saying what it is;
     dtypes: KV cache / activation dtypes it supports; devices: "cpu", "cuda"; sliding_window: whether it masks
     a sliding window (otherwise a model whose window a context exceeds gets NotImplementedError);
-    block_sizes: the KV block sizes it supports (None: any).
+    block_sizes: the KV block sizes it supports (None: any); cuda_graphs: its decode steps can be recorded as CUDA
+    graphs (no host synchronization, work sized on the GPU from the tables; ``runner.cuda_graphs``), with
+    :meth:`graph_data`.
     """
 
     name: str = ""
@@ -24,6 +26,7 @@ class AttentionBackend:
     devices: tuple[str, ...] = DEVICES
     sliding_window: bool = False
     block_sizes: tuple[int, ...] | None = None
+    cuda_graphs: bool = False
 
     def check(self, device: torch.device | str, dtype: torch.dtype, block_size: int | None = None) -> None:
         """Raise ValueError naming the setting this backend does not support (device type, dtype, block_size)."""
@@ -39,6 +42,12 @@ class AttentionBackend:
 
     def prepare(self, meta) -> None:
         """Add this backend's own metadata to ``meta`` (``meta.data``), once per step, before any layer runs."""
+
+    def graph_data(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor):
+        """``meta.data`` for a recorded decode step, over persistent buffers (no copies: a replay reads them):
+        block_tables (n, max_blocks) int32, seq_lens (n,) int32, cu_seqlens_q (n + 1,) int32. Only for backends
+        with ``cuda_graphs``."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
     def forward(self, meta, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                 window: int | None) -> torch.Tensor:

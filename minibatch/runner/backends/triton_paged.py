@@ -3,7 +3,7 @@ PagedAttention, Kwon et al., SOSP'23 §4.1) read K/V through the block tables th
 Triton's interpreter (TRITON_INTERPRET=1), on CUDA compiled. No sliding window.
 
 An all-decode step runs the decode kernel; a step with any prefill runs every request through the prefill
-kernel (q_len 1 included).
+kernel (q_len 1 included). On CUDA, all-decode steps can be recorded as CUDA graphs (``runner.cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ class TritonAttentionData:
 class TritonBackend(AttentionBackend):
     name = "triton"
     description = "paged-attention Triton kernels reading the block tables (interpreted on a CPU)"
+    cuda_graphs = True  # the kernels read tables and lengths on the GPU and loop over each context there
+
+    def graph_data(self, block_tables, seq_lens, cu_seqlens_q) -> TritonAttentionData:
+        return TritonAttentionData(block_tables, seq_lens, cu_seqlens_q)
 
     def prepare(self, m: AttentionMetadata) -> None:
         device = m.block_tables.device
