@@ -53,3 +53,20 @@ def check_regime(my_prediction, result: dict, shape: str = "decode 1", show_answ
     row = next(r for r in profile_rows(result) if r["shape"] == shape)
     exercise.expect(my_prediction, row["bound"], "my_prediction", show_answer=show_answer)
     return f"{shape} is {row['bound']}-bound on this roofline"
+
+
+def print_gpu_steps(result: dict) -> None:
+    """A GPU step profile's launches: per shape, its kernels per step and the share of the step the GPU was busy."""
+    for r in result["shapes"]:
+        name = f"{r['kind']} {r['batch'] if r['kind'] == 'decode' else r['tokens']}"
+        print(f"{name:<14}{r['step_s'] * 1e3:>7.1f} ms  {r['kernels_per_step']} kernels, GPU busy "
+              f"{r['device_busy_share']:.0%} of the step")
+
+
+def print_graph_steps(result: dict) -> None:
+    """``benchmarks/cuda_graphs.py``'s decode steps: per batch size, ms from CUDA graphs, eager with the same kernels
+    and eager with ``sdpa``, and the graphs' speedup."""
+    print(f"{'decode':<8}{'graphs ms':>10}{'eager ms':>10}{'sdpa ms':>9}{'speedup':>9}")
+    for r in result["steps"]:
+        ms = r["step_ms"]
+        print(f"{r['batch']:<8}{ms['triton']:>10}{ms['triton_eager']:>10}{ms['sdpa']:>9}{r['graph_speedup']:>8}x")
