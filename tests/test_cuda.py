@@ -123,6 +123,9 @@ def test_cuda_graphs_follow_a_reallocated_kv_cache(tiny):
     model, tok, reqs, refs = tiny
     runner = ModelRunner(model, tok, attention_backend="triton")
     first, _ = generate(runner, reqs, "paged", n_slots=1024)
+    graphs = runner.decode_graphs
+    replayed = graphs.replays
     second, engine = generate(runner, reqs, "paged", n_slots=80, preemption_mode="swap")
     assert first == second == refs
-    assert engine.scheduler.num_preemptions > 0 and runner.decode_graphs.replays > 0
+    assert engine.scheduler.num_preemptions > 0
+    assert graphs.replays > replayed and graphs.graphs and graphs.disabled is None  # recorded again, on the new cache

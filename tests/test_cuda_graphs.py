@@ -49,13 +49,17 @@ def test_why_a_runner_records_no_graphs(tiny):
     assert ModelRunner(model, tok, attention_backend="triton").graphs_unsupported == \
         "CUDA graphs need a CUDA device, not cpu"
     assert ModelRunner(model, tok, enforce_eager=True).decode_graphs is None
-    on_gpu = dict(device=torch.device("cuda"), vocab_subset=None)
+    on_gpu = dict(device=torch.device("cuda"), vocab_subset=None, model=model)
     assert "sizes its work on the host" in graphs_unsupported(
         SimpleNamespace(attention_backend=SimpleNamespace(name="sdpa", cuda_graphs=False), **on_gpu))
     triton = SimpleNamespace(name="triton", cuda_graphs=True)
     assert graphs_unsupported(SimpleNamespace(attention_backend=triton, **on_gpu)) is None
-    assert "vocab_subset" in graphs_unsupported(SimpleNamespace(attention_backend=triton, device=torch.device("cuda"),
-                                                                vocab_subset=torch.arange(3)))
+    assert "vocab_subset" in graphs_unsupported(SimpleNamespace(attention_backend=triton, **on_gpu | {
+        "vocab_subset": torch.arange(3)}))
+    softcap = SimpleNamespace(final_logit_softcapping=30.0)
+    capped = SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: softcap))
+    assert "post-processes its logits (final_logit_softcapping)" in graphs_unsupported(
+        SimpleNamespace(attention_backend=triton, **on_gpu | {"model": capped}))
     assert graphs_unsupported(SimpleNamespace(attention_backend=triton, **on_gpu), enforce_eager=True) == \
         "enforce_eager=True"
 

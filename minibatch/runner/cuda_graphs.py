@@ -7,24 +7,31 @@ the step's kernels once and replays them all with one launch. vLLM does the same
 and how this module gives it:
 
 * **fixed shapes**: a batch of n decodes runs as the smallest captured size b >= n (``capture_sizes``); the b - n
-  padding rows write no K/V (slot -1) and attend to one cached position of block 0 (their outputs are dropped);
+  padding rows (token 0 at position 0) write no K/V (slot -1) and attend to one cached position of block 0; the
+  graph ends at the last hidden states, and the LM head runs outside it on the n real rows (vLLM does the same);
 * **inputs at fixed addresses**: persistent buffers (input_ids, positions, slot_mapping, block_tables, seq_lens),
   copied into before each replay; the block tables are as wide as the longest context the cache can hold;
 * **no host synchronization inside the step**: the attention backend must read block tables and context lengths
   on the GPU (``AttentionBackend.cuda_graphs``: the ``triton`` kernels do; ``torch``/``sdpa`` size their work on
   the host from the lengths, so their steps run eagerly).
 
-Steps with a prefill, speculative verification, a vocabulary subset or more decodes than the largest captured size
-run eagerly, as before; so does every step after a failed capture (``DecodeGraphs.disabled`` says why).
+Steps with a prefill, speculative verification, a vocabulary subset, more decodes than the largest captured size or a
+context past the model's sliding window run eagerly, as before; so does every step after a failed capture
+(``DecodeGraphs.disabled`` says why).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from minibatch.runner.attention import AttentionMetadata
 
 MAX_CAPTURE_SIZE = 256  # the largest decode batch replayed from a graph (vLLM captures up to 512 by default)
+# config fields of models whose forward changes the LM head's output (softcapping, scaling): the graph ends before
+# the head, which then runs as a plain linear, so such models run eagerly
+LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def capture_sizes(max_size: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -50,6 +57,10 @@ def graphs_unsupported(runner, enforce_eager: bool = False) -> str | None:
                 "(backends with CUDA graphs: triton)")
     if runner.vocab_subset is not None:
         return "a vocab_subset (its LM head runs outside the model)"
+    cfg = runner.model.config.get_text_config()
+    changed = [f for f in LOGIT_FIELDS if getattr(cfg, f, None) not in (None, 1, 1.0)]
+    if changed:
+        return f"the model post-processes its logits ({', '.join(changed)})"
     return None
 
 
@@ -131,30 +142,36 @@ class DecodeGraphs:
         if size is None:
             return None
         m, b, n = batch.attn_metadata, self.buffers, len(batch.attn_metadata.seq_lens)
-        b["slot_mapping"][n:size].fill_(-1)  # padding rows write nowhere (a stale slot would overwrite live K/V)
-        b["seq_lens"][n:size].fill_(1)
+        # padding rows: token 0 at position 0, writing nowhere (a stale slot would overwrite live K/V), one position
+        # of block 0 (stale values would also reach a model's batch-wide position logic)
+        for name, value in (("slot_mapping", -1), ("seq_lens", 1), ("input_ids", 0), ("positions", 0)):
+            b[name][n:size].fill_(value)
+        b["block_tables"][n:size, 0].fill_(0)
         b["input_ids"][:n].copy_(batch.input_ids)
         b["positions"][:n].copy_(batch.positions)
         b["slot_mapping"][:n].copy_(m.slot_mapping)
         b["block_tables"][:n, : m.block_tables.shape[1]].copy_(m.block_tables)
-        b["seq_lens"][:n].copy_(torch.tensor(m.seq_lens, dtype=torch.int32, device=b["seq_lens"].device))
-        if size not in self.graphs:
-            try:
-                self.graphs[size] = self._record(size)
-            except Exception as e:  # noqa: BLE001 - a step must not fail because a graph could not be recorded
-                self.disabled = f"capturing a decode batch of {size}: {type(e).__name__}: {e}"
-                self.reset()
-                return None
-        graph, logits = self.graphs[size]
-        if graph is None:
-            logits = self._forward(size)
-        else:
-            graph.replay()
+        lens = getattr(m.data, "seq_lens", None)  # the backend's int32 lengths on the device, else from the list
+        b["seq_lens"][:n].copy_(lens if torch.is_tensor(lens) else torch.tensor(m.seq_lens, dtype=torch.int32))
+        device = torch.cuda.device(self.kv_cache.device) if self.capture else contextlib.nullcontext()
+        with device:  # the model's GPU current (cuda:N), for the recording's streams and the replay
+            if size not in self.graphs:
+                try:
+                    self.graphs[size] = self._record(size)
+                except Exception as e:  # noqa: BLE001 - a step must not fail because a graph could not be recorded
+                    self.disabled = f"capturing a decode batch of {size}: {type(e).__name__}: {e}"
+                    self.reset()
+                    return None
+            graph, hidden = self.graphs[size]
+            if graph is None:
+                hidden = self._forward(size)
+            else:
+                graph.replay()
         self.replays += 1
-        return logits[:n].clone()  # the graph's output buffer is overwritten by the next replay
+        return self.runner.model.get_output_embeddings()(hidden[:n])  # (n, vocab_size): the LM head, real rows only
 
     def _forward(self, size: int) -> torch.Tensor:
-        """The padded decode forward on the buffers' first ``size`` rows: logits (size, vocab_size)."""
+        """The padded decode forward on the buffers' first ``size`` rows, up to the LM head: (size, hidden_size)."""
         b = self.buffers
         backend = self.runner.attention_backend
         meta = AttentionMetadata(
@@ -162,9 +179,9 @@ class DecodeGraphs:
             seq_lens=[1] * size, block_tables=b["block_tables"][:size], prefill_indices=[],
             decode_indices=list(range(size)), backend=backend,
             data=backend.graph_data(b["block_tables"][:size], b["seq_lens"][:size], b["cu_seqlens_q"][: size + 1]))
-        out = self.runner.model(input_ids=b["input_ids"][None, :size], position_ids=b["positions"][None, :size],
-                                attn_metadata=meta, use_cache=False, logits_to_keep=0)
-        return out.logits[0]
+        ids, positions = b["input_ids"][None, :size], b["positions"][None, :size]
+        out = self.runner.model.base_model(input_ids=ids, position_ids=positions, attn_metadata=meta, use_cache=False)
+        return out.last_hidden_state[0]
 
     def _record(self, size: int) -> tuple:
         if not self.capture:
@@ -174,16 +191,20 @@ class DecodeGraphs:
         saved = {k: b[k][:size].clone() for k in ("slot_mapping", "seq_lens")}
         b["slot_mapping"][:size].fill_(-1)
         b["seq_lens"][:size].fill_(1)
-        stream = torch.cuda.Stream(self.kv_cache.device)
-        stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        device = self.kv_cache.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):  # first calls (Triton compiles, allocator warms) outside the capture
             for _ in range(2):
                 self._forward(size)
-        torch.cuda.current_stream(self.kv_cache.device).wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._forward(size)
+        # recorded on a stream of the model's GPU; thread_local: other threads' CUDA calls (a server's) do not
+        # invalidate the recording
+        capture = torch.cuda.Stream(device)
+        with torch.cuda.graph(graph, pool=self.pool, stream=capture, capture_error_mode="thread_local"):
+            hidden = self._forward(size)
         self.pool = graph.pool()  # every size shares one memory pool (one replay at a time)
         for k, v in saved.items():
             b[k][:size].copy_(v)
-        return graph, logits
+        return graph, hidden

@@ -134,7 +134,8 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
         print(f"warning: {contention(env)}")
     meta = {"command": command, "environment": env, "device": str(device), "scale": scale, "quick": quick,
             "dtype": dtype_name(model.dtype), "attention_backend": runner.attention_backend.name,
-            "cuda_graphs": runner.decode_graphs is not None,  # decode steps replayed from CUDA graphs
+            # whether decode steps were replayed from CUDA graphs (runner.cuda_graphs)
+            "cuda_graphs": runner.decode_graphs is not None and runner.decode_graphs.replays > 0,
             "vocab_size": model.config.vocab_size,  # simulate draws its made-up prompt ids below it
             "max_model_len": runner.max_model_len}  # and refuses requests longer than this
     profile = fit_profile(model_name, samples, meta)
