@@ -23,26 +23,10 @@ import sys
 import torch
 
 from minibatch.checks import OneLineParser, int_arg, ints_arg, output_file_arg
+from minibatch.experiments.cuda_graphs import RUNNERS, graph_step_times
 from minibatch.report import environment, machine_load, write_json
 
-RUNNERS = {"triton": dict(attention_backend="triton"),
-           "triton_eager": dict(attention_backend="triton", enforce_eager=True),
-           "sdpa": dict(attention_backend="sdpa")}
 CAP = 64  # the batch cap of the trace's runs (gpu-check's GPU benchmark)
-
-
-def step_times(model, tokenizer, n: int, context: int, steps: int) -> dict:
-    """Median ms of a decode step of ``n`` requests per runner (steps alternating), and the graphs recorded."""
-    from minibatch.experiment import alternating_step_ms, decoding_engine
-    from minibatch.runner import ModelRunner
-
-    engines = {name: decoding_engine(ModelRunner(model, tokenizer, **kw), [context] * n, steps + 8)
-               for name, kw in RUNNERS.items()}
-    ms = alternating_step_ms(engines, steps)
-    graphs = engines["triton"].executor.decode_graphs
-    return {"batch": n, "context": context, "step_ms": ms, "graph_speedup": round(ms["triton_eager"] / ms["triton"], 2),
-            "speedup_over_sdpa": round(ms["sdpa"] / ms["triton"], 2),
-            "graphs_recorded": sorted(graphs.graphs), "graph_replays": graphs.replays, "disabled": graphs.disabled}
 
 
 def trace_run(model, tokenizer, num_requests: int) -> dict:
@@ -91,7 +75,7 @@ def main(argv=None) -> dict:
     load_before = machine_load()
     rows = []
     for n in args.batches:
-        rows.append(step_times(model, tokenizer, n, args.context, args.steps))
+        rows.append(graph_step_times(model, tokenizer, n, args.context, args.steps))
         print(rows[-1], flush=True)
     trace = trace_run(model, tokenizer, args.num_requests) if args.num_requests else None
     print(trace)

@@ -16,6 +16,9 @@ needs no decisions: it runs each step below, records what it saw, and exits 1 if
     benchmark     static, orca, paged, chunked, spec_ngram and     the same on tiny-random-llama,
                   both HF baselines on one saturated ShareGPT      16 requests
                   trace, output throughput and ratios
+    profile       the step profile: components, roofline           tiny-random-llama, float32
+    cuda-graphs   decode steps from CUDA graphs: tokens equal to   "needs a GPU"
+                  HF generate, step times against eager steps
 
 Models: the tiny random models for equality; the real smollm2-135m for the main job where its
 weights are on the machine, else ``smollm2-135m-random`` (same shape, seeded random weights: the
@@ -67,6 +70,46 @@ class StepReport:
 
 
 
+def check_cuda_graphs(ctx: CheckContext) -> dict:
+    """The ``cuda-graphs`` step: on tiny-random-llama in float32, ``paged`` with
+    the triton backend token for token equal to HF ``generate`` with its decode steps replayed from graphs; then
+    decode steps of 1 and 32 requests (context 256) on ``ctx.main_model`` in bf16, from graphs and eager.
+
+    Raises:
+        StepFailed: tokens differ, no step was replayed, or a recording failed."""
+    from minibatch.clock import SimClock
+    from minibatch.experiments.cuda_graphs import graph_step_times
+    from minibatch.models import load_model
+    from minibatch.policies import make_engine
+    from minibatch.reference import reference_outputs
+    from minibatch.request import Request, SamplingParams
+    from minibatch.runner import ModelRunner
+
+    model, tok = load_model("tiny-random-llama", device=ctx.device, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    requests = [Request(f"r{i}", torch.randint(3, min(model.config.vocab_size, 4096), (n,), generator=g).tolist(),
+                        m, SamplingParams(ignore_eos=True)) for i, (n, m) in enumerate(zip((5, 17, 9, 30, 3, 12, 21),
+                                                                                         (8, 3, 12, 6, 10, 5, 9)))]
+    refs = reference_outputs(model, requests)
+    runner = ModelRunner(model, tok, attention_backend="triton")
+    done = [r.copy() for r in requests]
+    make_engine("paged", runner, SimClock(), max_num_seqs=8, block_size=4, n_slots=1024).generate(done)
+    graphs = runner.decode_graphs
+    details = {"tiny_fp32_matches_reference": {r.request_id: r.output_token_ids for r in done} == refs,
+               "tiny_graphs_recorded": sorted(graphs.graphs) if graphs else [], "tiny_graph_replays":
+               graphs.replays if graphs else 0, "disabled": graphs.disabled if graphs else runner.graphs_unsupported}
+    big, big_tok = load_model(ctx.main_model, device=ctx.device, dtype=torch.bfloat16)
+    details["model"], details["steps"] = ctx.main_model, [graph_step_times(big, big_tok, n, 256, 20) for n in (1, 32)]
+    problems = [p for p, bad in (("tokens differ from HF generate", not details["tiny_fp32_matches_reference"]),
+                                 ("no decode step was replayed from a graph", not details["tiny_graph_replays"]),
+                                 (f"graphs off: {details['disabled']}", details["disabled"] is not None),
+                                 ("a step-time runner recorded no graph",
+                                  any(not r["graph_replays"] or r["disabled"] for r in details["steps"]))) if bad]
+    if problems:
+        raise StepFailed("; ".join(problems), details)
+    return details
+
+
 STEPS: list[Step] = [
     Step("environment", "device, driver, CUDA, torch, triton and transformers versions", check_environment),
     Step("kernels", "Triton kernels (compiled on a GPU) against their torch references, fp32 and bf16",
@@ -79,6 +122,8 @@ STEPS: list[Step] = [
          check_benchmark),
     Step("profile", "where a step's time goes: decode and prefill steps by component, on the roofline",
          check_profile),
+    Step("cuda-graphs", "decode steps replayed from CUDA graphs: equal to HF generate, timed against eager steps",
+         check_cuda_graphs, cuda_only=True),
 ]
 
 
@@ -184,6 +229,9 @@ def summary_line(r: StepReport) -> str:
         note = (f"{d['model']}, {d['num_requests']} requests: best {d['best_continuous_policy']} "
                 f"{d['output_throughput_tok_s'][d['best_continuous_policy']]:.0f} tok/s = "
                 f"{d['best_vs_hf_generate']}x hf_generate, {d['best_vs_hf_generate_batch']}x hf_generate_batch")
+    elif r.name == "cuda-graphs" and d:
+        note = f"{d['model']}: " + ", ".join(f"decode {s['batch']} {s['step_ms']['triton']} ms from graphs, "
+                                             f"{s['step_ms']['triton_eager']} eager" for s in d["steps"])
     else:
         note = ""
     return f"{r.status.upper():>11}  {r.name:<12} {r.seconds:7.1f} s  {note}".rstrip()
