@@ -20,7 +20,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CONCEPTS = {p.stem for p in (ROOT / "minibatch_course/concepts").glob("*.py") if not p.stem.startswith("_")}
 REPORT = set(re.findall(r'save\([^,]+, "(compare_\w+)"', (ROOT / "minibatch/report.py").read_text()))
 # figures written by a committed command (its JSON records the command and the figure)
-COMMANDS = {"step_profile": "data/cpu/step_profile.json", "step_profile_cuda": "data/gpu/step_profile_sdpa_h100.json"}
+COMMANDS = {"step_profile": "data/cpu/step_profile.json", "step_profile_cuda": "data/gpu/step_profile_sdpa_h100.json",
+            **{f"step_profile_{b}_h200": f"data/gpu/step_profile_{b}_h200.json" for b in ("sdpa", "triton")}}
 
 
 def notebook_writers() -> dict[str, list[tuple[str, int, list[bytes]]]]:

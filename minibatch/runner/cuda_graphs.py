@@ -83,7 +83,8 @@ class DecodeGraphs:
         max_size: the largest captured batch (``MAX_CAPTURE_SIZE``).
 
     Attributes:
-        graphs: batch size -> (CUDAGraph or None when not capturing, its logits (size, vocab_size)).
+        graphs: batch size -> (its CUDAGraph, or None when not capturing; the graph's output, the last hidden
+            states (size, hidden_size), or None).
         replays: steps that ran from the buffers (captured or, with ``capture=False``, eagerly).
         disabled: None, or why every step now runs eagerly (a capture failed: its error).
     """
