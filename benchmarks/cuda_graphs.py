@@ -34,9 +34,10 @@ def trace_run(model, tokenizer, num_requests: int) -> dict:
     from minibatch.clock import WallClock
     from minibatch.experiment import run
     from minibatch.runner import ModelRunner
+    from minibatch.runner.support import config_max_model_len
     from minibatch.workload import make_trace
 
-    limit = ModelRunner(model, tokenizer).max_model_len  # (a small test model's context is shorter)
+    limit = config_max_model_len(model.config.get_text_config())  # (a small test model's context is shorter)
     requests = make_trace(num_requests, arrival="zero", max_prompt_len=min(1024, limit // 2),
                           max_output_len=min(512, limit // 4), output_scale=0.5, vocab_size=model.config.vocab_size,
                           seed=0)

@@ -69,7 +69,6 @@ class StepReport:
     details: dict = field(default_factory=dict)
 
 
-
 def check_cuda_graphs(ctx: CheckContext) -> dict:
     """The ``cuda-graphs`` step: on tiny-random-llama in float32, ``paged`` with
     the triton backend token for token equal to HF ``generate`` with its decode steps replayed from graphs; then
@@ -82,14 +81,12 @@ def check_cuda_graphs(ctx: CheckContext) -> dict:
     from minibatch.models import load_model
     from minibatch.policies import make_engine
     from minibatch.reference import reference_outputs
-    from minibatch.request import Request, SamplingParams
     from minibatch.runner import ModelRunner
+    from minibatch.workload import make_trace
 
     model, tok = load_model("tiny-random-llama", device=ctx.device, dtype=torch.float32)
-    g = torch.Generator().manual_seed(1)
-    requests = [Request(f"r{i}", torch.randint(3, min(model.config.vocab_size, 4096), (n,), generator=g).tolist(),
-                        m, SamplingParams(ignore_eos=True)) for i, (n, m) in enumerate(zip((5, 17, 9, 30, 3, 12, 21),
-                                                                                         (8, 3, 12, 6, 10, 5, 9)))]
+    requests = make_trace(8, arrival="zero", lengths="uniform", prompt_range=(3, 40), output_range=(3, 20),
+                          vocab_size=min(model.config.vocab_size, 4096), seed=1)
     refs = reference_outputs(model, requests)
     runner = ModelRunner(model, tok, attention_backend="triton")
     done = [r.copy() for r in requests]

@@ -26,4 +26,3 @@ def graph_step_times(model, tokenizer, n: int, context: int, steps: int) -> dict
     return {"batch": n, "context": context, "step_ms": ms, "graph_speedup": round(ms["triton_eager"] / ms["triton"], 2),
             "speedup_over_sdpa": round(ms["sdpa"] / ms["triton"], 2), "graphs_recorded": sorted(graphs.graphs),
             "graph_replays": graphs.replays, "disabled": graphs.disabled}
-

@@ -8,6 +8,11 @@ from __future__ import annotations
 from minibatch.lessons import exercise
 
 
+def shape_name(row: dict) -> str:
+    """A profile row's shape as the tables name it: "decode 32" (its batch), "prefill 1024" (its tokens)."""
+    return f"{row['kind']} {row['batch'] if row['kind'] == 'decode' else row['tokens']}"
+
+
 def profile_rows(result: dict) -> list[dict]:
     """One dict per shape of a step profile: its name, step and bound times (ms), the bound's kind, step / bound,
     the Python and scheduling share and the three largest components with their shares."""
@@ -15,7 +20,7 @@ def profile_rows(result: dict) -> list[dict]:
     for r in result["shapes"]:
         parts = r["components_s"]
         top = sorted(parts, key=parts.get, reverse=True)[:3]
-        rows.append({"shape": f"{r['kind']} {r['batch'] if r['kind'] == 'decode' else r['tokens']}",
+        rows.append({"shape": shape_name(r),
                      "step_ms": round(r["step_s"] * 1e3, 1), "bound_ms": round(r["bound_s"] * 1e3, 1),
                      "bound": r["bound"], "step_over_bound": r["step_over_bound"],
                      "overhead_share": r["overhead_share"],
@@ -36,7 +41,7 @@ def print_profile(result: dict) -> None:
 
 def backend_steps(results: dict[str, dict]) -> dict[str, dict[str, float]]:
     """backend -> shape -> step time (ms), from one profile per attention backend."""
-    return {name: {f"{r['kind']} {r['batch'] if r['kind'] == 'decode' else r['tokens']}": round(r["step_s"] * 1e3, 1)
+    return {name: {shape_name(r): round(r["step_s"] * 1e3, 1)
                    for r in res["shapes"]} for name, res in results.items()}
 
 
@@ -58,7 +63,7 @@ def check_regime(my_prediction, result: dict, shape: str = "decode 1", show_answ
 def print_gpu_steps(result: dict) -> None:
     """A GPU step profile's launches: per shape, its kernels per step and the share of the step the GPU was busy."""
     for r in result["shapes"]:
-        name = f"{r['kind']} {r['batch'] if r['kind'] == 'decode' else r['tokens']}"
+        name = shape_name(r)
         print(f"{name:<14}{r['step_s'] * 1e3:>7.1f} ms  {r['kernels_per_step']} kernels, GPU busy "
               f"{r['device_busy_share']:.0%} of the step")
 

@@ -123,7 +123,7 @@ class DecodeGraphs:
         m = batch.attn_metadata
         n = len(m.seq_lens)
         if (self.disabled is not None or m.prefill_indices or len(batch.sample_request_ids) != n
-                or batch.input_ids.shape[0] != n or self.runner.vocab_subset is not None):
+                or batch.input_ids.shape[0] != n):
             return None  # a prefill, verification rows, or decodes that return no logits
         window = self.runner.sliding_window
         if window is not None and max(m.seq_lens) > window:

@@ -284,4 +284,3 @@ class ModelRunner(KVOwnership):
     def release_state(self) -> None:
         self._static = None  # another engine's padded batch
         self.sampler = Sampler()
-
