@@ -9,7 +9,11 @@ prepacked with q/k/v and gate/up grouped, one with the AMX kernel turned off (ev
 
     python benchmarks/amx_linear.py --batches 1,8,32,64 --json data/cpu/amx_linear.json
 
-Above ``AMX_MAX_ROWS`` (32) rows both ways run oneDNN: the 64-request row shows what is left equal.
+Above ``AMX_MAX_ROWS`` (32) rows both ways run oneDNN: the 64-request row shows what is left equal. ``--amx-rows N``
+lets the AMX way run products of up to N rows (64 at most) on the kernel, to measure it above 32 rows:
+
+    python benchmarks/amx_linear.py --batches 32,48,64 --amx-rows 64 --json data/cpu/amx_linear_64_rows.json
+
 ``benchmarks/bf16_linear.py`` runs the same comparison for the AVX512-BF16 kernel (``kernel="bf16"``).
 """
 
@@ -22,6 +26,8 @@ import time
 import torch
 
 from fused_projections import parser, run_ways
+
+from minibatch.checks import int_arg
 
 
 def kernel_off(model, kernel: str) -> None:
@@ -55,7 +61,17 @@ def call_overhead_us(kernel: str, calls: int = 2000) -> dict:
 
 def main(argv=None, kernel: str = "amx", doc: str = __doc__) -> dict:
     """Both ways for ``kernel`` ("amx": this file's benchmark; "bf16": ``bf16_linear.py``'s)."""
-    args = parser(doc).parse_args(argv)
+    p = parser(doc)
+    if kernel == "amx":
+        p.add_argument("--amx-rows", type=int_arg(1, 64), default=None,
+                       help="products of up to this many rows run the AMX kernel in the AMX way (default: "
+                            "AMX_MAX_ROWS, 32; above it its outputs are not oneDNN's bit for bit, each row still "
+                            "its own one-row result)")
+    args = p.parse_args(argv)
+    if getattr(args, "amx_rows", None) is not None:
+        from minibatch.kernels import cpu_amx_linear
+
+        cpu_amx_linear.AMX_MAX_ROWS = args.amx_rows  # read when the runners below are built and at every product
     from minibatch.models import load_model
     from minibatch.runner import ModelRunner
     from minibatch.runner.prepack import can_prepack, prepack_linears
