@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -537,7 +538,9 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(server):
 
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/nope", 404), ("POST", "/v2/completions", 404),
-                                                ("GET", "/v1/completions", 405), ("DELETE", "/health", 405)])
+                                                ("GET", "/v1/completions", 405), ("DELETE", "/health", 405),
+                                                ("POST", "/v1/completions/", 404),  # no 307 redirect, empty body
+                                                ("POST", "/v1/chat/completions/", 404), ("GET", "/health/", 404)])
 def test_unknown_routes_and_methods_get_openai_error_objects(server, method, path, status):
     r = httpx.request(method, server.base_url.removesuffix("/v1") + path, timeout=30)
     assert r.status_code == status
@@ -643,6 +646,32 @@ def test_routes_clients_expect_and_errors_that_name_the_right_thing(server, load
         usage = [client(srv).chat.completions.create(model=MODEL, max_tokens=1, messages=[
             {"role": "user", "content": "hi"} | name]).usage.prompt_tokens for name in ({}, {"name": "Ada"})]
     assert usage[1] > usage[0]
+
+
+def test_a_developer_message_is_a_system_message_unless_the_template_names_the_role(loaded):
+    """OpenAI's developer role is the newer name of system: a template that does not name it gets ``system`` (the
+    same prompt as a system message), one that does gets ``developer``."""
+    import copy
+
+    from minibatch.serving.text import template_role
+
+    def prompt_tokens(template: str, role: str) -> int:
+        tokenizer = copy.deepcopy(loaded[1])
+        tokenizer.chat_template = template
+        app, engine = build_server(MODEL, "paged", dict(n_slots=1024, block_size=4), loaded=(loaded[0], tokenizer))
+        with ServerThread(app, engine) as srv:
+            return client(srv).chat.completions.create(model=MODEL, max_tokens=1, messages=[
+                {"role": role, "content": "be brief"}, {"role": "user", "content": "hi"}]).usage.prompt_tokens
+
+    generic = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    assert prompt_tokens(generic, "developer") == prompt_tokens(generic, "system")
+    naming = "{% for m in messages %}{% if m['role'] == 'developer' %}<|dev|>{% else %}<|{{ m['role'] }}|>{% endif %}" \
+             "{{ m['content'] }}\n{% endfor %}"
+    assert prompt_tokens(naming, "developer") != prompt_tokens(naming, "system")
+    tokenizer = SimpleNamespace(chat_template=generic)
+    assert [template_role(tokenizer, r) for r in ("developer", "system", "user", "assistant")] == \
+        ["system", "system", "user", "assistant"]
+    assert template_role(SimpleNamespace(chat_template=naming), "developer") == "developer"
 
 
 def test_health_is_503_while_draining_and_after(loaded):

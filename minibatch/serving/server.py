@@ -25,7 +25,7 @@ from minibatch.serving.metrics import ServingMetrics
 from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Context,
                                         api_error_of, check_list_lengths, decode_json, make_request, one_prompt,
                                         parse_body)
-from minibatch.serving.text import TextAssembler, template_tokens_per_message
+from minibatch.serving.text import TextAssembler, template_role, template_tokens_per_message
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 MAX_BODY_BYTES = 8 << 20  # default body-size limit: far above any prompt a 2k-8k-token context holds
@@ -36,7 +36,9 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving ``engine`` (started by the caller) as ``model_name``; a request body over
     ``max_body_bytes`` is refused with 413 before it is read whole."""
-    app = FastAPI(title="minibatch", docs_url=None, redoc_url=None)
+    # no redirect of '/v1/completions/' to '/v1/completions' (a 307 with an empty body): an unknown route is a 404
+    # with an OpenAI error object, like any other
+    app = FastAPI(title="minibatch", docs_url=None, redoc_url=None, redirect_slashes=False)
     # the context one request may use: the model's max_model_len, or less where the KV cache holds less
     context = Context(engine.engine.max_request_tokens(), engine.engine.executor.max_model_len)
     max_model_len = context.tokens
@@ -77,7 +79,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
         body = parse_body(ChatCompletionRequest, body)
         if not getattr(tok, "chat_template", None):
             raise APIError(f"messages: model {model_name!r} has no chat template; use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in body.messages]
+        messages = [{"role": template_role(tok, m.role), "content": m.text()} | ({"name": m.name} if m.name else {})
+                    for m in body.messages]
         check_length(sum(len(m["content"]) for m in messages), "messages")
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return body, list(tok.encode(text, add_special_tokens=False))

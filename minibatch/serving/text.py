@@ -70,6 +70,16 @@ class TextAssembler:
         return piece, False
 
 
+def template_role(tokenizer, role: str) -> str:
+    """The role a message of ``role`` takes in ``tokenizer``'s chat template: OpenAI's ``developer`` is the newer name
+    for ``system`` (its Chat Completions reference), so it becomes ``system`` unless the template names the
+    ``developer`` role itself (as vLLM's server does); a template written for system/user/assistant would otherwise
+    put a role the model never saw in training into the prompt, after its default system prompt."""
+    if role == "developer" and "developer" not in str(getattr(tokenizer, "chat_template", None) or ""):
+        return "system"
+    return role
+
+
 def template_tokens_per_message(tokenizer) -> int:
     """The fewest special tokens (chat markers, which never merge with a message's text) one more message adds to
     a prompt under ``tokenizer``'s chat template, over the roles the server accepts; 0 when there is no template
