@@ -34,13 +34,13 @@ from minibatch.serving.launch import add_serve_arguments, run_serve
 COMPARE_HELP_DEFAULTS = COMPARE_SETTINGS | {"n_slots": "batch_size x the longest request (compare.kv_slots)"}
 
 
-def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=CompareConfig) -> None:
+def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=CompareConfig, omit=()) -> None:
     """One option per ``config_cls`` field offered to ``command`` ("model": compare, or serve and calibrate
-    with ModelConfig; "sim": simulate), with the field's help and default; the values are checked by the
-    config itself."""
+    with ModelConfig; "sim": simulate), except the fields in ``omit``, with the field's help and default; the
+    values are checked by the config itself."""
     for f in dataclasses.fields(config_cls):
         m = f.metadata
-        if m.get("cli") not in ("all", command):
+        if m.get("cli") not in ("all", command) or f.name in omit:
             continue
         default = SIM_DEFAULT_POLICIES if command == "sim" and f.name == "policies" else f.default
         flag = m["flag"] or opt(f.name)
@@ -123,7 +123,7 @@ def check_calibrate_modes(parser, args) -> None:
 
 def model_config(args) -> ModelConfig:
     """The ModelConfig of parsed ``args`` (serve, calibrate): checked before minutes of loading."""
-    return ModelConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ModelConfig)})
+    return ModelConfig(**{f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(ModelConfig)})
 
 
 def load_plugins(argv: list[str] | None) -> None:
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench-serve", help="measure TTFT, ITL, TPOT and goodput of any OpenAI-compatible server")
     add_bench_serve_arguments(b)
     pr = sub.add_parser("profile", help="where a step's time goes: components of decode and prefill steps, roofline")
-    add_config_options(pr, "model", ModelConfig)
+    add_config_options(pr, "model", ModelConfig, omit=("draft_model",))  # it times the model's own steps
     add_profile_arguments(pr)
     add_sweep_arguments(sub.add_parser("sweep", help="a grid of simulate/compare runs, one table (or on Ray)"))
     g = sub.add_parser("gpu-check", help="everything that must work on a GPU, in one command: kernels compiled, "

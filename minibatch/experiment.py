@@ -80,10 +80,10 @@ def policy_spec(policy: str):
     return BASELINES[policy] if policy in BASELINES else get_policy(policy)
 
 
-def check_policy_settings(settings: dict, policies: tuple[str, ...]) -> dict:
-    """``settings`` checked against the configs of ``policies`` (errors name the command-line option);
-    returns them normalised. None is "not set" (dropped), except where a selected policy's field allows
-    None (kept: there it is the value, e.g. aging_s=None, no aging).
+def check_policy_settings(settings: dict, policies: tuple[str, ...], among: tuple[str, ...] | None = None) -> dict:
+    """``settings`` checked against the configs of ``policies`` (errors name the command-line option); returns them
+    normalised. None is "not set" (dropped), except where a selected policy's field allows None (kept: there it is
+    the value, e.g. aging_s=None, no aging). among: the policies the command can run (default all, HF peers included).
 
     Raises:
         ValueError / FieldTypeError: a setting no selected policy has (naming the policies that have
@@ -100,7 +100,7 @@ def check_policy_settings(settings: dict, policies: tuple[str, ...]) -> dict:
                 checked[name] = None
             continue
         if not users:
-            elsewhere = [p for p in all_policies() if name in policy_spec(p).options]
+            elsewhere = [p for p in (among or all_policies()) if name in policy_spec(p).options]
             raise ValueError(f"{opt(name)} does not apply to the selected policies ({','.join(policies)})"
                              + (f"; it applies to {','.join(elsewhere)}" if elsewhere else ""))
         for p, meta in metas.items():

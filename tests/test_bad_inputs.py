@@ -476,6 +476,15 @@ def run_cli(argv, capsys):
       "--kv-cache-memory-bytes", "1", "--figures-dir", "", "--no-progress"], "--kv-cache-memory-bytes"),
     (["compare", "--model", "tiny-random-llama", "--clock", "sim", "--policies", "paged", "--num-requests", "2",
       "--kv-cache-memory-bytes", "1000000000000", "--figures-dir", "", "--no-progress"], "--kv-cache-memory-bytes"),
+    # given for nothing: a router with one replica to pick, a think time with no next turn, an empty server URL
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--router", "least_kv"], "--router"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "paged", "--disaggregate", "1:1",
+      "--router", "least_outstanding"], "--router"),
+    (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--workload", "multiturn", "--think-time-s",
+      "3", "--max-turns", "1"], "--think-time-s"),
+    (["bench-serve", "--base-url", ""], "--base-url"),
+    (["bench-serve", "--base-url", "localhost:8000"], "--base-url"),
+    (["serve", "--model", "tiny-random-llama", "--policy", "paged", "--batch-size", "4"], "applies to static\n"),
 ])
 def test_cli_bad_option_is_one_line_exit_2(argv, message, capsys, monkeypatch):
     from minibatch.baselines import vllm_peer
@@ -521,6 +530,25 @@ def test_cli_run_time_input_error_is_one_line(tmp_path, capsys):
                          "--clock", "sim",
                          "--figures-dir", "", "--no-progress", "--no-reference", "--policies", "orca"], capsys)
     assert code == 2 and "vocab" in err and len(err.strip().splitlines()) == 1
+
+
+def test_options_that_do_nothing_where_given_are_refused(tmp_path, capsys):
+    """simulate --seed with --trace seeds only the speculative policies' draws; profile times the model's own steps
+    (no --draft-model); a router among 2+ replicas, or a think time before a second turn, still runs."""
+    from minibatch.trace_io import save_trace
+
+    path = tmp_path / "t.json"
+    save_trace([Request("a", [1, 2, 3], 3, GREEDY)], path)
+    sim = ["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--trace", str(path), "--seed", "3"]
+    code, err = run_cli(sim + ["--policies", "orca"], capsys)
+    assert code == 2 and "--seed" in err and len(err.strip().splitlines()) == 1
+    assert main(sim + ["--policies", "orca,spec_ngram", "--acceptance-rate", "0.7", "--no-progress"]) == 0
+    code, err = run_cli(["profile", "--model", "tiny-random-llama", "--draft-model", "tiny-random-llama"], capsys)
+    assert code == 2 and "--draft-model" in err and len(err.strip().splitlines()) == 1
+    for extra in (["--replicas", "2", "--router", "least_kv", "--num-requests", "4"],
+                  ["--workload", "multiturn", "--conversations", "2", "--think-time-s", "3", "--max-turns", "2"]):
+        assert main(["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--policies", "orca",
+                     "--no-progress", *extra]) == 0
 
 
 def test_cli_ctrl_c_is_one_line_exit_130_and_keeps_the_old_file(tmp_path, capsys, monkeypatch):

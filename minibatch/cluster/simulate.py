@@ -215,7 +215,16 @@ def simulate_command(args, cfg) -> dict:
     """``python -m minibatch simulate``: :func:`simulate` with the cluster options of ``args``."""
     from dataclasses import fields
 
+    from minibatch.config import changed_fields
+
     cluster = ClusterConfig(**{f.name: getattr(args, f.name) for f in fields(ClusterConfig) if f.metadata.get("cli")})
+    # options that a command line gives for nothing (a sweep's grid may still pair them, e.g. replicas [1, 2, 4])
+    if changed_fields(cluster, ("router",)) and max(map(cluster.roles.count, set(cluster.roles))) == 1:
+        raise ValueError(f"--router {cluster.router} picks among replicas: it needs --replicas 2 or more (or "
+                         "--disaggregate P:D with P or D above 1)")
+    if changed_fields(cluster, ("think_time_s",)) and cluster.max_turns == 1:
+        raise ValueError("--think-time-s is the pause before a conversation's next turn: it needs --max-turns 2 or "
+                         "more")
     return simulate(cfg, cluster, args.acceptance_rate)
 
 
@@ -226,13 +235,14 @@ def simulate(cfg, cluster: ClusterConfig, acceptance_rate: str | None = None) ->
     Raises:
         ValueError: no profile, a bad profile or acceptance rate, a bad cluster option (each named)."""
     from minibatch.config import changed_fields, opt
-    from minibatch.policies import get_policy
+    from minibatch.policies import POLICIES, get_policy
     from minibatch.sim.cost_model import Profile
     from minibatch.sim.simulator import parse_acceptance_rate, run_simulation
     from minibatch.spec.speculator import SpecConfig
 
     acceptance = parse_acceptance_rate(acceptance_rate)
-    if acceptance is not None and not any(get_policy(p).proposer for p in cfg.policies):
+    speculative = any(p in POLICIES and get_policy(p).proposer for p in cfg.policies)  # (others refused later)
+    if acceptance is not None and not speculative:
         raise ValueError("--acceptance-rate applies only to the speculative policies (spec, spec_ngram)")
     k = cfg.settings.get("num_speculative_tokens", SpecConfig.num_speculative_tokens)
     if isinstance(acceptance, list) and len(acceptance) > k:  # positions past k are never drafted
@@ -242,6 +252,9 @@ def simulate(cfg, cluster: ClusterConfig, acceptance_rate: str | None = None) ->
                                                                             "long_prompts", "long_prompt_len"))):
         raise ValueError(f"{opt(given[0])} does not apply with --workload multiturn (--conversations, --rate, "
                          "--max-prompt-len, --max-output-len and --output-scale shape it)")
+    if cfg.trace is not None and not speculative and changed_fields(cfg, ("seed",)):
+        raise ValueError("--seed with --trace seeds only the speculative policies' simulated acceptance draws (spec, "
+                         "spec_ngram), and none is selected")
     if cfg.profile is None:
         raise ValueError("--profile is required: a calibrated cost model (python -m minibatch calibrate)")
     Profile.load(cfg.profile)  # a bad profile is reported before the run

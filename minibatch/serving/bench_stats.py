@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import math
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from minibatch.checks import (MAX_NUM_REQUESTS, MAX_NUM_SEQS, MAX_RATE, MAX_SECONDS, MAX_TOKENS, MIN_RATE, check_int,
-                              check_real)
+                              check_real, short_repr)
 from minibatch.metrics import (COLUMNS, LATENCIES, PERCENTILES, SLO, RequestMetrics, Sample, format_cell, latencies,
                                summary_values)
 
@@ -80,6 +81,10 @@ def check_args(args: argparse.Namespace) -> SLO | None:
     for name, value in objectives.items():
         if value is not None:
             check_real(value, f"--slo-{name.replace('_', '-')} (seconds)", 0.0, MAX_SECONDS, low_open=True)
+    url = urlsplit(args.base_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"--base-url must be the server's http:// or https:// URL (e.g. http://127.0.0.1:8000), "
+                         f"got {short_repr(args.base_url)}")
     omitted = {"model": "the server's first model", "tokenizer": "chosen by --model", "json": "no JSON"}
     for option, default in omitted.items():  # '' would silently mean the default
         if (value := getattr(args, option)) is not None and not value.strip():

@@ -137,7 +137,7 @@ def run_serve(args, settings: dict) -> int:
     check_int(args.max_body_bytes, "--max-body-bytes", 1024, 1 << 31)
     check_real(args.drain_timeout_s, "--drain-timeout-s", 0.0, 86400.0)
     if args.policy in POLICIES:  # (python -m minibatch loads --policy-module files first; build_server
-        settings = check_policy_settings(settings, (args.policy,))  # names an unknown policy)
+        settings = check_policy_settings(settings, (args.policy,), tuple(POLICIES))  # names an unknown policy)
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype(args.dtype, args.device)
     app, engine = build_in_engine_thread(lambda: build_server(
