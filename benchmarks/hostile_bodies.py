@@ -4,7 +4,8 @@
     python benchmarks/hostile_bodies.py --json data/cpu/hostile_bodies.json
 
 Kinds of body (each several MB): ``ids``: a prompt of a million token ids (past any context); ``batch``: a batch of
-a million prompts (one prompt per request is supported); ``stop``: a million stop strings (16 allowed). For each
+a million prompts (one prompt per request is supported); ``stop``: a million stop strings (16 allowed);
+``stop_ids``: a million stop token ids (1024 allowed); ``unknown``: an unknown field of a million lists. For each
 kind, ``--trials`` times: ``--bodies`` huge bodies are sent at once, 0.15 s later the normal request (3 prompt
 tokens, 2 output tokens); its latency is recorded. The client runs in this process, its sends in threads; the
 server (``--threads`` torch threads) in another.
@@ -28,7 +29,9 @@ from minibatch.serving.launch import ServerProcess
 ITEMS = 1_000_000
 KINDS = {"ids": {"prompt": list(range(ITEMS)), "max_tokens": 4},
          "batch": {"prompt": ["ab"] * ITEMS, "max_tokens": 4},
-         "stop": {"prompt": "hi", "max_tokens": 4, "stop": ["x"] * ITEMS}}
+         "stop": {"prompt": "hi", "max_tokens": 4, "stop": ["x"] * ITEMS},
+         "stop_ids": {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [7] * ITEMS},
+         "unknown": {"prompt": "hi", "max_tokens": 4, "zzz": [[1]] * ITEMS}}
 NORMAL = {"prompt": [1, 2, 3], "max_tokens": 2}
 
 

@@ -49,7 +49,7 @@ class SamplingParams:
     (log_softmax in float32 of the logits before temperature, top-k and top-p), in
     ``Request.logprobs``; None (default): none. In [0, 20].
     ``stop_token_ids`` (vLLM's extension): more token ids that finish a request (finish_reason "stop",
-    the token kept in the output, as EOS is), whatever ``ignore_eos``; ids in [0, 2**31).
+    the token kept in the output, as EOS is), whatever ``ignore_eos``; ids in [0, 2**31), a repeated one kept once.
     ``min_tokens`` (vLLM's extension): the first ``min_tokens`` output tokens cannot be EOS or a stop
     token id (their logits are set to -inf before sampling, as vLLM's min-tokens logits processor does),
     so a request runs at least that long; <= the request's max_new_tokens; speculative policies refuse it.
@@ -86,7 +86,8 @@ class SamplingParams:
             raise FieldTypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise FieldTypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        values["stop_token_ids"] = tuple(check_int(t, "stop_token_ids[]", 0, 2**31 - 1) for t in self.stop_token_ids)
+        values["stop_token_ids"] = tuple(dict.fromkeys(  # each id once, in order: every output token is checked
+            check_int(t, "stop_token_ids[]", 0, 2**31 - 1) for t in self.stop_token_ids))
         values["min_tokens"] = check_int(self.min_tokens, "min_tokens", 0)
         for name, value in values.items():  # plain Python numbers from here on (numpy, 0-d tensors in)
             object.__setattr__(self, name, value)

@@ -121,6 +121,10 @@ def test_sampling_params_fields(kwargs, field, exc):
         SamplingParams(**kwargs)
 
 
+def test_stop_token_ids_are_kept_once_each_in_order():
+    assert SamplingParams(stop_token_ids=[7, 3, 7, 3, 9] * 1000).stop_token_ids == (7, 3, 9)
+
+
 def test_smallest_allowed_temperature_samples_without_overflow():
     from minibatch.runner.sampler import Sampler
 

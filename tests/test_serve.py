@@ -319,6 +319,8 @@ def test_metrics_have_vllm_names_and_count_one_request(loaded):
     ({"prompt": "x", "logprobs": 0}, "logprobs"),
     ({"prompt": "x", "n": 1.0}, "n"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"prompt": "x", "colour": None}, "colour"),  # an unknown field is refused even when null
+    ({"prompt": "x", "stop_token_ids": [7] * 1025}, "stop_token_ids"),  # millions slowed every request
 ])
 def test_bad_bodies_get_400_naming_the_field(server, body, param):
     r = httpx.post(server.base_url + "/completions", json={"model": MODEL, **body}, timeout=30)
@@ -573,15 +575,22 @@ def test_oversized_and_hostile_bodies_get_4xx_not_500(loaded):
 
 
 def test_huge_bodies_are_refused_cheaply_and_a_large_valid_one_is_served(server):
-    """A million token ids, a batch of a million prompts, a million stop strings: 400 naming the field, the value
-    not sent back whole (each used to be validated item by item and repr'ed whole while others waited). A valid
-    body over 256 KiB (prepared in the large bodies' own thread) answers as the same small one does. A body must
-    be UTF-8 (an encoded surrogate is refused; a BOM is dropped)."""
+    """A million token ids, a batch of a million prompts, a million stop strings or stop token ids, a million
+    unknown values: 400 before the body is parsed (more JSON values than a request for the context can need;
+    parsing them held the GIL, and every other request, for a second), the value not sent back. Lists that are too
+    long but parse cheaply: 400 naming the field. A valid body over 256 KiB (prepared in the large bodies' own
+    thread) answers as the same small one does. A body must be UTF-8 (an encoded surrogate is refused; a BOM is
+    dropped)."""
     url = server.base_url + "/completions"
     small = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    for field, value, message in [("prompt", list(range(10**6)), "1000000 tokens do not fit"),
-                                  ("prompt", ["ab"] * 10**6, "one prompt per request is supported, got 1000000"),
-                                  ("stop", ["x"] * 10**6, "(1000000 items)")]:
+    for field, value in [("prompt", list(range(10**6))), ("prompt", ["ab"] * 10**6), ("stop", ["x"] * 10**6),
+                         ("stop_token_ids", [7] * 10**6), ("zzz", [[1]] * 10**6)]:
+        r = httpx.post(url, json=small | {field: value}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and "JSON values" in error["message"] and len(error["message"]) < 400, error
+    for field, value, message in [("prompt", list(range(5, 600)), "595 tokens do not fit"),
+                                  ("prompt", ["ab"] * 5000, "one prompt per request is supported, got 5000"),
+                                  ("stop", ["x"] * 5000, "(5000 items)")]:
         r = httpx.post(url, json=small | {field: value}, timeout=60)
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == field and message in error["message"], error
@@ -646,6 +655,32 @@ def test_routes_clients_expect_and_errors_that_name_the_right_thing(server, load
         usage = [client(srv).chat.completions.create(model=MODEL, max_tokens=1, messages=[
             {"role": "user", "content": "hi"} | name]).usage.prompt_tokens for name in ({}, {"name": "Ada"})]
     assert usage[1] > usage[0]
+
+
+def test_chat_messages_a_client_sends_back_and_what_a_template_refuses(loaded):
+    """An SDK message's model_dump() (refusal, tool_calls, ... null) is taken as the message; a refusal with a
+    value, an extra key in a content part and a template's raise_exception are 400s naming messages, not 500s."""
+    import copy
+
+    tokenizer = copy.deepcopy(loaded[1])
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role "
+                               "not supported') }}{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}")
+    app, engine = build_server(MODEL, "paged", dict(n_slots=1024, block_size=4), loaded=(loaded[0], tokenizer))
+    with ServerThread(app, engine) as srv:
+        answer = client(srv).chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}]).choices[0].message
+        dumped = answer.model_dump()
+        assert dumped["refusal"] is None and "tool_calls" in dumped
+        again = client(srv).chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}, dumped, {"role": "user", "content": "more"}])
+        assert again.choices[0].message.content is not None
+        for messages in ([{"role": "user", "content": "hi"}, dumped | {"refusal": "no"}],
+                         [{"role": "user", "content": [{"type": "text", "text": "a", "cache_control": {}}]}],
+                         [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]):
+            r = httpx.post(srv.base_url + "/chat/completions", timeout=60,
+                           json={"model": MODEL, "messages": messages, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.json()
+        assert "System role not supported" in r.json()["error"]["message"]
 
 
 def test_a_developer_message_is_a_system_message_unless_the_template_names_the_role(loaded):

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from minibatch.checks import short_repr
 from minibatch.request import Request, SamplingParams
@@ -32,6 +32,13 @@ UNSUPPORTED = {
     "use_beam_search": (False,),
 }
 MAX_STOP_STRINGS = 16
+VALUES_PER_TOKEN = 16  # a body's JSON values per token of the context (a token of text holds a few commas at most)
+# stop_token_ids: every output token is checked against them and, before min_tokens, they are banned each step, so
+# a list of millions slowed every request on the server; vLLM sets no limit, this server refuses a longer list
+MAX_STOP_TOKEN_IDS = 1024
+# message keys of OpenAI's Chat Completions that a client may send back as null (an SDK message's model_dump()):
+# null is "not given", as for the body's own fields; given with a value they are refused as unknown fields
+MESSAGE_NULLABLE = ("name", "refusal", "tool_calls", "function_call", "audio", "annotations", "tool_call_id")
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where json.loads can make a lone surrogate (or a pair)
 
 
@@ -47,9 +54,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
 
-def decode_json(data: bytes):
-    """The decoded JSON body. Raises APIError 400 for a body not in UTF-8, invalid JSON, nesting too deep, or a
-    string no UTF-8 text can hold (a lone surrogate escape such as "\\ud800")."""
+def decode_json(data: bytes, context: Context | None = None):
+    """The decoded JSON body. Raises APIError 400 for a body not in UTF-8, invalid JSON, nesting too deep, a
+    string no UTF-8 text can hold (a lone surrogate escape such as "\\ud800"), or, given the server's ``context``,
+    more JSON values than a request for it can need (:data:`VALUES_PER_TOKEN` per token of it, counted in the bytes
+    before they are parsed: parsing a million small values holds Python's GIL, and every other request, for a
+    second; a long string is one value and cheap)."""
+    if context is not None:
+        limit = VALUES_PER_TOKEN * context.tokens + 1024
+        values = data.count(b",") + data.count(b"[") + data.count(b"{")  # an over-count: strings' commas too
+        if values > limit:
+            raise APIError(f"the body holds {values} JSON values (commas, arrays, objects), more than a request for "
+                           f"{context} can need (at most {limit})")
     try:
         text = data.decode("utf-8-sig")  # strict (json.loads lets encoded surrogates through); a BOM is dropped
         body = json.loads(text)
@@ -119,12 +135,22 @@ class ChatMessage(BaseModel):
     content: str | list[dict]
     name: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in MESSAGE_NULLABLE}
+        return data
+
     def text(self) -> str:
-        """The content as text (a list of parts may hold only {"type": "text", "text": ...} parts)."""
+        """The content as text (a list of parts may hold only {"type": "text", "text": ...} parts, nothing else)."""
         if isinstance(self.content, str):
             return self.content
         if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in self.content):
             raise APIError("messages: only text content parts are supported", "messages")
+        if extra := next((set(p) - {"type", "text"} for p in self.content if set(p) - {"type", "text"}), None):
+            raise APIError(f"messages: a text content part holds only type and text, got {short_repr(sorted(extra))}",
+                           "messages")
         return "".join(p["text"] for p in self.content)
 
 
@@ -150,7 +176,9 @@ def parse_body(cls: type[BaseModel], body) -> BaseModel:
     """
     if not isinstance(body, dict):
         raise APIError(f"the body must be a JSON object, got {type(body).__name__}")
-    body = {k: v for k, v in body.items() if v is not None}  # null: not given (a required field is then missing)
+    # null: not given (a required field is then missing); an unknown field is refused even when null
+    known = set(cls.model_fields) | set(UNSUPPORTED)
+    body = {k: v for k, v in body.items() if v is not None or k not in known}
     for name, allowed in UNSUPPORTED.items():  # the same JSON type too: 0 is not false, 1.0 not the count 1
         if name in body and not any(type(body[name]) is type(a) and body[name] == a for a in allowed):
             raise APIError(f"{name}: not supported by this server (allowed: {', '.join(map(repr, allowed))}), "
@@ -191,6 +219,9 @@ def check_list_lengths(body, context: "Context", message_tokens: int = 0) -> Non
             raise APIError(f"prompt: {len(prompt)} tokens do not fit {context}, which must also hold at least 1 "
                            "output token", "prompt")
         raise APIError(f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
+    stop_ids = body.get("stop_token_ids") if isinstance(body, dict) else None
+    if isinstance(stop_ids, list) and len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise APIError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, got {len(stop_ids)}", "stop_token_ids")
     if message_tokens and isinstance(messages, list) and len(messages) * message_tokens >= context.tokens:
         raise APIError(f"messages: {len(messages)} messages take at least {message_tokens} tokens each in the chat "
                        f"template, so they do not fit {context}", "messages")

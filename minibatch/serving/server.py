@@ -13,6 +13,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import jinja2
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -64,7 +65,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
                            f"{max_token_chars} characters)", field)
 
     def prepare_completion(data: bytes, tok):
-        body = decode_json(data)
+        body = decode_json(data, context)
         check_list_lengths(body, context)  # a huge list fails here, not after checking each item
         body = parse_body(CompletionRequest, body)
         prompt = one_prompt(body.prompt)
@@ -74,7 +75,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
         return body, prompt
 
     def prepare_chat(data: bytes, tok):
-        body = decode_json(data)
+        body = decode_json(data, context)
         check_list_lengths(body, context, message_tokens)
         body = parse_body(ChatCompletionRequest, body)
         if not getattr(tok, "chat_template", None):
@@ -82,7 +83,10 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
         messages = [{"role": template_role(tok, m.role), "content": m.text()} | ({"name": m.name} if m.name else {})
                     for m in body.messages]
         check_length(sum(len(m["content"]) for m in messages), "messages")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as e:  # the template's own raise_exception: roles or an order it does not take
+            raise APIError(f"messages: the chat template refused them: {short_repr(str(e))}", "messages") from None
         return body, list(tok.encode(text, add_special_tokens=False))
 
     async def prepared(raw: HTTPRequest, prepare):
