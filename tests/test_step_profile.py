@@ -26,6 +26,7 @@ def test_profile_command_writes_components_roofline_and_figure(tmp_path, one_thr
         assert set(parts) == set(COMPONENTS) and min(parts.values()) >= 0
         assert sum(parts.values()) == pytest.approx(r["profiled_step_s"], rel=0.05)  # nothing lost, nothing twice
         assert parts["qkv_proj"] > 0 and parts["attention"] > 0 and parts["mlp"] > 0 and parts["sampling"] > 0
+        assert parts["schedule"] > 0  # the scheduler's own Python (it runs no torch ops)
         assert 0 < r["overhead_share"] < 1 and r["bound_s"] > 0 and r["step_over_bound"] == pytest.approx(
             r["step_s"] / r["bound_s"], rel=0.01)
         paired = r["paired"]  # on a CPU: steps paired with the peak and the bandwidth measured just before them

@@ -10,8 +10,10 @@ event's self time credited to the component it ran in (``experiments.step_compon
   layer's modules: their C++ ranges are named after these components, the rest of the layer is ``other_ops``);
 * ``attention`` (the backend's attend) and ``kv_write`` (its K/V stores: index_copy_ / index_put_ ops inside it);
   ``rotary_and_reshapes``: the rest of the attention module (RoPE, views, transposes);
-* ``prepare_inputs`` (the packed batch's tensors and metadata), ``sampling``, ``schedule`` (the scheduler);
-* ``python_overhead``: time in no torch op at all (the interpreter between ops, hooks, the engine's bookkeeping).
+* ``prepare_inputs`` (the packed batch's tensors and metadata), ``sampling``, ``schedule`` (the scheduler, its Python
+  included: it runs no torch ops);
+* ``python_overhead``: other time in no torch op at all (the interpreter between ops, hooks, the engine's
+  bookkeeping). ``overhead_share`` is it and ``schedule`` over the profiled step.
 
 Each shape is placed on this machine's roofline (``minibatch.roofline``: peak matmul FLOP/s and memory bandwidth,
 measured now): FLOPs = 2 x non-embedding parameters x tokens + the LM head's rows + attention's 4 x context x hidden per
