@@ -262,6 +262,39 @@ def test_prefix_cache_is_forgotten_when_another_engine_used_the_runner(tiny):
     assert a.scheduler.block_manager.num_prefix_hit_tokens == 0  # no hit on overwritten KV
 
 
+def test_a_preempted_seeded_request_keeps_its_generator_when_another_engine_used_the_runner(tiny):
+    """An engine whose only unfinished request waits after a recompute preemption holds no KV, so another engine may
+    step on the runner meanwhile; the waiting request's seeded generator goes on where it was (the runner's sampler
+    used to be replaced on every change of engine, restarting it from its seed)."""
+    model, runner, _, _ = tiny
+    tok = runner.tokenizer
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, model.config.vocab_size, (8,), generator=g).tolist() for _ in range(2)]
+
+    def requests():
+        return [Request(f"r{i}", p, 20, SamplingParams(temperature=1.0, seed=i + 1, ignore_eos=True),
+                        arrival_time_s=0.001 * i) for i, p in enumerate(prompts)]
+
+    alone = {}
+    for r in requests():
+        make_engine("paged", ModelRunner(model, tok), SimClock(), n_slots=1024, block_size=4).generate([r])
+        alone[r.request_id] = r.output_token_ids
+    a = make_engine("paged", runner, SimClock(), n_slots=36, block_size=4, max_num_seqs=2, watermark=0.0)
+    reqs = requests()
+    for r in reqs:
+        a.add_request(r)
+    interleaved = False
+    while a.has_unfinished():
+        a.step()
+        s = a.scheduler
+        if not interleaved and not s.running and not s.swapped and any(r.output_token_ids for r in s.waiting):
+            other = Request("r0", prompts[0], 5, SamplingParams(temperature=1.0, seed=9, ignore_eos=True))
+            make_engine("paged", runner, SimClock(), n_slots=36, block_size=4).generate([other])  # the same id
+            interleaved = True
+    assert interleaved and a.scheduler.num_preemptions >= 1
+    assert {r.request_id: r.output_token_ids for r in reqs} == alone
+
+
 # ----------------------------------------------------------------------------- memory grows with use
 def test_block_manager_bookkeeping_grows_with_use_not_size():
     import tracemalloc

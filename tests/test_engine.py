@@ -184,6 +184,20 @@ def test_static_batches_are_closed():
     assert all(r.num_output_tokens == r.max_new_tokens for r in reqs)
 
 
+def test_static_serves_by_arrival_time_and_a_late_added_old_request_does_not_wait_again():
+    """The partial batch's timer is the oldest arrival's, and the batch takes the earliest arrivals: a request added
+    mid-run with an arrival time long past starts the batch at once (it used to wait for the first one handed in)."""
+    engine = make_engine("static", SimExecutor(), SimClock(), batch_size=4, max_wait_s=1.0)
+    for rid, t in (("b", 3.0), ("c", 3.5)):
+        engine.add_request(Request(rid, [5] * 4, 2, GREEDY, arrival_time_s=t))
+    while engine.clock.now_s < 3.5:
+        engine.step()  # b waits for a fuller batch (until 4.0 by its own arrival)
+    engine.add_request(Request("old", [5] * 4, 2, GREEDY, arrival_time_s=0.5))  # waiting since 0.5
+    engine.generate([])
+    assert [engine.requests[r].first_scheduled_time_s for r in ("old", "b", "c")] == pytest.approx([3.5] * 3)
+    assert [r.request_id for r in engine.scheduler.batch] == ["old", "b", "c"]
+
+
 def test_sim_clock_is_deterministic():
     def run():
         reqs = sim_requests()

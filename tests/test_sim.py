@@ -533,3 +533,15 @@ def test_validate_sim_resimulates_the_committed_measurements(tmp_path):
     result = json.loads(out.read_text())
     rows = [r for t in result["traces"].values() for r in t["policies"]]
     assert len(rows) == 10 and all(np.isfinite(r["error"]["output_throughput_tok_s"]) for r in rows)
+
+
+def test_made_up_tokens_respect_min_tokens():
+    """Before min_tokens, a SimExecutor's made-up token is never EOS or a stop id (they are banned, as the model
+    runner bans them); the request still stops at the first stop id after it."""
+    from minibatch import Request, SamplingParams, SimClock, make_engine
+    from minibatch.sim.executor import SimExecutor
+
+    r = Request("r", [1, 2, 3], 30, SamplingParams(ignore_eos=True, stop_token_ids=[3, 4, 5], min_tokens=20))
+    make_engine("paged", SimExecutor(vocab_size=8), SimClock(), n_slots=256).generate([r])
+    assert not set(r.output_token_ids[:20]) & {3, 4, 5}
+    assert 20 < r.num_output_tokens <= 30 and r.output_token_ids[-1] in (3, 4, 5)

@@ -16,6 +16,7 @@ same arithmetic on the same weights.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -113,6 +114,7 @@ class ModelRunner(KVOwnership):
         self.attention_backend = get_backend(attention_backend)
         self.attention_backend.check(self.device, self.dtype)
         self.sampler = Sampler()
+        self._samplers = weakref.WeakKeyDictionary()  # engine -> its requests' sampler (release_state)
         self._static: dict | None = None  # the running padded batch (static batching)
         self.vocab_subset = (None if vocab_subset is None
                              else torch.as_tensor(vocab_subset, dtype=torch.long, device=self.device))
@@ -282,5 +284,8 @@ class ModelRunner(KVOwnership):
         self.sampler.free(request_ids)
 
     def release_state(self) -> None:
+        """A new engine uses this runner: its own sampler (each engine's seeded generators go on where they were: a
+        request preempted by recompute holds no KV, so another engine may step here meanwhile; request ids may repeat
+        across engines)."""
         self._static = None  # another engine's padded batch
-        self.sampler = Sampler()
+        self.sampler = self._samplers.setdefault(self._owner(), Sampler())

@@ -78,8 +78,15 @@ class SimExecutor(KVOwnership):
         self.rng = random.Random(seed)
         self.stats = SpecDecodingStats()
 
-    def _token(self, num_tokens: int, request_id: str) -> int:
-        return (7919 * num_tokens + len(request_id)) % (self.vocab_size or 32000)
+    def _token(self, num_tokens: int, request_id: str, banned: tuple[int, ...] = ()) -> int:
+        """A made-up token, not one of ``banned`` (min_tokens' EOS and stop ids) where the vocabulary has another."""
+        vocab = self.vocab_size or 32000
+        token = (7919 * num_tokens + len(request_id)) % vocab
+        for _ in range(min(len(banned), vocab - 1)):
+            if token not in banned:
+                break
+            token = (token + 1) % vocab
+        return token
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         sampled: dict[str, tuple[int, ...]] = {}
@@ -94,7 +101,7 @@ class SimExecutor(KVOwnership):
                 accepted[r.request_id] = a
                 self.stats.observe(s.num_spec_tokens, a)
             elif s.samples:
-                sampled[r.request_id] = (self._token(r.num_tokens, r.request_id),)
+                sampled[r.request_id] = (self._token(r.num_tokens, r.request_id, r.banned_token_ids()),)
         drafts, forwards = self._propose(out, sampled, accepted)
         return StepResult(sampled=sampled, num_accepted=accepted, spec_token_ids=drafts, draft_forwards=forwards)
 
