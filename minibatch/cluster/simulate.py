@@ -219,7 +219,7 @@ def simulate_command(args, cfg) -> dict:
 
     cluster = ClusterConfig(**{f.name: getattr(args, f.name) for f in fields(ClusterConfig) if f.metadata.get("cli")})
     # options that a command line gives for nothing (a sweep's grid may still pair them, e.g. replicas [1, 2, 4])
-    if changed_fields(cluster, ("router",)) and max(map(cluster.roles.count, set(cluster.roles))) == 1:
+    if changed_fields(cluster, ("router",)) and len(set(cluster.roles)) == len(cluster.roles):  # one of each role
         raise ValueError(f"--router {cluster.router} picks among replicas: it needs --replicas 2 or more (or "
                          "--disaggregate P:D with P or D above 1)")
     if changed_fields(cluster, ("think_time_s",)) and cluster.max_turns == 1:

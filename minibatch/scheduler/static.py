@@ -57,8 +57,9 @@ class StaticScheduler(Scheduler):
         if not self.batch:
             if not self.waiting:
                 return SchedulerOutput()
-            # first come, first served by arrival time (a request added late with an earlier arrival time goes first)
-            self.waiting.sort(key=lambda r: r.arrival_time_s)  # stable: the hand-in order breaks ties
+            # first come, first served (the base class's FCFS key: arrival time, then the order added), so a request
+            # added late with an earlier arrival time goes first
+            self.waiting.sort(key=self.sort_key)
             wake_s = self.waiting[0].arrival_time_s + self.max_wait_s
             if len(self.waiting) < self.batch_size and now_s < wake_s:
                 return SchedulerOutput(wake_time_s=wake_s)  # wait for a fuller batch
