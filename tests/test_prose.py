@@ -2,6 +2,7 @@
 its cells, no ratio below 1 is called "lower", no builders' jargon, every cited file exists; and each contradiction
 found in a review of the course is a regression case the scanner must catch."""
 
+import json
 from pathlib import Path
 
 import nbformat
@@ -173,3 +174,19 @@ def test_no_flat_cost_is_called_compute_bound_in_the_course():
     texts += [(page.name, page.read_text()) for page in PAGES]
     problems = [f"{where}: {p}" for where, text in texts for p in flat_cost_called_compute_bound(text)]
     assert not problems, "\n".join(problems)
+
+
+def test_every_committed_result_names_where_its_command_wrote_it():
+    """A committed JSON whose command wrote another path (a scratch file, an older name) says so in a ``note``, so
+    the command a reader copies from it is the one that ran and the file's name is explained, not silently moved."""
+    moved = []
+    for path in sorted((ROOT / "data").rglob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        command = data.get("command") if isinstance(data, dict) else None
+        if isinstance(command, str) and "--json" in command and "note" not in data:
+            if str(path.relative_to(ROOT)) not in command:
+                moved.append(f"{path.relative_to(ROOT)}: {command[:120]}")
+    assert not moved, "\n".join(moved)
