@@ -874,3 +874,29 @@ def test_serve_builds_and_steps_the_engine_in_one_thread():
             build_in_engine_thread(bad, threads=1)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_union_fields_name_their_forms_and_completions_default_max_tokens_fits(server):
+    """A value no form of a union field takes names the forms (not the first form's complaint); an empty string
+    prompt is empty; completions' default max_tokens (16) shrinks to what fits, an explicit one is refused."""
+    url = server.base_url + "/completions"
+    bad = httpx.post(url, json={"model": MODEL, "prompt": [True, False]}, timeout=30).json()["error"]
+    assert bad["message"].startswith("prompt: must be one of str | list[int]") and bad["param"] == "prompt"
+    assert httpx.post(url, json={"prompt": "x", "stop": 5}, timeout=30).json()["error"]["message"].startswith(
+        "stop: must be one of str | list[str]")
+    assert httpx.post(url, json={"prompt": ""}, timeout=30).json()["error"]["message"] == "prompt: must not be empty"
+    context = httpx.get(server.base_url + "/models", timeout=30).json()["data"][0]["max_model_len"]
+    prompt = [5] * (context - 3)
+    fits = httpx.post(url, json={"prompt": prompt, "ignore_eos": True}, timeout=60).json()
+    assert fits["usage"]["completion_tokens"] == 3 and fits["choices"][0]["finish_reason"] == "length"
+    asked = httpx.post(url, json={"prompt": prompt, "max_tokens": 16}, timeout=60).json()["error"]
+    assert asked["param"] == "max_tokens" and "at most 3" in asked["message"]
+
+
+def test_metrics_are_updated_before_a_request_gets_its_last_token(server):
+    """The engine loop updates /metrics before it delivers a step's tokens: a client that has its whole response
+    reads no running request for it (it read the step before, now and then)."""
+    c = client(server)
+    for _ in range(20):
+        c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2)
+        assert metric(server, "num_requests_running") == 0

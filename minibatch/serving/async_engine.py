@@ -237,13 +237,13 @@ class AsyncEngine:
                     self._wake.wait(IDLE_POLL_S)
                     self._wake.clear()
                     continue
+                if self.on_step:  # first, so a client that has its last token reads /metrics of after the step
+                    self.on_step(engine, record)
                 for e in record.entries:
                     if not e.token_ids and e.request_id not in record.finished:
                         continue  # a prefill chunk: nothing to send yet
                     reason = engine.requests[e.request_id].finish_reason if e.request_id in record.finished else None
                     self._deliver(e.request_id, TokenDelta(tuple(e.token_ids), reason))
-                if self.on_step:
-                    self.on_step(engine, record)
                 if not self.keep_history:
                     self._forget(record.finished)
         except BaseException as e:  # noqa: BLE001 -- every open stream must learn why it ends

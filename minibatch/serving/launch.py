@@ -121,9 +121,9 @@ def run_serve(args, settings: dict) -> int:
     """``python -m minibatch serve``: load, start the engine, serve until Ctrl-C. settings: the
     policy's settings given on the command line (any the policy does not have is refused)."""
     import torch
-    import uvicorn
 
     from minibatch.checks import check_int, check_real, short_repr
+    from minibatch.serving.connections import server_config
     from minibatch.experiment import check_policy_settings
     from minibatch.machine import check_listen_address
     from minibatch.policies import POLICIES
@@ -150,8 +150,8 @@ def run_serve(args, settings: dict) -> int:
                          "give it more (--n-slots)")
     print(f"serving {args.served_model_name or args.model} ({dtype_name(dtype)}) under {args.policy}, "
           f"{app.state.context}, on http://{args.host}:{args.port}/v1", flush=True)
-    server = draining_server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                            timeout_graceful_shutdown=10), engine, args.drain_timeout_s)
+    server = draining_server(server_config(app, args.host, args.port, log_level="warning",
+                                           timeout_graceful_shutdown=10), engine, args.drain_timeout_s)
     try:
         server.run()
     finally:
@@ -192,11 +192,10 @@ class ServerThread:
     port and shuts down ``engine``."""
 
     def __init__(self, app, engine: AsyncEngine | None = None, host: str = "127.0.0.1"):
-        import uvicorn
+        from minibatch.serving.connections import http_server
 
         self.engine = engine
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="off",
-                                                    timeout_graceful_shutdown=2))
+        self.server = http_server(app, host, 0, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
         self.thread = threading.Thread(target=self.server.run, name="minibatch-http", daemon=True)
         self.host, self.port = host, None
 

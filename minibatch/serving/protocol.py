@@ -186,9 +186,14 @@ def parse_body(cls: type[BaseModel], body) -> BaseModel:
     try:
         parsed = cls.model_validate({k: v for k, v in body.items() if k not in UNSUPPORTED})
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        err = errors[0]
         loc = ".".join(str(x) for x in err["loc"])
         what = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        if (at := next((i for i, x in enumerate(err["loc"]) if is_union_branch(x)), None)) is not None:
+            # a value no branch of a union field takes: name the branches, not the first one's complaint
+            branches = dict.fromkeys(x["loc"][at] for x in errors if x["loc"][:at] == err["loc"][:at])
+            loc, what = ".".join(str(x) for x in err["loc"][:at]), f"must be one of {' | '.join(branches)}"
         raise APIError(f"{loc}: {what}" + (f", got {short_repr(err['input'])}" if err["type"] != "missing" else ""),
                        str(err["loc"][0]) if err["loc"] else None) from None
     if getattr(parsed, "stream_options", None) is not None and not parsed.stream:  # as vLLM refuses it
@@ -196,12 +201,19 @@ def parse_body(cls: type[BaseModel], body) -> BaseModel:
     return parsed
 
 
+def is_union_branch(loc_part) -> bool:
+    """Whether a part of a pydantic error's location names a branch of a union ('str', 'list[int]', a model's
+    class name) rather than a field or an index."""
+    return isinstance(loc_part, str) and (loc_part in ("str", "int", "float", "bool", "dict") or "[" in loc_part
+                                          or loc_part[:1].isupper())
+
+
 def one_prompt(prompt) -> str | list[int]:
     """The single prompt of a completions body (a batch of several is refused)."""
+    if not prompt:  # "" or []
+        raise APIError("prompt: must not be empty", "prompt")
     if isinstance(prompt, str):
         return prompt
-    if not prompt:
-        raise APIError("prompt: must not be empty", "prompt")
     if all(isinstance(x, int) for x in prompt):
         return list(prompt)
     if len(prompt) != 1:
@@ -242,9 +254,9 @@ class Context:
 
 
 def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, context: Context, chat: bool) -> Request:
-    """The engine Request of a body (max_new_tokens None: whatever fits in the context). Raises APIError when the
-    prompt, or the prompt and max_new_tokens, do not fit the context (its limit in tokens in the message, named by
-    the field the body gave: max_tokens, or chat's max_completion_tokens)."""
+    """The engine Request of a body (max_new_tokens None, or a default the body did not set: at most what fits in the
+    context). Raises APIError when the prompt, or the prompt and max_new_tokens, do not fit the context (its limit
+    in tokens in the message, named by the field the body gave: max_tokens, or chat's max_completion_tokens)."""
     field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     num_prompt = len(prompt_ids)
     if num_prompt >= context.tokens:  # the prompt alone is too long: not max_tokens' fault
@@ -253,6 +265,8 @@ def make_request(body, prompt_ids: list[int], max_new_tokens: int | None, contex
                        "output token", source)
     if max_new_tokens is None:
         max_new_tokens = context.tokens - num_prompt
+    elif field not in body.model_fields_set:  # completions' default of 16, not asked for: what fits, as vLLM does
+        max_new_tokens = min(max_new_tokens, context.tokens - num_prompt)
     if num_prompt + max_new_tokens > context.tokens:
         raise APIError(f"{field}: prompt ({num_prompt}) + {field} ({max_new_tokens}) = "
                        f"{num_prompt + max_new_tokens} tokens do not fit {context}: at most "

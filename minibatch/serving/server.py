@@ -18,10 +18,10 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from minibatch.checks import MAX_ECHO_CHARS, short_repr
 from minibatch.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from minibatch.serving.connections import MAX_BODY_BYTES, read_body
 from minibatch.serving.metrics import ServingMetrics
 from minibatch.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, Context,
                                         api_error_of, check_list_lengths, decode_json, make_request, one_prompt,
@@ -29,7 +29,6 @@ from minibatch.serving.protocol import (APIError, ChatCompletionRequest, Complet
 from minibatch.serving.text import TextAssembler, template_role, template_tokens_per_message
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
-MAX_BODY_BYTES = 8 << 20  # default body-size limit: far above any prompt a 2k-8k-token context holds
 SMALL_BODY_BYTES = 256 << 10  # a body larger than this is prepared in the large bodies' thread
 
 
@@ -168,25 +167,6 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
         return await collect(raw, engine, stream, out)
 
     return app
-
-
-async def read_body(raw: HTTPRequest, max_body_bytes: int = MAX_BODY_BYTES) -> bytes:
-    """The body's bytes. Raises APIError 413 over ``max_body_bytes`` (by Content-Length before reading, or while
-    reading)."""
-    too_big = APIError(f"the body is larger than this server's limit of {max_body_bytes} bytes (--max-body-bytes)",
-                       status=413)
-    declared = raw.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_body_bytes:
-        raise too_big
-    data = bytearray()
-    try:
-        async for chunk in raw.stream():
-            data += chunk
-            if len(data) > max_body_bytes:
-                raise too_big
-    except ClientDisconnect:  # nobody is left to answer: 499 (client closed request), not a traceback in the log
-        raise APIError("the client closed the connection before its body was complete", status=499) from None
-    return bytes(data)
 
 
 class Output:

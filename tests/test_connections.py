@@ -1,0 +1,118 @@
+"""Connections no client can hold forever (minibatch/serving/connections.py): a request's headers within a deadline,
+its body at a minimum rate, a cap on open connections, and OpenAI error objects where uvicorn answered plain text.
+Each case failed before: the server held such connections as long as the client liked (enough of them took every
+file descriptor, and then nobody was served). Raw sockets play the clients; the deadlines are shortened here."""
+
+import gzip
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from minibatch.serving import connections
+from minibatch.serving.launch import ServerThread, build_server
+
+MODEL = "tiny-random-llama"
+BODY = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    app, engine = build_server(MODEL, "paged", dict(n_slots=256, block_size=4, max_num_seqs=4), loaded=loaded)
+    with ServerThread(app, engine) as srv:
+        yield srv
+
+
+@pytest.fixture
+def short_deadlines(monkeypatch):
+    monkeypatch.setattr(connections, "HEADER_TIMEOUT_S", 0.5)
+
+
+def raw(srv, data: bytes = b"", wait_s: float = 5.0) -> tuple[int, dict]:
+    """Send ``data`` on a new connection and read until the server closes it: (status, JSON body)."""
+    with socket.create_connection((srv.host, srv.port), timeout=wait_s) as s:
+        s.sendall(data)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def request_bytes(body: bytes = BODY, headers: str = "") -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def test_headers_that_never_end_get_408_and_the_connection_closes(server, short_deadlines):
+    for started in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):  # nothing at all, or half the headers
+        t0 = time.monotonic()
+        status, body = raw(server, started)
+        assert status == 408 and "headers did not arrive within 0.5 s" in body["error"]["message"]
+        assert time.monotonic() - t0 < 3.0
+
+
+def test_a_body_slower_than_the_minimum_rate_gets_408(server, short_deadlines):
+    status, body = raw(server, request_bytes()[:-len(BODY) + 5])  # five bytes of the body, then nothing
+    assert status == 408 and "the body did not arrive within" in body["error"]["message"]
+
+
+def test_a_kept_alive_connection_gets_a_second_request_and_a_long_response_is_not_cut(server, short_deadlines):
+    with httpx.Client(base_url=server.base_url, timeout=10) as c:  # one connection, kept alive
+        first = c.post("/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2})
+        time.sleep(1.0)  # idle longer than the header deadline, shorter than uvicorn's keep-alive
+        second = c.post("/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2})
+        assert first.status_code == second.status_code == 200
+    # half the headers of a second request on a kept-alive connection: the deadline starts again
+    with socket.create_connection((server.host, server.port), timeout=5) as s:
+        s.sendall(request_bytes())
+        time.sleep(0.5)  # its response is out
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        replies = b""
+        while chunk := s.recv(65536):
+            replies += chunk
+    assert b"200 OK" in replies and b"408 Request Timeout" in replies
+
+
+def test_connections_over_the_cap_get_503_and_the_server_recovers(server):
+    config = server.server.config
+    before = config.minibatch_max_connections
+    config.minibatch_max_connections = 3
+    held = [socket.create_connection((server.host, server.port)) for _ in range(3)]
+    try:
+        time.sleep(0.2)
+        status, body = raw(server)
+        assert status == 503 and body["error"]["type"] == "server_overloaded"
+    finally:
+        for s in held:
+            s.close()
+        config.minibatch_max_connections = before
+    time.sleep(0.2)
+    assert httpx.post(server.base_url + "/completions", content=BODY, timeout=10).status_code == 200
+
+
+MALFORMED = [b"HELLO\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n",
+             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"]
+
+
+@pytest.mark.parametrize("data", MALFORMED)
+def test_malformed_http_gets_an_openai_error_object(server, data):
+    status, body = raw(server, data)
+    assert status == 400 and body["error"]["message"].startswith("invalid HTTP request")
+
+
+def test_a_compressed_body_is_refused_naming_its_encoding(server):
+    sent = httpx.post(server.base_url + "/completions", content=gzip.compress(BODY),
+                      headers={"content-encoding": "gzip", "content-type": "application/json"}, timeout=10)
+    assert sent.status_code == 415 and "Content-Encoding 'gzip'" in sent.json()["error"]["message"]
+
+
+def test_the_connection_cap_follows_the_file_descriptor_limit(monkeypatch):
+    resource = pytest.importorskip("resource")
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (1024, 1024))
+    assert connections.max_connections() == 512
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert connections.max_connections() == connections.MAX_CONNECTIONS
+    assert connections.body_deadline_s(8 << 20) == connections.HEADER_TIMEOUT_S + 128
