@@ -14,7 +14,7 @@ from minibatch.cluster.cluster import Cluster, KVLink
 from minibatch.cluster.multiturn import make_conversations
 from minibatch.cluster.routers import ROUTERS, Replica, get_router
 from minibatch.cluster.simulate import (ClusterConfig, build_cluster, cluster_rows, conversation_sizing,
-                                        run_cluster_simulation)
+                                        load_imbalance, run_cluster_simulation)
 from minibatch.compare import CompareConfig, build_trace
 from minibatch.request import Request
 from minibatch.sim.cost_model import Profile
@@ -188,3 +188,42 @@ def test_routers_are_fresh_per_run():
     assert get_router("round_robin") is not get_router("round_robin")
     with pytest.raises(ValueError, match="one or more engines"):
         Cluster([], get_router("round_robin"))
+
+
+def routed_order(run, role: str) -> list[str]:
+    """The user requests' ids in the order the replicas of ``role`` first scheduled them."""
+    firsts = [(rec.start_s, i, e.request_id) for rep in run.replicas if rep.role == role
+              for i, rec in enumerate(rep.engine.trace) for e in rec.entries]
+    seen = {}
+    for _, _, rid in sorted(firsts):
+        seen.setdefault(rid, None)
+    return list(seen)
+
+
+@pytest.mark.parametrize("options", [dict(replicas=2), dict(disaggregate="1:1")])
+def test_requests_held_at_the_router_are_served_first_come_first_served(options):
+    """A finished request frees its slot at its finish time, and the oldest request held for that role takes it: a
+    later arrival never overtakes a held one (it did: the slot was given to an arrival from before the finish)."""
+    profile = Profile.load(PROFILE)
+    cfg = sim_config(policies=("paged",), num_requests=30, rate=20.0)
+    requests = build_trace(cfg, None, profile.vocab_size)
+    ccfg = ClusterConfig(router="least_outstanding", max_outstanding=1, **options)
+    run = build_cluster(cfg, ccfg, profile, "paged", requests).run(requests)
+    role = "prefill" if "disaggregate" in options else "both"
+    arrival_order = [r.request_id for r in sorted(requests, key=lambda r: (r.arrival_time_s, r.request_id))]
+    assert routed_order(run, role) == arrival_order and all(r.is_finished for r in run.requests)
+
+
+def test_round_robin_takes_each_role_in_turn_and_load_imbalance_counts_both_roles():
+    """Disaggregated, round_robin keeps a turn per role (one counter for both sent most decodes to the first decode
+    replica), and load_imbalance is the larger of the prefill and the decode replicas' (it read the prefill's)."""
+    profile = Profile.load(PROFILE)
+    cfg = sim_config(policies=("paged",), num_requests=40, rate=1.0)
+    requests = build_trace(cfg, None, profile.vocab_size)
+    run = build_cluster(cfg, ClusterConfig(disaggregate="1:4", router="round_robin"), profile, "paged",
+                        requests).run(requests)
+    decoding = [rep.routed for rep in run.replicas if rep.role == "decode"]
+    assert max(decoding) - min(decoding) <= 1 and sum(decoding) == run.num_transfers
+    lopsided = [SimpleNamespace(role="prefill", routed=40), SimpleNamespace(role="decode", routed=30),
+                SimpleNamespace(role="decode", routed=10)]
+    assert load_imbalance(lopsided) == 1.5 and load_imbalance(lopsided[:1]) == 1.0

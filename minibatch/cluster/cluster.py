@@ -28,6 +28,8 @@ from minibatch.checks import MAX_SECONDS, FieldTypeError, check_int, check_real,
 from minibatch.cluster.routers import Replica, Router
 from minibatch.request import Request, RequestStatus
 
+RELEASE = "release"  # an event's kind: a finished request frees its replica's slot (not a role to route to)
+
 
 @dataclass(frozen=True)
 class KVLink:
@@ -125,6 +127,9 @@ class Cluster:
             t_min = min((r.engine.clock.now_s for r in busy), default=math.inf)
             if self._events and self._events[0][0] <= t_min:
                 t, _, role, request, new = heapq.heappop(self._events)
+                if role == RELEASE:  # a replica's request finished at t: its slot is free from t on
+                    self._release(request, t)
+                    continue
                 if new:  # a user's request (not a held one, nor a decode part)
                     self._result.requests.append(request)
                 self._dispatch(request, t, role)
@@ -186,10 +191,7 @@ class Cluster:
         replica.routed += 1
 
     def _finished(self, replica: Replica, request: Request, end_s: float) -> None:
-        replica.outstanding -= 1
-        if self._held:  # room for a held request: try when every replica has reached end_s
-            held, role = self._held.popleft()
-            self._push(end_s, role, held)
+        self._push(end_s, RELEASE, replica)  # its slot, when every replica has reached end_s (not earlier arrivals)
         if replica.role == "prefill":
             self._to_decode(request, end_s)
             return
@@ -203,6 +205,16 @@ class Cluster:
             if nxt is not None:
                 self._conversation_of[nxt.request_id] = conversation
                 self._arrive(nxt)
+
+    def _release(self, replica: Replica, t: float) -> None:
+        """One of ``replica``'s requests finished at ``t``: the oldest request held for its role (first come, first
+        served) is routed now, before any later arrival can take the slot."""
+        replica.outstanding -= 1
+        oldest = next((i for i, (_, role) in enumerate(self._held) if role == replica.role), None)
+        if oldest is not None:
+            held, role = self._held[oldest]
+            del self._held[oldest]
+            self._dispatch(held, t, role)
 
     def _to_decode(self, part: Request, end_s: float) -> None:
         """A prefill part finished: its KV travels to a decode replica, where the rest of the output is made."""

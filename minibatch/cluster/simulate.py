@@ -121,6 +121,17 @@ def build_cluster(cfg, ccfg: ClusterConfig, profile, policy: str, sizing: list, 
                    kv_link=link, kv_bytes_per_token=per_token, max_model_len=ccfg.max_model_len)
 
 
+def load_imbalance(replicas) -> float | None:
+    """Requests routed, max / mean over the replicas of a role; disaggregated, the larger of the prefill and the
+    decode replicas' (None: nothing routed)."""
+    ratios = []
+    for role in dict.fromkeys(rep.role for rep in replicas):
+        routed = [rep.routed for rep in replicas if rep.role == role]
+        if sum(routed):
+            ratios.append(max(routed) / (sum(routed) / len(routed)))
+    return round(max(ratios), 3) if ratios else None
+
+
 def cluster_rows(run: ClusterRun, policy: str, slo=None, run_time_s: float = 0.0) -> dict:
     """The run's JSON: "overall" (the users' requests; trace fields over every replica's steps), "replicas" (one
     row per replica: its role, requests routed, summary, prefix cache), and the router's own counts."""
@@ -140,9 +151,8 @@ def cluster_rows(run: ClusterRun, policy: str, slo=None, run_time_s: float = 0.0
     if all(c is not None for c in counts):  # prefix caching on every replica
         queried = sum(q for _, q in counts)
         overall["prefix_cache_hit_rate"] = sum(h for h, _ in counts) / queried if queried else 0.0
-    routed = [rep.routed for rep in run.replicas if rep.role != "decode"]
     overall |= {"clock": "sim", "run_time_s": round(run_time_s, 3), "num_replicas": len(run.replicas),
-                "load_imbalance": round(max(routed) / (sum(routed) / len(routed)), 3) if sum(routed) else None}
+                "load_imbalance": load_imbalance(run.replicas)}
     extra = {"num_kv_transfers": run.num_transfers, "kv_transfer_time_s": run.transfer_time_s} if \
         run.num_transfers else {}
     if run.conversations:

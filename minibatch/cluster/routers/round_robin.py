@@ -9,10 +9,11 @@ class RoundRobin(Router):
     description = "replicas in turn, whatever their load"
 
     def __init__(self):
-        self.next = 0
+        self.next = {}  # role -> the index after the replica last chosen for it (disaggregated: prefill, decode)
 
     def route(self, request, replicas, now_s):
-        # the next replica in index order among those that may take it
-        chosen = min(replicas, key=lambda r: (r.index - self.next) % (1 << 30))
-        self.next = chosen.index + 1
+        # the next replica in index order among those that may take it (all of one role), in turn per role
+        role = replicas[0].role
+        chosen = min(replicas, key=lambda r: (r.index - self.next.get(role, 0)) % (1 << 30))
+        self.next[role] = chosen.index + 1
         return chosen
