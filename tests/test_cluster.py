@@ -94,7 +94,8 @@ def test_every_router_finishes_every_request_and_least_outstanding_balances():
     cfg = sim_config(policies=("paged",), num_requests=40, rate=8.0)
     requests = build_trace(cfg, None, profile.vocab_size)
     for name in ROUTERS:
-        run = build_cluster(cfg, ClusterConfig(replicas=3, router=name), profile, "paged", requests).run(requests)
+        policy = "paged_prefix" if ROUTERS[name].needs == "prefix_cache" else "paged"
+        run = build_cluster(cfg, ClusterConfig(replicas=3, router=name), profile, policy, requests).run(requests)
         assert len(run.requests) == 40 and all(r.is_finished for r in run.requests)
         assert sum(rep.routed for rep in run.replicas) == 40
         if name in ("round_robin", "least_outstanding"):
@@ -227,3 +228,15 @@ def test_round_robin_takes_each_role_in_turn_and_load_imbalance_counts_both_role
     lopsided = [SimpleNamespace(role="prefill", routed=40), SimpleNamespace(role="decode", routed=30),
                 SimpleNamespace(role="decode", routed=10)]
     assert load_imbalance(lopsided) == 1.5 and load_imbalance(lopsided[:1]) == 1.0
+
+
+@pytest.mark.parametrize("policies, router", [("paged", "cache_aware"), ("static", "least_kv"),
+                                              ("paged_prefix,static", "least_kv")])
+def test_a_router_that_reads_what_the_policy_lacks_is_refused_before_any_runs(policies, router, capsys):
+    """cache_aware without prefix caching, least_kv without a block manager routed by their tie-breaks alone (the
+    same as least_outstanding); every policy's cluster is checked before the first runs."""
+    with pytest.raises(SystemExit):
+        main(["simulate", "--profile", PROFILE, "--num-requests", "4", "--no-progress", "--replicas", "2",
+              "--router", router, "--policies", policies])
+    captured = capsys.readouterr()
+    assert f"router {router} reads the replicas'" in captured.err and "load imbalance" not in captured.out

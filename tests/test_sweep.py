@@ -143,25 +143,48 @@ def test_bad_grid_files_get_one_line(tmp_path, text, message, capsys):
     assert len(err) == 1 and message in err[0], err
 
 
-def test_an_option_the_command_lacks_is_reported_with_its_configuration(tmp_path):
+def test_an_option_the_command_lacks_is_refused_with_its_configuration_before_any_runs(tmp_path):
+    """Every configuration's keys are checked before the first runs (a typo in base failed every run, one by one,
+    and then replaced the table with an empty one)."""
     grid = write_grid(tmp_path / "g.json", {"rate": [2]}, configs=[{"colour": "red"}, {"max_num_seqs": 4}])
-    result = run_sweep(str(grid), progress=False)
-    assert [f["index"] for f in result["failed"]] == [1]
-    assert "'colour' is not an option of simulate" in result["failed"][0]["error"]
-    assert [r.get("max_num_seqs") for r in result["rows"]] == [None, 4] and os.path.exists(PROFILE)
+    with pytest.raises(ValueError, match="configuration 1 .*'colour' is not an option of simulate"):
+        run_sweep(str(grid), cache_dir=str(tmp_path / "cache"), progress=False)
+    assert not list((tmp_path / "cache").glob("*.json")) and os.path.exists(PROFILE)
 
 
 def test_the_sweeps_own_options_in_a_configuration_are_refused(tmp_path):
     """json_path and progress in a configuration were silently overridden by the sweep's own; trace_out and
     figures_dir were shared by every configuration; threads did nothing in a simulation; a grid value listed
     twice ran twice."""
-    grid = write_grid(tmp_path / "g.json", {"rate": [2]},
-                      configs=[{"json_path": str(tmp_path / "x.json")}, {"progress": True},
-                               {"trace_out": str(tmp_path / "t")}, {"threads": 2}])
-    result = run_sweep(str(grid), progress=False)
-    errors = [f["error"] for f in result["failed"]]
-    assert len(errors) == 4 and "'json_path' is the sweep's" in errors[0] and "--no-progress" in errors[1]
-    assert "'trace_out' is the sweep's" in errors[2] and "'threads' applies to compare" in errors[3]
+    for config, message in [({"json_path": str(tmp_path / "x.json")}, "'json_path' is the sweep's"),
+                            ({"progress": True}, "--no-progress"), ({"trace_out": str(tmp_path / "t")},
+                                                                    "'trace_out' is the sweep's")]:
+        with pytest.raises(ValueError, match=message):  # before anything runs
+            run_sweep(str(write_grid(tmp_path / "g.json", {"rate": [2]}, configs=[config])), progress=False)
+    result = run_sweep(str(write_grid(tmp_path / "g.json", {"rate": [2]}, configs=[{"threads": 2}])), progress=False)
+    assert "'threads' applies to compare" in result["failed"][0]["error"]
     assert not (tmp_path / "x.json").exists() and not (tmp_path / "t").exists()
     with pytest.raises(ValueError, match="grid.rate lists a value twice"):
         run_sweep(str(write_grid(tmp_path / "twice.json", {"rate": [1, 1]})), progress=False)
+
+
+def test_a_sweep_that_fails_everywhere_keeps_the_earlier_table_and_big_or_odd_grids_are_named(tmp_path):
+    """A sweep whose every configuration fails leaves an earlier --json as it was (it was replaced by an empty
+    table); a grid of more than MAX_CONFIGS configurations is refused before it is expanded; YAML's base-60 reading
+    of an unquoted 1:2 and an acceptance_rate of true are named, not an AttributeError."""
+    out = tmp_path / "table.json"
+    out.write_text('{"rows": ["earlier"]}')
+    failing = write_grid(tmp_path / "g.json", {"n_slots": [10, 20]})
+    result = run_sweep(str(failing), json_path=str(out), progress=False)
+    assert len(result["failed"]) == 2 and json.loads(out.read_text()) == {"rows": ["earlier"]}
+    huge = write_grid(tmp_path / "h.json", {"rate": list(range(1, 1001)), "seed": list(range(1000))})
+    with pytest.raises(ValueError, match="1000000 configurations, more than 100000"):
+        load_grid(str(huge))
+    yaml_grid = tmp_path / "g.yaml"
+    yaml_grid.write_text(f"command: simulate\nbase: {{profile: {PROFILE}, policies: paged}}\n"
+                         "configs: [{disaggregate: 1:2}]\n")
+    with pytest.raises(ValueError, match='got 62: YAML reads 1:2 unquoted as a number.*write "1:2"'):
+        load_grid(str(yaml_grid))
+    spec = write_grid(tmp_path / "s.json", {"acceptance_rate": [True]})
+    with pytest.raises(ValueError, match="acceptance_rate must be a number in \\[0, 1\\] or a list"):
+        load_grid(str(spec))

@@ -94,6 +94,12 @@ class Cluster:
         if any(role == "decode" and not getattr(e.scheduler, "receives_external_kv", False)
                for e, role in zip(engines, roles)):  # a decode replica receives each prompt's KV
             raise ValueError("a decode replica needs a paged scheduler (one that receives KV from elsewhere)")
+        needs = getattr(router, "needs", None)
+        if needs == "prefix_cache" and any(e.scheduler.prefix_cache_counts() is None for e in engines) or \
+                needs == "kv_cache" and any(e.scheduler.block_manager is None for e in engines):
+            kind = "prefix caches (a *_prefix policy)" if needs == "prefix_cache" else "KV caches (a paged policy)"
+            raise ValueError(f"router {router.name} reads the replicas' {kind}, which this policy does not have: "
+                             "choose another router or policy")
         self.replicas = [Replica(i, e, role) for i, (e, role) in enumerate(zip(engines, roles))]
         self.router, self.max_outstanding, self.kv_link = router, max_outstanding, kv_link
         self.kv_bytes_per_token, self.max_model_len = kv_bytes_per_token, max_model_len

@@ -147,7 +147,8 @@ def cluster_rows(run: ClusterRun, policy: str, slo=None, run_time_s: float = 0.0
         replicas.append(row)
     trace = [rec for rep in run.replicas for rec in rep.engine.trace]
     overall = {"policy": policy, **summarize(run.requests, trace, slo).to_dict()}
-    counts = [rep.engine.scheduler.prefix_cache_counts() for rep in run.replicas]
+    # the prompts' lookups: a decode replica's are of KV transferred to it (counted on its prefill replica)
+    counts = [rep.engine.scheduler.prefix_cache_counts() for rep in run.replicas if rep.role != "decode"]
     if all(c is not None for c in counts):  # prefix caching on every replica
         queried = sum(q for _, q in counts)
         overall["prefix_cache_hit_rate"] = sum(h for h, _ in counts) / queried if queried else 0.0
@@ -196,8 +197,8 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
                                       if ccfg.max_outstanding else ""))
     slo = SLO(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s)
     results = {}
-    for policy in cfg.policies:
-        cluster = build_cluster(cfg, ccfg, profile, policy, sizing, acceptance_rate)
+    clusters = {p: build_cluster(cfg, ccfg, profile, p, sizing, acceptance_rate) for p in cfg.policies}  # all
+    for policy, cluster in clusters.items():  # checked (policy, router, roles) before any runs
         t0 = time.perf_counter()
         run = cluster.run(requests, [c.fresh() for c in conversations])
         results[policy] = cluster_rows(run, policy, slo, time.perf_counter() - t0)

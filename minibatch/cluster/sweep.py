@@ -24,51 +24,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import itertools
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from minibatch.checks import check_int
+from minibatch.cluster.grid import acceptance_text, check_keys, load_grid
 from minibatch.files import atomic_write_text
-
-COMMANDS = ("simulate", "compare")
-
-
-def load_grid(path: str) -> tuple[str, list[dict]]:
-    """(command, configurations) of a grid file.
-
-    Raises:
-        ValueError: not a readable YAML/JSON mapping, an unknown command, a grid value that is not a list, no
-            configuration at all (each names the file and the key)."""
-    import yaml
-
-    try:
-        spec = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ValueError(f"--grid {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    if not isinstance(spec, dict) or not set(spec) <= {"command", "base", "grid", "configs"}:
-        raise ValueError(f"--grid {path}: a mapping of command, base, grid and configs is expected")
-    command = spec.get("command", "simulate")
-    if command not in COMMANDS:
-        raise ValueError(f"--grid {path}: command must be one of {', '.join(COMMANDS)}, got {command!r}")
-    base, grid, extra = spec.get("base") or {}, spec.get("grid") or {}, spec.get("configs") or []
-    if not isinstance(base, dict) or not isinstance(grid, dict) or not isinstance(extra, list):
-        raise ValueError(f"--grid {path}: base and grid must be mappings, configs a list of mappings")
-    for key, values in grid.items():
-        if not isinstance(values, list) or not values:
-            raise ValueError(f"--grid {path}: grid.{key} must be a non-empty list, got {values!r}")
-        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) < len(values):  # the same run twice
-            raise ValueError(f"--grid {path}: grid.{key} lists a value twice: {values!r}")
-    configs = [base | dict(zip(grid, point)) for point in itertools.product(*grid.values())] if grid else []
-    configs += [base | c for c in extra if isinstance(c, dict)]
-    if len(configs) != (len(list(itertools.product(*grid.values()))) if grid else 0) + len(extra):
-        raise ValueError(f"--grid {path}: every entry of configs must be a mapping")
-    if not configs:
-        raise ValueError(f"--grid {path}: no configuration (give grid or configs)")
-    return command, configs
 
 
 def code_version() -> str:
@@ -103,32 +68,13 @@ def run_one(command: str, config: dict) -> dict:
 
     Raises:
         ValueError: an option the command does not have, or what the command raises for a bad value."""
-    from dataclasses import fields
-
     from minibatch.cluster.simulate import ClusterConfig, simulate
-    from minibatch.compare import CompareConfig, compare_config, run_compare
-    from minibatch.config import setting_fields
-    from minibatch.experiment import all_policies, policy_spec
-    from minibatch.policies import load_policy_module
+    from minibatch.compare import compare_config, run_compare
 
+    kind, ours, cluster, settings = check_keys(command, config)  # (and loads its policy_module)
     config = dict(config)
-    threads, modules = config.pop("threads", None), config.pop("policy_module", None)
-    for path in [modules] if isinstance(modules, str) else modules or []:
-        load_policy_module(path)
-    kind = "model" if command == "compare" else "sim"
-    ours = {f.name for f in fields(CompareConfig) if f.metadata.get("cli") in ("all", kind)}
-    cluster = {f.name for f in fields(ClusterConfig) if f.metadata.get("cli")} if command == "simulate" else set()
-    settings = {n for p in all_policies() for n in setting_fields(policy_spec(p).config_cls)}
-    acceptance = config.pop("acceptance_rate", None) if command == "simulate" else None
-    if isinstance(acceptance, (int, float, list)) and not isinstance(acceptance, bool):  # YAML's 0.5 or [0.6, 0.3]
-        acceptance = ",".join(map(str, acceptance)) if isinstance(acceptance, list) else str(acceptance)
-    swept = {"json_path": "the sweep writes each result (its --json: the table)", "progress": "--no-progress",
-             "trace_out": "every configuration would write the same files", "figures_dir": "likewise"}
-    unknown = [k for k in config if k not in (ours | cluster | settings) - set(swept)]
-    if unknown:
-        raise ValueError(f"{unknown[0]!r} is " + (f"the sweep's, not a configuration's: {swept[unknown[0]]}"
-                         if unknown[0] in swept else f"not an option of {command} (keys are option names with "
-                                                     "_, e.g. max_num_seqs)"))
+    threads, _ = config.pop("threads", None), config.pop("policy_module", None)
+    acceptance = acceptance_text(config.pop("acceptance_rate", None))
     if threads is not None and check_int(threads, "threads", 1, 1024) and command == "simulate":
         raise ValueError("'threads' applies to compare configurations (simulate runs no model)")
     if threads is not None:
@@ -162,7 +108,8 @@ def rows_of(config: dict, result: dict) -> list[dict]:
 def run_sweep(grid_path: str, *, use_ray: bool = False, ray_address: str | None = None, cache_dir: str | None = None,
               json_path: str | None = None, progress: bool = True) -> dict:
     """Run every configuration of ``grid_path`` (see the module docstring); returns {"rows", "failed", "cached",
-    "computed", "code_version", ...} and writes it to ``json_path`` (each finished configuration is also in
+    "computed", "code_version", ...} and writes it to ``json_path`` unless every configuration failed and a file is
+    there already (an earlier table is not replaced by an empty one; each finished configuration is also in
     ``cache_dir`` at once, so an interrupted sweep keeps what it finished). Raises ValueError: a bad grid file, a
     ``ray_address`` nothing answers at."""
     from tqdm.auto import tqdm
@@ -216,7 +163,10 @@ def run_sweep(grid_path: str, *, use_ray: bool = False, ray_address: str | None 
            "varying": varying,
            "cached": cached, "computed": len(todo) - len(failed), "failed": sorted(failed, key=lambda f: f["index"]),
            "rows": rows}
-    write_json(out, json_path)
+    if results or json_path is None or not Path(json_path).exists():
+        write_json(out, json_path)
+    else:  # every configuration failed: an earlier table there is not replaced by an empty one
+        print(f"every configuration failed: {json_path} is left as it was", file=sys.stderr)
     return out
 
 

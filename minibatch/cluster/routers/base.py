@@ -44,10 +44,13 @@ class Router:
 
     ``route`` gets the request and the replicas that may take it (those under the cluster's admission limit, of the
     right role), never an empty list, and returns one of them. It may keep state (a round-robin counter, a hash
-    ring); a fresh router is made for every run (:func:`get_router` returns a new instance)."""
+    ring); a fresh router is made for every run (:func:`get_router` returns a new instance). ``needs``: what it
+    reads from the replicas ("prefix_cache": their prefix caches; "kv_cache": their block managers), so a cluster
+    whose policy has none refuses it instead of routing by its tie-breaks alone."""
 
     name: str = ""
     description: str = ""
+    needs: str | None = None  # "prefix_cache" or "kv_cache": what of the replicas it reads (Cluster checks it)
 
     def route(self, request: Request, replicas: list[Replica], now_s: float) -> Replica:
         raise NotImplementedError

@@ -20,6 +20,7 @@ from minibatch.cluster.routers.base import Router, load_bound, register_router
 class CacheAware(Router):
     name = "cache_aware"
     description = "the replica whose prefix cache holds the longest prefix of the prompt, with a load bound"
+    needs = "prefix_cache"
     epsilon = 0.25
 
     def route(self, request, replicas, now_s):

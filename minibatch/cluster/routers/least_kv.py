@@ -8,6 +8,7 @@ from minibatch.cluster.routers.base import Router, register_router
 class LeastKV(Router):
     name = "least_kv"
     description = "the replica with the lowest KV cache usage"
+    needs = "kv_cache"
 
     def route(self, request, replicas, now_s):
         return min(replicas, key=lambda r: (round(r.kv_usage, 6), r.outstanding, r.index))
