@@ -29,6 +29,7 @@ from minibatch.policies import POLICIES, get_policy
 from minibatch.scheduler.config import StaticConfig
 from minibatch.report import contention, environment, machine_load, print_table, save_figures, write_json
 from minibatch.request import Request
+from minibatch.trace_io import describe_trace
 from minibatch.workload import ARRIVALS, build_trace
 
 DEFAULT_POLICIES = ("static", "paged", "chunked", "hf_generate_batch")  # the headline comparison
@@ -247,8 +248,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     rule = rule_for(model.dtype)
     if rule != "exact":  # the logprob-close rule needs our top logprobs where a greedy output diverges
         requests = [with_logprobs(r, TOP_K) for r in requests]
-    print(f"trace: {len(requests)} requests, {sum(r.num_prompt_tokens for r in requests)} prompt + "
-          f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over {requests[-1].arrival_time_s:.1f} s")
+    print(f"trace: {describe_trace(requests)}")
     runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend)
     if cfg.kv_cache_memory_bytes is not None:
         block = max((getattr(cfg.policy_config(p, requests), "block_size", 1) for p in cfg.policies if p in POLICIES),

@@ -155,3 +155,11 @@ def load_trace(path: str | Path, vocab_size: int | None = None) -> list[Request]
         except (TypeError, ValueError) as e:
             raise ValueError(f"{path}: request {i}: {e}") from None
     return out
+
+
+def describe_trace(requests: list[Request]) -> str:
+    """One line for a trace: its requests, prompt and output tokens, and the time its arrivals span (from t = 0 to
+    the latest, whatever the order of the requests)."""
+    return (f"{len(requests)} requests, {sum(r.num_prompt_tokens for r in requests)} prompt + "
+            f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over "
+            f"{max(r.arrival_time_s for r in requests):.1f} s")

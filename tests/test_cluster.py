@@ -144,6 +144,7 @@ def test_kv_link_cost():
 @pytest.mark.parametrize("argv,message", [
     (["--disaggregate", "0:2"], "--disaggregate must be P:D"),
     (["--disaggregate", "two"], "--disaggregate must be P:D"),
+    (["--disaggregate", "\uff11:\uff12"], "--disaggregate must be P:D"),  # full-width digits
     (["--router", "nearest"], "--router must be one of"),
     (["--replicas", "0"], "--replicas"),
     (["--disaggregate", "1:1", "--policies", "static"], "--disaggregate needs a paged policy"),

@@ -185,6 +185,8 @@ def test_a_sweep_that_fails_everywhere_keeps_the_earlier_table_and_big_or_odd_gr
                          "configs: [{disaggregate: 1:2}]\n")
     with pytest.raises(ValueError, match='got 62: YAML reads 1:2 unquoted as a number.*write "1:2"'):
         load_grid(str(yaml_grid))
+    with pytest.raises(ValueError, match="grid.rate lists a value twice"):  # 1 and 1.0 are one run
+        load_grid(str(write_grid(tmp_path / "r.json", {"rate": [1, 1.0]})))
     spec = write_grid(tmp_path / "s.json", {"acceptance_rate": [True]})
     with pytest.raises(ValueError, match="acceptance_rate must be a number in \\[0, 1\\] or a list"):
         load_grid(str(spec))

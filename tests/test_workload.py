@@ -236,3 +236,10 @@ def test_property_valid_params(n, arrival, rate, cv, lengths, lo, span, cap, see
             assert r.num_prompt_tokens <= lo + span and r.max_new_tokens <= lo + span
             assert r.num_prompt_tokens >= min(lo, cap or lo)
         assert all(3 <= t < 100 for t in r.prompt_token_ids)
+
+
+def test_a_trace_is_described_by_its_latest_arrival_in_any_order():
+    from minibatch.trace_io import describe_trace
+
+    late, early = Request("a", [1, 2], 3, arrival_time_s=2.5), Request("b", [1], 4, arrival_time_s=0.5)
+    assert describe_trace([late, early]) == "2 requests, 3 prompt + 7 output tokens, arrivals over 2.5 s"

@@ -96,7 +96,7 @@ class Cluster:
             raise ValueError("a decode replica needs a paged scheduler (one that receives KV from elsewhere)")
         needs = getattr(router, "needs", None)
         if needs == "prefix_cache" and any(e.scheduler.prefix_cache_counts() is None for e in engines) or \
-                needs == "kv_cache" and any(e.scheduler.block_manager is None for e in engines):
+                needs == "kv_cache" and any(e.scheduler.kv_geometry() is None for e in engines):
             kind = "prefix caches (a *_prefix policy)" if needs == "prefix_cache" else "KV caches (a paged policy)"
             raise ValueError(f"router {router.name} reads the replicas' {kind}, which this policy does not have: "
                              "choose another router or policy")

@@ -40,7 +40,7 @@ def load_grid(path: str) -> tuple[str, list[dict]]:
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
             raise ValueError(f"--grid {path}: grid.{key} must be a non-empty list, got {values!r}")
-        if len({json.dumps(v, sort_keys=True, default=str) for v in values}) < len(values):  # the same run twice
+        if len({json.dumps(same_number(v), sort_keys=True, default=str) for v in values}) < len(values):  # twice
             raise ValueError(f"--grid {path}: grid.{key} lists a value twice: {values!r}")
     count = (math.prod(len(v) for v in grid.values()) if grid else 0) + len(extra)
     if count > MAX_CONFIGS:
@@ -57,6 +57,13 @@ def load_grid(path: str) -> tuple[str, list[dict]]:
         except ValueError as e:
             raise ValueError(f"--grid {path}: configuration {i} {json.dumps(config, default=str)}: {e}") from None
     return command, configs
+
+
+def same_number(value):
+    """``value`` with a float that is a whole number written as an int (1.0 -> 1: the same run as 1)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [same_number(v) for v in value] if isinstance(value, list) else value
 
 
 def check_keys(command: str, config: dict, load_modules: bool = True) -> tuple[str, set, set, set]:

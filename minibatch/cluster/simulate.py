@@ -69,7 +69,8 @@ class ClusterConfig:
         roles = ("both",) * self.replicas
         if self.disaggregate is not None:
             p, _, d = self.disaggregate.partition(":")
-            if not (p.isdecimal() and d.isdecimal() and 1 <= int(p) <= MAX_REPLICAS and 1 <= int(d) <= MAX_REPLICAS):
+            if not (f"{p}{d}".isascii() and p.isdecimal() and d.isdecimal() and 1 <= int(p) <= MAX_REPLICAS
+                    and 1 <= int(d) <= MAX_REPLICAS):
                 raise ValueError(f"--disaggregate must be P:D with P, D in [1, {MAX_REPLICAS}] (prefill and decode "
                                  f"replicas), got {self.disaggregate!r}")
             roles = ("prefill",) * int(p) + ("decode",) * int(d)
@@ -172,6 +173,7 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
     from minibatch.report import environment, print_table, write_json
     from minibatch.sim.cost_model import Profile
     from minibatch.sim.simulator import profile_trace
+    from minibatch.trace_io import describe_trace
 
     profile = Profile.load(profile_path)
     requests, conversations, limit = [], [], profile.max_model_len  # None: a profile that does not record it
@@ -191,7 +193,7 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
         print(f"workload: {len(conversations)} conversations, {sum(c.num_turns for c in conversations)} turns")
     else:
         requests = sizing = profile_trace(cfg, profile)
-        print(f"trace: {len(requests)} requests, arrivals over {requests[-1].arrival_time_s:.1f} s")
+        print(f"trace: {describe_trace(requests)}")
     print(f"cluster: {' + '.join(f'{ccfg.roles.count(r)} {r}' for r in dict.fromkeys(ccfg.roles))} replicas, "
           f"router {ccfg.router}" + (f", at most {ccfg.max_outstanding} outstanding per replica"
                                       if ccfg.max_outstanding else ""))

@@ -77,6 +77,7 @@ def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
     from minibatch.compare import kv_slots
     from minibatch.policies import POLICIES
     from minibatch.report import environment, machine_differences, print_table, write_json
+    from minibatch.trace_io import describe_trace
 
     outside = [p for p in cfg.policies if p not in POLICIES]
     if outside:
@@ -90,8 +91,7 @@ def run_simulation(cfg, profile_path: str, acceptance_rate=None) -> dict:
     if differs:  # simulated times are the calibration machine's, with the engine of then
         print(f"note: the profile was measured on another machine or engine ({'; '.join(differs)}): simulated "
               "times are that machine's; python -m minibatch calibrate fits this one")
-    print(f"trace: {len(requests)} requests, {sum(r.num_prompt_tokens for r in requests)} prompt + "
-          f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over {requests[-1].arrival_time_s:.1f} s")
+    print(f"trace: {describe_trace(requests)}")
     runs = simulate_policies(cfg, profile, requests, acceptance_rate)
     result = {"command": cfg.command, "environment": env, "profile": str(profile_path),
               "profile_machine_differences": differs,
