@@ -241,3 +241,17 @@ def test_a_router_that_reads_what_the_policy_lacks_is_refused_before_any_runs(po
               "--router", router, "--policies", policies])
     captured = capsys.readouterr()
     assert f"router {router} reads the replicas'" in captured.err and "load imbalance" not in captured.out
+
+
+def test_a_slot_freed_at_an_arrivals_time_is_free_for_it():
+    """At one timestamp a finished request's slot is freed before an arrival is routed: a request arriving exactly
+    when replica 0's only request finishes sees it free (arrivals were pushed first, so they saw the finishing
+    request and least_outstanding sent them to replica 1)."""
+    profile = Profile.load(PROFILE)
+    cfg = sim_config(policies=("paged",), num_requests=2, rate=1.0)
+    first = Request("first", [5] * 8, 2, arrival_time_s=0.0)
+    probe = build_cluster(cfg, ClusterConfig(replicas=1), profile, "paged", [first]).run([first])
+    second = Request("second", [6] * 8, 2, arrival_time_s=probe.requests[0].finish_time_s)
+    ccfg = ClusterConfig(replicas=2, router="least_outstanding")
+    run = build_cluster(cfg, ccfg, profile, "paged", [first, second]).run([first, second])
+    assert set(run.replicas[0].engine.requests) == {"first", "second"} and not run.replicas[1].engine.requests

@@ -116,3 +116,31 @@ def test_the_connection_cap_follows_the_file_descriptor_limit(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda what: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert connections.max_connections() == connections.MAX_CONNECTIONS
     assert connections.body_deadline_s(8 << 20) == connections.HEADER_TIMEOUT_S + 128
+
+
+@pytest.mark.parametrize("head", [b"GET /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n",
+                                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 90000000\r\n\r\n"])
+def test_a_connection_answered_before_its_body_arrived_is_closed(server, head, monkeypatch):
+    """A route that reads no body (200) or a body refused by its length (413): the connection closes soon after the
+    answer (a lingering close, so the answer is read), instead of reading and dropping a slowly sent body for as
+    long as the client likes."""
+    monkeypatch.setattr(connections, "LINGER_S", 0.5)
+    with socket.create_connection((server.host, server.port), timeout=5) as s:
+        s.sendall(head)
+        reply, t0 = b"", time.monotonic()
+        while time.monotonic() - t0 < 4:
+            try:
+                s.sendall(b"x")
+            except OSError:
+                break
+            s.settimeout(0.3)
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                continue
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 ") and time.monotonic() - t0 < 3.5  # closed, not held

@@ -884,7 +884,11 @@ def test_union_fields_name_their_forms_and_completions_default_max_tokens_fits(s
     assert bad["message"].startswith("prompt: must be one of str | list[int]") and bad["param"] == "prompt"
     assert httpx.post(url, json={"prompt": "x", "stop": 5}, timeout=30).json()["error"]["message"].startswith(
         "stop: must be one of str | list[str]")
-    assert httpx.post(url, json={"prompt": ""}, timeout=30).json()["error"]["message"] == "prompt: must not be empty"
+    for empty in ("", [""], [[]]):
+        assert httpx.post(url, json={"prompt": empty}, timeout=30).json()["error"]["message"] == \
+            "prompt: must not be empty"
+    capital = httpx.post(url, json={"prompt": "x", "Temperature": 0.5}, timeout=30).json()["error"]
+    assert capital["message"].startswith("Temperature: unknown field") and capital["param"] == "Temperature"
     context = httpx.get(server.base_url + "/models", timeout=30).json()["data"][0]["max_model_len"]
     prompt = [5] * (context - 3)
     fits = httpx.post(url, json={"prompt": prompt, "ignore_eos": True}, timeout=60).json()

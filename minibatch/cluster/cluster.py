@@ -115,7 +115,7 @@ class Cluster:
         """
         requests = list(requests)  # (a generator would be spent by the checks)
         self._check(requests)
-        self._events: list = []  # heap of (time, order, kind, request)
+        self._events: list = []  # heap of (time, not a release, order, role or RELEASE, request or replica, new)
         self._order = 0
         self._held: deque = deque()  # requests waiting at the router (admission limit)
         self._conversation_of: dict[str, object] = {}
@@ -132,7 +132,7 @@ class Cluster:
             busy = [r for r in self.replicas if r.engine.has_unfinished()]
             t_min = min((r.engine.clock.now_s for r in busy), default=math.inf)
             if self._events and self._events[0][0] <= t_min:
-                t, _, role, request, new = heapq.heappop(self._events)
+                t, _, _, role, request, new = heapq.heappop(self._events)
                 if role == RELEASE:  # a replica's request finished at t: its slot is free from t on
                     self._release(request, t)
                     continue
@@ -166,8 +166,9 @@ class Cluster:
                 replica.engine.check_request(part if replica.role == "prefill" else fresh)
 
     def _push(self, t: float, role: str, request: Request, new: bool = False) -> None:
-        """An event: at time ``t``, route ``request`` among the replicas of ``role``."""
-        heapq.heappush(self._events, (t, self._order, role, request, new))
+        """An event: at time ``t``, route ``request`` among the replicas of ``role`` (or free a slot of the replica
+        given as ``request`` when ``role`` is RELEASE: at one time, slots free before anything is routed)."""
+        heapq.heappush(self._events, (t, role != RELEASE, self._order, role, request, new))
         self._order += 1
 
     def _arrive(self, request: Request) -> None:

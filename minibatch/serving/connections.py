@@ -5,9 +5,11 @@ never finishes its headers, or its body, is held as long as the client likes; en
 every file descriptor, and then no one else is served and asyncio logs a traceback for every refused accept. Here:
 
 * a request's headers must be complete within :data:`HEADER_TIMEOUT_S` of the connection or of their first byte
-  after the previous response (a 408 error object, then the connection closes);
+  after the previous response (a 408 error object, then the connection closes; headers that arrive while an
+  earlier response is still being sent are closed by uvicorn's keep-alive timeout instead);
 * its body must arrive at :data:`MIN_BODY_BYTES_PER_S` after a grace of :data:`HEADER_TIMEOUT_S`
-  (:func:`body_deadline_s`; :func:`read_body` answers 408);
+  (:func:`body_deadline_s`; :func:`read_body` answers 408), and a connection answered before its body was in
+  is closed :data:`LINGER_S` later (the rest of the body is not waited for);
 * at most :func:`max_connections` connections are open (from the file-descriptor limit, which :func:`server_config`
   first raises to its hard maximum, as vLLM's server does); one more is answered 503 and closed at once, and the
   listening socket's backlog is a quarter of the cap, so a burst of connects cannot take the descriptors left;
@@ -32,6 +34,7 @@ from minibatch.serving.protocol import APIError
 HEADER_TIMEOUT_S = 20.0  # a request's headers, from the connection (or their first byte on a kept-alive one)
 MIN_BODY_BYTES_PER_S = 64 << 10  # after the same grace: an 8 MiB body may take 20 + 128 s
 MAX_BODY_BYTES = 8 << 20  # default body-size limit: far above any prompt a 2k-8k-token context holds
+LINGER_S = 5.0  # after answering a request whose body is still coming: how long its bytes are still read
 MAX_CONNECTIONS = 10_000  # the cap when the file-descriptor limit allows more
 REASONS = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
 
@@ -99,7 +102,7 @@ def raw_error(error: APIError) -> bytes:
     """A whole HTTP/1.1 response carrying ``error``'s OpenAI error object, for a connection h11 cannot answer (no
     request parsed yet, or one it could not parse); the connection closes after it."""
     body = json.dumps(error.body()).encode()
-    head = (f"HTTP/1.1 {error.status} {REASONS[error.status]}\r\ncontent-type: application/json\r\n"
+    head = (f"HTTP/1.1 {error.status} {REASONS.get(error.status, 'Error')}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode("ascii") + body
 
@@ -120,11 +123,29 @@ class DeadlineH11Protocol(H11Protocol):
         self.arm()
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        super().data_received(data)  # (it cancels uvicorn's keep-alive timer: data came)
         if self.conn.their_state is not h11.IDLE:  # the request's headers are in
             self.disarm()
-        elif self.header_timer is None and not self.transport.is_closing():  # a new request has begun
+        elif self.transport.is_closing() or self.header_timer is not None:
+            pass
+        elif self.conn.trailing_data[0]:  # a new request has begun: its headers have their deadline
             self.arm()
+        elif self.timeout_keep_alive_task is None:  # idle again (no new request yet): uvicorn's keep-alive rule
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            # answered before its body was in (a 408, 413 or 415, or a route that reads no body): the rest of the
+            # body would be read and dropped for as long as the client sends it. A lingering close, as web servers
+            # do: what comes in LINGER_S is still dropped (closing at once would reset the connection, and the
+            # client could lose the answer), then the connection ends unless the body was done by then
+            self.loop.call_later(LINGER_S, self.linger_end)
+
+    def linger_end(self) -> None:
+        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()
 
     def connection_lost(self, exc) -> None:
         self.disarm()

@@ -190,7 +190,8 @@ def parse_body(cls: type[BaseModel], body) -> BaseModel:
         err = errors[0]
         loc = ".".join(str(x) for x in err["loc"])
         what = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        if (at := next((i for i, x in enumerate(err["loc"]) if is_union_branch(x)), None)) is not None:
+        at = next((i for i, x in enumerate(err["loc"]) if i and is_union_branch(x)), None)  # (0: the field)
+        if at is not None and err["type"] != "extra_forbidden":
             # a value no branch of a union field takes: name the branches, not the first one's complaint
             branches = dict.fromkeys(x["loc"][at] for x in errors if x["loc"][:at] == err["loc"][:at])
             loc, what = ".".join(str(x) for x in err["loc"][:at]), f"must be one of {' | '.join(branches)}"
@@ -218,7 +219,7 @@ def one_prompt(prompt) -> str | list[int]:
         return list(prompt)
     if len(prompt) != 1:
         raise APIError(f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
-    return prompt[0]
+    return one_prompt(prompt[0])  # [""] and [[]] are empty too
 
 
 def check_list_lengths(body, context: "Context", message_tokens: int = 0) -> None:
