@@ -28,9 +28,10 @@ def server(loaded):
 @pytest.fixture
 def short_deadlines(monkeypatch):
     monkeypatch.setattr(connections, "HEADER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(connections, "LINGER_S", 0.5)  # after a 408 to a body still coming
 
 
-def raw(srv, data: bytes = b"", wait_s: float = 5.0) -> tuple[int, dict]:
+def raw(srv, data: bytes = b"", wait_s: float = 10.0) -> tuple[int, dict]:
     """Send ``data`` on a new connection and read until the server closes it: (status, JSON body)."""
     with socket.create_connection((srv.host, srv.port), timeout=wait_s) as s:
         s.sendall(data)
@@ -55,8 +56,10 @@ def test_headers_that_never_end_get_408_and_the_connection_closes(server, short_
 
 
 def test_a_body_slower_than_the_minimum_rate_gets_408(server, short_deadlines):
+    t0 = time.monotonic()
     status, body = raw(server, request_bytes()[:-len(BODY) + 5])  # five bytes of the body, then nothing
     assert status == 408 and "the body did not arrive within" in body["error"]["message"]
+    assert time.monotonic() - t0 < 4.0  # answered, then the connection closed after the lingering close
 
 
 def test_a_kept_alive_connection_gets_a_second_request_and_a_long_response_is_not_cut(server, short_deadlines):
