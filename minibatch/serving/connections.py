@@ -141,11 +141,11 @@ class DeadlineH11Protocol(H11Protocol):
             # body would be read and dropped for as long as the client sends it. A lingering close, as web servers
             # do: what comes in LINGER_S is still dropped (closing at once would reset the connection, and the
             # client could lose the answer), then the connection ends unless the body was done by then
-            self.loop.call_later(LINGER_S, self.linger_end)
+            self.loop.call_later(LINGER_S, self.linger_end, self.cycle)
 
-    def linger_end(self) -> None:
-        if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
-            self.transport.close()
+    def linger_end(self, cycle) -> None:
+        if self.cycle is cycle and self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+            self.transport.close()  # (a later request on this connection, its own cycle, is left alone)
 
     def connection_lost(self, exc) -> None:
         self.disarm()
