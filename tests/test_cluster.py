@@ -255,3 +255,11 @@ def test_a_slot_freed_at_an_arrivals_time_is_free_for_it():
     ccfg = ClusterConfig(replicas=2, router="least_outstanding")
     run = build_cluster(cfg, ccfg, profile, "paged", [first, second]).run([first, second])
     assert set(run.replicas[0].engine.requests) == {"first", "second"} and not run.replicas[1].engine.requests
+
+
+def test_a_turn_that_outgrows_the_kv_cache_names_the_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--profile", PROFILE, "--no-progress", "--replicas", "2", "--n-slots", "600",
+              "--workload", "multiturn", "--conversations", "6"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a conversation's turn grew past what a replica holds" in err[0] and "--n-slots" in err[0]

@@ -193,7 +193,12 @@ class Cluster:
         engine = replica.engine
         if not engine.has_unfinished() and engine.clock.now_s < t:
             engine.clock.advance_to(t)  # idle until now: a held or transferred request cannot start earlier
-        engine.add_request(request)
+        try:
+            engine.add_request(request)
+        except ValueError as e:  # run() checked every request it was given: this is a later turn of a conversation
+            raise ValueError(f"{e}: a conversation's turn grew past what a replica holds; give the replicas more KV "
+                             "(--n-slots) or a lower --max-model-len (a conversation ends before a longer turn)"
+                             ) from None
         replica.outstanding += 1
         replica.routed += 1
 
