@@ -47,7 +47,7 @@ def load_grid(path: str) -> tuple[str, list[dict]]:
         raise ValueError(f"--grid {path}: {count} configurations, more than {MAX_CONFIGS}: split the grid")
     configs = [base | dict(zip(grid, point)) for point in itertools.product(*grid.values())] if grid else []
     configs += [base | c for c in extra if isinstance(c, dict)]
-    if len(configs) != (len(list(itertools.product(*grid.values()))) if grid else 0) + len(extra):
+    if len(configs) != count:  # an entry of configs that is no mapping was left out
         raise ValueError(f"--grid {path}: every entry of configs must be a mapping")
     if not configs:
         raise ValueError(f"--grid {path}: no configuration (give grid or configs)")

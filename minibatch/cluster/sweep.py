@@ -73,7 +73,8 @@ def run_one(command: str, config: dict) -> dict:
 
     kind, ours, cluster, settings = check_keys(command, config)  # (and loads its policy_module)
     config = dict(config)
-    threads, _ = config.pop("threads", None), config.pop("policy_module", None)
+    threads = config.pop("threads", None)
+    config.pop("policy_module", None)  # loaded by check_keys
     acceptance = acceptance_text(config.pop("acceptance_rate", None))
     if threads is not None and check_int(threads, "threads", 1, 1024) and command == "simulate":
         raise ValueError("'threads' applies to compare configurations (simulate runs no model)")

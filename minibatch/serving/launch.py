@@ -123,10 +123,10 @@ def run_serve(args, settings: dict) -> int:
     import torch
 
     from minibatch.checks import check_int, check_real, short_repr
-    from minibatch.serving.connections import server_config
     from minibatch.experiment import check_policy_settings
     from minibatch.machine import check_listen_address
     from minibatch.policies import POLICIES
+    from minibatch.serving.connections import server_config
 
     check_int(args.port, "--port", 1, 65535)
     check_int(args.threads, "--threads", 1, 1024)
