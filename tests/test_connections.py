@@ -147,3 +147,36 @@ def test_a_connection_answered_before_its_body_arrived_is_closed(server, head, m
                 break
             reply += chunk
         assert reply.startswith(b"HTTP/1.1 ") and time.monotonic() - t0 < 3.5  # closed, not held
+
+
+def test_a_client_that_stops_reading_its_stream_is_cut_off(loaded, monkeypatch):
+    """A client that reads nothing of a long stream: once the sockets' buffers are full, its bytes wait in ours;
+    after SEND_TIMEOUT_S the connection is aborted (before, it was held for ever: the response ended, and the
+    keep-alive timeout's close waited for the unread bytes), and others are served meanwhile. The server's send
+    buffer is made small here, as a long response (or a slow network) fills a large one."""
+    monkeypatch.setattr(connections, "SEND_TIMEOUT_S", 0.5)
+    made = connections.DeadlineH11Protocol.connection_made
+
+    def small_send_buffer(self, transport):
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        made(self, transport)
+
+    monkeypatch.setattr(connections.DeadlineH11Protocol, "connection_made", small_send_buffer)
+    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
+    app, engine = build_server(MODEL, "paged", dict(n_slots=2048, block_size=16, max_num_seqs=4), loaded=loaded)
+    with ServerThread(app, engine) as srv, socket.socket() as s:
+        state = srv.server.server_state
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.connect((srv.host, srv.port))
+        s.sendall(request_bytes(body))  # ~40 KB of events follow; none is read
+        t0 = time.monotonic()
+        while not state.connections and time.monotonic() - t0 < 5:
+            time.sleep(0.01)
+        mine = set(state.connections)
+        assert len(mine) == 1
+        assert httpx.post(srv.base_url + "/completions", content=BODY, timeout=10).status_code == 200
+        while mine & state.connections and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        assert not mine & state.connections, "the connection of a client that reads nothing is still open"
+        assert time.monotonic() - t0 < 5

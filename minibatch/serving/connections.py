@@ -13,10 +13,14 @@ every file descriptor, and then no one else is served and asyncio logs a traceba
 * at most :func:`max_connections` connections are open (from the file-descriptor limit, which :func:`server_config`
   first raises to its hard maximum, as vLLM's server does); one more is answered 503 and closed at once, and the
   listening socket's backlog is a quarter of the cap, so a burst of connects cannot take the descriptors left;
+* a response's bytes the client leaves unread for :data:`SEND_TIMEOUT_S` (the socket's buffers full, ours not
+  emptying) abort the connection, which aborts its request: a client that stops reading a stream, or never reads its
+  answer, would otherwise hold the connection, and the bytes waiting for it, for ever;
 * malformed HTTP (a bad request line, chunk size or Content-Length) gets an OpenAI error object, not plain text.
 
 The deadlines follow the request-timeout rules web servers use (nginx's ``client_header_timeout`` and
-``client_body_timeout``, Apache's ``mod_reqtimeout``: a time for the headers, a minimum rate for the body).
+``client_body_timeout``, Apache's ``mod_reqtimeout``: a time for the headers, a minimum rate for the body; nginx's
+``send_timeout`` for the response).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from minibatch.serving.protocol import APIError
 HEADER_TIMEOUT_S = 20.0  # a request's headers, from the connection (or their first byte on a kept-alive one)
 MIN_BODY_BYTES_PER_S = 64 << 10  # after the same grace: an 8 MiB body may take 20 + 128 s
 MAX_BODY_BYTES = 8 << 20  # default body-size limit: far above any prompt a 2k-8k-token context holds
+SEND_TIMEOUT_S = 60.0  # a response's bytes unread this long abort the connection (nginx's send_timeout default)
 LINGER_S = 5.0  # after answering a request whose body is still coming: how long its bytes are still read
 MAX_CONNECTIONS = 10_000  # the cap when the file-descriptor limit allows more
 REASONS = {400: "Bad Request", 408: "Request Timeout", 503: "Service Unavailable"}
@@ -111,10 +116,13 @@ class DeadlineH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request's headers, a cap on open connections and OpenAI error
     objects for malformed HTTP (see the module's docstring)."""
 
-    header_timer = None
+    header_timer = send_timer = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        # writing pauses as soon as a byte waits in our buffer (the kernel's send buffer is full: the client is not
+        # reading), not at 64 KiB: a few KiB left unread would otherwise keep a closed connection open for ever
+        transport.set_write_buffer_limits(high=0)
         most = getattr(self.config, "minibatch_max_connections", MAX_CONNECTIONS)
         if len(self.connections) > most:
             self.refuse(APIError(f"this server has {most} connections open, its most; retry later", status=503,
@@ -149,7 +157,24 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self.disarm()
+        if self.send_timer is not None:
+            self.send_timer.cancel()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:  # the client has not read what was sent: it has SEND_TIMEOUT_S to start again
+        super().pause_writing()
+        if self.send_timer is None:
+            self.send_timer = self.loop.call_later(SEND_TIMEOUT_S, self.send_late)
+
+    def resume_writing(self) -> None:  # our buffer is empty again
+        super().resume_writing()
+        if self.send_timer is not None:
+            self.send_timer.cancel()
+            self.send_timer = None
+
+    def send_late(self) -> None:
+        self.send_timer = None
+        self.transport.abort()  # (no answer can reach a client that reads nothing; its request is aborted)
 
     def send_400_response(self, msg: str) -> None:
         self.refuse(APIError(f"invalid HTTP request: {msg.rstrip('.').lower()} (the request line, a header, "
