@@ -135,6 +135,14 @@ def test_disaggregated_prefill_then_transfer_then_decode():
     prefill_outputs = sum(len(e.token_ids) for rec in run.replicas[0].engine.trace for e in rec.entries)
     assert prefill_outputs == len(requests)  # one token each
     assert run.num_transfers == sum(r.max_new_tokens > 1 for r in requests)
+    # per replica: the prefill replica's TTFT is the users'; a decode replica's requests came with their first token,
+    # so its row has no TTFT, E2E or goodput (they were the time to the second token), only TPOT and ITL
+    rows = cluster_rows(run, "paged")
+    prefill, *decode = rows["replicas"]
+    assert prefill["ttft_p50_s"] == rows["overall"]["ttft_p50_s"] and prefill["tpot_p50_s"] is None
+    for row in decode:
+        assert row["tpot_p50_s"] > 0 and row["itl_p99_s"] > 0 and row["output_throughput_tok_s"] > 0
+        assert row["ttft_p50_s"] is row["e2e_p99_s"] is row["goodput_req_s"] is row["total_throughput_tok_s"] is None
 
 
 def test_kv_link_cost():

@@ -133,9 +133,16 @@ def load_imbalance(replicas) -> float | None:
     return round(max(ratios), 3) if ratios else None
 
 
+# A decode replica's requests arrive with their KV and their first token, made on a prefill replica: timed from
+# that arrival, their "TTFT" would be the time to the user's second token and their E2E and goodput not the users';
+# their prompt tokens were transferred, not computed there. Its row leaves these out ("overall" has the users').
+NOT_THE_USERS = ("ttft_", "e2e_", "num_good_requests", "goodput_req_s", "total_throughput_tok_s")
+
+
 def cluster_rows(run: ClusterRun, policy: str, slo=None, run_time_s: float = 0.0) -> dict:
     """The run's JSON: "overall" (the users' requests; trace fields over every replica's steps), "replicas" (one
-    row per replica: its role, requests routed, summary, prefix cache), and the router's own counts."""
+    row per replica: its role, requests routed, summary, prefix cache; a decode replica's without the fields of
+    :data:`NOT_THE_USERS`, None there), and the router's own counts."""
     from minibatch.experiment import Run
     from minibatch.metrics import summarize
 
@@ -145,6 +152,8 @@ def cluster_rows(run: ClusterRun, policy: str, slo=None, run_time_s: float = 0.0
         mine = [r for r in rep.engine.requests.values()]
         if mine:
             row |= Run(policy, mine, rep.engine, run_time_s, slo).row()
+        if rep.role == "decode" and mine:  # its requests came with their first token: see NOT_THE_USERS
+            row |= {k: None for k in row if k.startswith(NOT_THE_USERS)}
         replicas.append(row)
     trace = [rec for rep in run.replicas for rec in rep.engine.trace]
     overall = {"policy": policy, **summarize(run.requests, trace, slo).to_dict()}
