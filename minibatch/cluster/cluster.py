@@ -14,7 +14,9 @@ role; a request is first routed among the "prefill" replicas with max_new_tokens
 its KV is then transferred (``KVLink``: prompt tokens x KV bytes per token / bandwidth + latency) and it continues
 on a "decode" replica, which receives the KV as already computed (vLLM's KV connector: external computed tokens)
 and generates the rest. The user-facing request gets the first token's time from the prefill replica and the
-others from the decode replica.
+others from the decode replica. The transfer is priced for the whole prompt before the decode replica is chosen: a
+prefix that replica has cached is reused there (not computed, not allocated twice) but still paid for on the link,
+an upper bound (vLLM's connectors pull only what the decode side lacks).
 """
 
 from __future__ import annotations
