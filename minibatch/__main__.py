@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench-serve", help="measure TTFT, ITL, TPOT and goodput of any OpenAI-compatible server")
     add_bench_serve_arguments(b)
     pr = sub.add_parser("profile", help="where a step's time goes: components of decode and prefill steps, roofline")
-    add_config_options(pr, "model", ModelConfig, omit=("draft_model",))  # it times the model's own steps
+    add_config_options(pr, "model", ModelConfig, omit=("draft_model", "enforce_eager"))  # own steps, eager
     add_profile_arguments(pr)
     add_sweep_arguments(sub.add_parser("sweep", help="a grid of simulate/compare runs, one table (or on Ray)"))
     g = sub.add_parser("gpu-check", help="everything that must work on a GPU, in one command: kernels compiled, "
@@ -287,7 +287,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
     check_output_file(out, "--out")
     profile = calibrate(args.model, args.device, args.threads, args.scale, args.draft_model,
                         progress=not args.no_progress, command=command, dtype=dtype,
-                        attention_backend=args.attention_backend, quick=args.quick)
+                        attention_backend=args.attention_backend, quick=args.quick, enforce_eager=args.enforce_eager)
     print_profile(profile)
     print(f"wrote {profile.save(out)} ({profile.meta['calibration_time_s']} s)")
     return 0

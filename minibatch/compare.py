@@ -2,12 +2,11 @@
 
     python -m minibatch compare [--policies static,paged,chunked,hf_generate_batch | all] ...
 
-Every policy gets fresh copies of the same requests (``experiment.run``), and every greedy
-policy's outputs are checked token for token against HF ``generate`` run on each request alone
-(``matches_reference``; the reference outputs are cached on disk, see ``minibatch.reference``).
-The default policies are the headline comparison: static batching, paged continuous batching,
-chunked prefill and transformers' own continuous batching (the peer); ``--policies all`` runs
-every policy, the outside baseline ``hf_generate`` included.
+Every policy gets fresh copies of the same requests (``experiment.run``), and every greedy policy's outputs are
+checked token for token against HF ``generate`` run on each request alone (``matches_reference``; the reference
+outputs are cached on disk, see ``minibatch.reference``). The default policies are the headline comparison: static
+batching, paged continuous batching, chunked prefill and transformers' own continuous batching (the peer);
+``--policies all`` runs every policy, the outside baseline ``hf_generate`` included.
 """
 
 from __future__ import annotations
@@ -145,7 +144,7 @@ class CompareConfig(ModelConfig):
         KV memory from :func:`kv_slots`), then ``settings``. Every policy that has a setting gets the
         same value; one it lacks is not its own (the token budget is only the chunked policies')."""
         return policy_spec(policy).make_config(COMPARE_SETTINGS | {"n_slots": kv_slots(self, requests)}
-                                               | self.settings)
+                                               | self.settings | {"enforce_eager": self.enforce_eager})  # vllm's
 
 
 def compare_config(values: dict, command: str, settings: dict, text: str | None = None) -> CompareConfig:
@@ -162,7 +161,8 @@ def compare_config(values: dict, command: str, settings: dict, text: str | None 
     if command == "model" and cfg.trace is not None and changed_fields(cfg, ("seed",)):  # simulate's seeds
         raise ValueError("--seed shapes a generated trace: it does not apply with --trace")  # the sim's draws too
     baselines_only = command == "model" and all(p in BASELINES for p in cfg.policies)  # transformers or vLLM runs
-    if baselines_only and (given := changed_fields(cfg, ("clock", "attention_backend", "trace_out"))):
+    ours = ("clock", "attention_backend", "trace_out") + (() if "vllm" in cfg.policies else ("enforce_eager",))
+    if baselines_only and (given := changed_fields(cfg, ours)):
         raise ValueError(f"{opt(given[0])} applies only to our engine's policies, not to {','.join(cfg.policies)}")
     return cfg
 
@@ -249,7 +249,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     if rule != "exact":  # the logprob-close rule needs our top logprobs where a greedy output diverges
         requests = [with_logprobs(r, TOP_K) for r in requests]
     print(f"trace: {describe_trace(requests)}")
-    runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend)
+    runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend, enforce_eager=cfg.enforce_eager)
     if cfg.kv_cache_memory_bytes is not None:
         block = max((getattr(cfg.policy_config(p, requests), "block_size", 1) for p in cfg.policies if p in POLICIES),
                     default=1)

@@ -14,19 +14,18 @@ mode, gradients off, on ``device`` in ``dtype``. ``name`` is one of:
   from its greedy answers by ``scripts/train_draft.py``; its two layers are stored in
   ``data/drafts/smollm2-135m-draft`` (float16, 14 MB) and its embedding (tied LM head) is the
   target's own, taken from the target at load time.
-* ``"tiny-random-llama"`` / ``"tiny-random-gpt2"``: 2-layer, 64-dim models with
-  seeded random weights and a byte-level tokenizer built in code. Instant to
-  build, bit-identical on every load; text output is gibberish, but they are
-  ideal for checking that batched and unbatched decoding agree token by token.
-* ``"smollm2-135m-random"`` / ``"llama-1b-random"``: seeded random weights in the shape of
-  SmolLM2-135M (30 layers, hidden 576, 9 query / 3 KV heads, vocab 49152) and of a 1.2B
-  Llama-3.2-1B-shaped model (16 layers, hidden 2048, 32 query / 8 KV heads, vocab 128256), with
-  the byte-level tokenizer. For timing where the weights cannot be fetched (an offline GPU machine): a step
-  costs what the real model's step costs; greedy text is gibberish, so traces use ``ignore_eos``.
+* ``"tiny-random-llama"`` / ``"tiny-random-gpt2"``: 2-layer, 64-dim models with seeded random weights and a
+  byte-level tokenizer built in code. Instant to build, bit-identical on every load; text output is gibberish, but
+  they are ideal for checking that batched and unbatched decoding agree token by token.
+* ``"smollm2-135m-random"`` / ``"llama-1b-random"``: seeded random weights in the shape of SmolLM2-135M (30 layers,
+  hidden 576, 9 query / 3 KV heads, vocab 49152) and of a 1.2B Llama-3.2-1B-shaped model (16 layers, hidden 2048,
+  32 query / 8 KV heads, vocab 128256), with the byte-level tokenizer. For timing where the weights cannot be
+  fetched (an offline GPU machine): a step costs what the real model's step costs; greedy text is gibberish, so
+  traces use ``ignore_eos``.
 * a local directory or a hub id ``"owner/name"``: ``from_pretrained`` as usual.
 
-Also here: the ids a model stops and pads with (:func:`eos_token_ids`, :func:`pad_token_id`) and
-switching its attention implementation (:func:`set_attention`, :func:`attention_implementation`).
+Also here: the ids a model stops and pads with (:func:`eos_token_ids`, :func:`pad_token_id`) and switching its
+attention implementation (:func:`set_attention`, :func:`attention_implementation`).
 """
 
 from __future__ import annotations
@@ -82,8 +81,7 @@ def _load_draft() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
 
 def draft_vocab_subset(n: int = 8192) -> list[int]:
     """The ``n`` token ids smollm2-135m's answers use most (from the draft's training data,
-    ``data/drafts/smollm2-135m-draft/vocab_by_frequency.json``): pass them as a draft
-    ModelRunner's ``vocab_subset`` to cut its LM head to n rows.
+    ``data/drafts/smollm2-135m-draft/vocab_by_frequency.json``): a draft ModelRunner's ``vocab_subset`` (n rows).
 
     Raises:
         ValueError: n < 1. FileNotFoundError: the draft's files are missing.
@@ -107,9 +105,9 @@ def _byte_to_unicode() -> dict[int, str]:
 def tiny_tokenizer(model_max_length: int = 512) -> PreTrainedTokenizerFast:
     """Offline byte-level tokenizer: one token per UTF-8 byte, so any text round-trips.
 
-    Ids: 0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, 3 ``<unk>``, byte ``b`` -> ``4 + b``
-    (so ``"A"`` -> 69), then ``<extra_0..251>`` special tokens filling the vocab to
-    512 so every id a random model can emit decodes to something. No BOS is added.
+    Ids: 0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, 3 ``<unk>``, byte ``b`` -> ``4 + b`` (so ``"A"`` -> 69), then
+    ``<extra_0..251>`` special tokens filling the vocab to 512 so every id a random model can emit decodes to
+    something. No BOS is added.
     """
     from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -291,6 +289,8 @@ class ModelConfig:
                                     "choice", choices=_backend_names, cli="model")
     draft_model: str | None = option(None, "speculative decoding's draft model (default: smollm2-135m-draft for "
                                      "smollm2-135m, else the target itself)", "str", optional=True, cli="model")
+    enforce_eager: bool = option(False, "run eagerly: on a GPU no CUDA graphs for our decode steps (a CPU runs "
+                                 "eagerly anyway); the vllm peer without torch.compile", "bool", cli="model")
 
     def __post_init__(self):
         check_fields(self, opt)

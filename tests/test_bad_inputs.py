@@ -460,6 +460,8 @@ def run_cli(argv, capsys):
      "--clock applies only to our engine's policies"),
     (["compare", "--model", "tiny-random-llama", "--policies", "hf_generate", "--trace-out", "traces"],
      "--trace-out applies only to our engine's policies"),
+    (["compare", "--model", "tiny-random-llama", "--policies", "hf_generate", "--enforce-eager"],
+     "--enforce-eager applies only to our engine's policies"),  # (and to vllm's)
     (["compare", "--model", "tiny-random-llama", "--arrival-cv", "3"], "--arrival-cv applies only with"),
     (["compare", "--model", "tiny-random-llama", "--arrival", "zero", "--rate", "7"], "--rate does not apply"),
     (["compare", "--model", "tiny-random-llama", "--no-reference", "--reference-cache", "refs"],

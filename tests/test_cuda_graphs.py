@@ -44,6 +44,29 @@ def test_capture_sizes_and_padding():
     assert [padded_size(n, sizes) for n in (1, 3, 5, 9, 17, 64, 65)] == [1, 4, 8, 16, 24, 64, None]
 
 
+def test_enforce_eager_reaches_the_runner_from_compare_serve_and_calibrate(tmp_path, monkeypatch, one_thread):
+    """``--enforce-eager`` (vLLM's option): each command builds its runners with it (on a GPU: no decode graphs)."""
+    from minibatch import runner as runner_module
+    from minibatch.__main__ import main
+    from minibatch.serving.launch import build_server
+    from minibatch.sim import calibrate
+
+    seen, init = [], runner_module.ModelRunner.__init__
+
+    def spy(self, *args, **kw):
+        init(self, *args, **kw)
+        seen.append(self.graphs_unsupported)
+
+    monkeypatch.setattr(runner_module.ModelRunner, "__init__", spy)
+    main(["compare", "--model", "tiny-random-llama", "--num-requests", "2", "--max-output-len", "4", "--policies",
+          "paged", "--enforce-eager", "--no-reference", "--no-progress", "--figures-dir", ""])
+    build_server("tiny-random-llama", "paged", dict(n_slots=64), enforce_eager=True, start=False)[1].shutdown()
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop here")))
+    with pytest.raises(RuntimeError, match="stop here"):
+        calibrate.calibrate("tiny-random-llama", scale=0.1, enforce_eager=True, progress=False)
+    assert len(seen) == 3 and set(seen) == {"enforce_eager=True"}
+
+
 def test_why_a_runner_records_no_graphs(tiny):
     model, tok, _, _ = tiny
     assert ModelRunner(model, tok, attention_backend="triton").graphs_unsupported == \

@@ -61,7 +61,8 @@ class VllmConfig(SchedulerConfig):
     max_num_batched_tokens: int = option(4096, "token budget per step: decodes first, then prompt chunks", "int",
                                          low=1, high=MAX_TOKENS)
     enable_prefix_caching: bool = option(False, "vllm: reuse cached prompt blocks (off unless given)", "bool")
-    enforce_eager: bool = option(False, "vllm: run eagerly instead of its torch.compile'd model", "bool")
+    enforce_eager: bool = option(False, "vllm: run eagerly instead of its torch.compile'd model (compare's "
+                                 "--enforce-eager, which our engine's runs take too)", "bool", cli=None)
     vllm_python: str | None = option(None, "vllm: the Python interpreter of an environment with vllm installed "
                                      "(default: this one, if it has vllm)", "path", optional=True)
 

@@ -1,6 +1,5 @@
-"""Start a server: ``python -m minibatch serve`` (uvicorn in the foreground), or in the background
-of a test or a notebook (:class:`ServerThread`: uvicorn in a thread of this process;
-:class:`ServerProcess`: ``python -m minibatch serve`` as a child process)."""
+"""Start a server: ``python -m minibatch serve`` (uvicorn in the foreground), or in the background of a test or a
+notebook (:class:`ServerThread`: uvicorn in a thread of this process; :class:`ServerProcess`: a child process)."""
 
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
                  dtype="float32", draft_model: str | None = None, served_model_name: str | None = None,
                  max_num_waiting: int = 256, keep_history: bool = False, loaded=None, attention_backend="torch",
-                 max_body_bytes: int = 8 << 20, start: bool = True):
+                 max_body_bytes: int = 8 << 20, start: bool = True, enforce_eager: bool = False):
     """(FastAPI app, AsyncEngine) for ``model`` under ``policy``; the engine loop is started in a thread of its
     own, or with ``start=False`` not (``AsyncEngine.run_in_this_thread`` runs it).
 
@@ -55,6 +54,7 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     loaded: an already loaded (model, tokenizer) pair to serve (tests and notebooks share one).
     attention_backend: a registered attention backend's name (``runner.backends``) or an AttentionBackend.
     max_body_bytes: the largest request body (bytes); a larger one is answered 413.
+    enforce_eager: no CUDA graphs for the decode steps on a GPU (``ModelRunner``'s option).
 
     Raises:
         ValueError: an unknown model or policy, a policy that cannot serve (the HF baselines),
@@ -74,7 +74,7 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
         check_model_name(model, "--model")
         loaded = load_model(model, device=device, dtype=dtype)
     hf_model, tokenizer = loaded
-    runner = ModelRunner(hf_model, tokenizer, attention_backend=attention_backend)
+    runner = ModelRunner(hf_model, tokenizer, attention_backend=attention_backend, enforce_eager=enforce_eager)
     draft_runner = None
     if get_policy(policy).proposer == "draft":
         draft_runner = load_draft_runner(draft_model or default_draft(model), model, hf_model, tokenizer, device,
@@ -142,8 +142,9 @@ def run_serve(args, settings: dict) -> int:
     dtype = resolve_dtype(args.dtype, args.device)
     app, engine = build_in_engine_thread(lambda: build_server(
         args.model, args.policy, settings, device=args.device, dtype=dtype, draft_model=args.draft_model,
-        served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting,
-        attention_backend=args.attention_backend, max_body_bytes=args.max_body_bytes, start=False), args.threads)
+        served_model_name=args.served_model_name, max_num_waiting=args.max_num_waiting, start=False,
+        attention_backend=args.attention_backend, max_body_bytes=args.max_body_bytes, enforce_eager=args.enforce_eager),
+        args.threads)
     if app.state.context.tokens < 2:  # not even a 1-token prompt and 1 output token: every request would fail
         engine.shutdown()
         raise ValueError("no request fits this server's KV cache (not even a 1-token prompt with 1 output token): "

@@ -90,11 +90,13 @@ def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Pr
 
 def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, scale: float = 1.0,
               draft_model: str | None = None, progress: bool = True, command: str | None = None,
-              dtype="float32", attention_backend: str = "torch", quick: bool = False) -> Profile:
+              dtype="float32", attention_backend: str = "torch", quick: bool = False,
+              enforce_eager: bool = False) -> Profile:
     """Measure and fit a Profile for ``model_name`` on ``device`` in ``dtype`` (a torch dtype or a
     ``--dtype`` name; the profile's meta records the dtype measured) (see the module docstring).
 
     attention_backend: the registered attention backend whose steps are timed (recorded in the meta).
+    enforce_eager: no CUDA graphs for the decode steps on a GPU (the meta's ``cuda_graphs`` says whether they ran).
     draft_model: also calibrate this draft (speculative decoding): its decode forwards at
         batch 1..64, fit as ``profile.draft``.
     scale: shrink the workloads (tests and tiny models), 0 < scale <= 1.
@@ -113,7 +115,7 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
     load_before = machine_load()  # a busy machine inflates every measured step: recorded, and warned about
     t0 = time.perf_counter()
     model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
-                                              attention_backend=attention_backend)
+                                              attention_backend=attention_backend, enforce_eager=enforce_eager)
     grid = QUICK if quick else FULL
     work = scenarios(model.config.vocab_size, scale, grid=grid)
 
