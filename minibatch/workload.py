@@ -25,6 +25,7 @@ import numpy as np
 
 from minibatch.prompts import demo_prompts
 from minibatch.request import Request, SamplingParams
+from minibatch.trace_io import load_trace, save_trace  # noqa: F401 (re-exported: trace files)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 SHAREGPT_LENGTHS_PATH = DATA_DIR / "sharegpt_lengths.json"
