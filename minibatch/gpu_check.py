@@ -127,10 +127,18 @@ STEPS: list[Step] = [
 # ----------------------------------------------------------------------------------------- driver
 
 
-def default_out(device: str) -> str:
-    """``data/gpu/gpu_check_<device name>.json`` (e.g. ``..._nvidia-h100-80gb-hbm3.json``), ``..._cpu.json``."""
+def default_out(device: str, steps: list[str] | None = None) -> str:
+    """``data/gpu/gpu_check_<device name>.json`` (e.g. ``..._nvidia-h100-80gb-hbm3.json``), ``..._cpu.json``; a
+    subset of the steps gets its own file (``..._cpu.kernels-profile.json``), not the whole check's."""
     name = torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else "cpu"
-    return f"data/gpu/gpu_check_{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}.json"
+    subset = "." + "-".join(steps) if steps else ""
+    return f"data/gpu/gpu_check_{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}{subset}.json"
+
+
+def progress_path(out: str) -> Path:
+    """Where a check in progress keeps the steps done so far (``out`` itself is written once, when all have run)."""
+    path = Path(out)
+    return path.with_name(f"{path.stem}.partial{path.suffix or '.json'}")
 
 
 def _repo() -> Path | None:
@@ -145,7 +153,9 @@ def run_gpu_check(device: str | None = None, steps: list[str] | None = None, ben
     job on ``main_model`` (default: smollm2-135m where its weights are here, else smollm2-135m-random, on a
     GPU; tiny-random-llama on CPU);
     print one line per step as it ends and a summary; write the result JSON to ``out`` (default
-    :func:`default_out`; atomically). Returns the result dict (``passed``: some step ran and none failed).
+    :func:`default_out`; atomically) once every step has run, and the steps done so far to :func:`progress_path`
+    after each one (a lease that ends mid-check keeps them; an earlier ``out`` is left as it was). Returns the
+    result dict (``passed``: every step ran, some on this device, and none failed).
 
     Raises:
         ValueError: an unknown step name, a device that is not available, or no GPU for steps that all need one.
@@ -163,7 +173,7 @@ def run_gpu_check(device: str | None = None, steps: list[str] | None = None, ben
     if not on_gpu and all(s.cuda_only for s in STEPS if s.name in selected):  # a check of nothing never passes
         raise ValueError(f"--steps {','.join(selected)}: every selected step needs a GPU and --device is {device}: "
                          "nothing would run")
-    out = out or default_out(device)
+    out = out or default_out(device, selected if steps else None)
     check_output_file(out, "--out")
     if main_model is None:
         main_model = ("smollm2-135m" if real_weights_available() else "smollm2-135m-random") if on_gpu \
@@ -191,12 +201,14 @@ def run_gpu_check(device: str | None = None, steps: list[str] | None = None, ben
         reports.append(report)
         echo(summary_line(report))
         # written after every step (atomically): a lease that ends mid-check keeps the steps already done
-        ran = [r for r in reports if r.status != NEEDS_GPU]  # passed: some step ran, and none failed
-        result = {"command": command, "device": device, "passed": bool(ran) and all(r.status == PASSED for r in ran),
-                  "complete": len(reports) == len(selected),
+        ran = [r for r in reports if r.status != NEEDS_GPU]  # passed: all ran, some here, and none failed
+        complete = len(reports) == len(selected)
+        result = {"command": command, "device": device, "complete": complete,
+                  "passed": complete and bool(ran) and all(r.status == PASSED for r in ran),
                   "environment": next((r.details for r in reports if r.name == "environment"), None),
                   "steps": [vars(r) for r in reports]}
-        write_json(out, result)
+        write_json(out if complete else progress_path(out), result)
+    progress_path(out).unlink(missing_ok=True)
     failed = [r.name for r in reports if r.status == FAILED]
     verdict = "passed" if result["passed"] else f"FAILED: {', '.join(failed)}" if failed else "FAILED: nothing ran"
     echo(f"gpu-check on {device}: {verdict} ({sum(r.seconds for r in reports):.0f} s); wrote {out}")

@@ -70,19 +70,30 @@ def test_a_crashing_step_is_reported_and_the_others_still_run(tmp_path, monkeypa
     assert "traceback" in result["steps"][1]["details"]
 
 
-def test_a_check_killed_mid_way_keeps_the_steps_already_done(tmp_path, monkeypatch):
-    """A lease can end mid-check: the JSON is written after every step, marked incomplete until the last."""
+def test_a_check_killed_mid_way_keeps_the_steps_already_done_and_the_earlier_result(tmp_path, monkeypatch):
+    """A lease can end mid-check: the steps done are written after each one, to c.partial.json, marked incomplete
+    and not passed; c.json (an earlier whole check, e.g. the committed one) is left as it was until all have run."""
     def lease_over(*a, **k):
         raise KeyboardInterrupt  # not an Exception: nothing records it, as when the process is killed
 
+    out, partial = tmp_path / "c.json", tmp_path / "c.partial.json"
+    out.write_text('{"earlier": true}')
     monkeypatch.setattr(kernels, "store_kv", lease_over)
-    out = tmp_path / "c.json"
     with pytest.raises(KeyboardInterrupt):
         run_gpu_check("cpu", ["environment", "kernels"], out=str(out), echo=lambda line: None)
-    result = json.loads(out.read_text())
-    assert [s["name"] for s in result["steps"]] == ["environment"] and result["complete"] is False
+    assert json.loads(out.read_text()) == {"earlier": True}
+    result = json.loads(partial.read_text())
+    assert [s["name"] for s in result["steps"]] == ["environment"] and result["complete"] is result["passed"] is False
     monkeypatch.undo()
     assert run_gpu_check("cpu", ["environment"], out=str(out), echo=lambda line: None)["complete"] is True
+    assert json.loads(out.read_text())["passed"] is True and not partial.exists()
+
+
+def test_a_subset_of_the_steps_has_its_own_default_file():
+    from minibatch.gpu_check import default_out
+
+    assert default_out("cpu") == "data/gpu/gpu_check_cpu.json"
+    assert default_out("cpu", ["environment", "kernels"]) == "data/gpu/gpu_check_cpu.environment-kernels.json"
 
 
 @pytest.mark.parametrize("argv, message", [
