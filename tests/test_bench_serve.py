@@ -33,9 +33,11 @@ FIRST_DELAY_S, GAP_S, TEXT = 0.05, 0.02, "tok "
 class Stub:
     """Settings and counters of one stub server (read by its handler threads)."""
 
-    def __init__(self, chunks=4, tokens_per_chunk=2, usage=True, fail_marker=None, first_delay_s=FIRST_DELAY_S):
+    def __init__(self, chunks=4, tokens_per_chunk=2, usage=True, fail_marker=None, first_delay_s=FIRST_DELAY_S,
+                 finish_reason="length", usage_tokens=None):
         self.chunks, self.tokens_per_chunk, self.usage = chunks, tokens_per_chunk, usage
         self.fail_marker, self.first_delay_s = fail_marker, first_delay_s
+        self.finish_reason, self.usage_tokens = finish_reason, usage_tokens  # None: none sent; the usage's count
         self.lock, self.stopping = threading.Lock(), threading.Event()  # set at teardown: sleeps end at once
         self.open = self.max_open = 0
         self.bodies: list[dict] = []
@@ -100,12 +102,13 @@ def _handler(stub: Stub):
                 if stub.stopping.wait(stub.first_delay_s if k == 0 else GAP_S):
                     return
                 choice = {"index": 0, "delta": {"content": TEXT}} if chat else {"index": 0, "text": TEXT}
+                last = k == stub.chunks - 1
                 self._event({**head, "object": "chat.completion.chunk" if chat else "text_completion",
-                             "choices": [{**choice, "finish_reason": None}]})
+                             "choices": [{**choice, "finish_reason": stub.finish_reason if last else None}]})
             if stub.usage and (body.get("stream_options") or {}).get("include_usage"):
-                n = stub.chunks * stub.tokens_per_chunk
+                n = stub.chunks * stub.tokens_per_chunk if stub.usage_tokens is None else stub.usage_tokens
                 self._event({**head, "object": "chat.completion.chunk" if chat else "text_completion", "choices": [],
-                             "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}})
+                             "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": None}})
             self._leave()
             self._event(b"[DONE]")
 
@@ -227,6 +230,45 @@ def test_unreachable_server_and_timeout_are_recorded(start_stub):
     assert out["summary"]["failed"] == 2 and all("timed out" in r["error"] for r in out["requests"])
 
 
+@pytest.mark.parametrize("finish_reason, error", [(None, "ended without a finish_reason after 3 text chunks"),
+                                                  ("abort", "the server aborted it (finish_reason 'abort')")])
+def test_a_stream_cut_short_or_aborted_is_a_failure(start_stub, finish_reason, error):
+    """A drain's aborted requests and a stream that stops without finishing were counted as successes, their
+    shortened E2E among the latencies."""
+    url, _ = start_stub(chunks=3, finish_reason=finish_reason)
+    out = bench(url, "stub-model", _requests(2), progress=False)
+    assert out["summary"]["failed"] == 2 and all(error in r["error"] for r in out["requests"])
+    assert out["summary"]["e2e_p50_s"] is None
+
+
+@pytest.mark.parametrize("claimed", ["abc", -5, 3.5, True, 1000, 2])
+def test_a_usage_that_cannot_be_true_is_not_taken(start_stub, claimed):
+    """One bad usage value crashed the whole run (a str), or made throughput negative and TPOT tiny: a count
+    that is not an int from the text chunks (4) to max_tokens (8) is set aside, and the chunks are counted."""
+    url, _ = start_stub(chunks=4, usage_tokens=claimed)
+    out = bench(url, "stub-model", _requests(2), progress=False)
+    s = out["summary"]
+    assert s["completed"] == 2 and s["num_usage_not_taken"] == 2 and s["total_output_tokens"] == 8
+    assert all(r["output_tokens_source"] == "chunks" and "completion_tokens" in r["usage_error"]
+               for r in out["requests"])
+
+
+def test_more_text_chunks_than_max_tokens_is_a_failure(start_stub):
+    url, _ = start_stub(chunks=5)
+    out = bench(url, "stub-model", _requests(2, output_len=3), progress=False)
+    assert out["summary"]["failed"] == 2 and "5 text chunks for max_tokens 3" in out["requests"][0]["error"]
+
+
+def test_a_connection_error_names_its_cause_and_a_week_of_sends_is_refused():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = bench(f"http://127.0.0.1:{port}", "m", _requests(1), progress=False, timeout_s=5)
+    assert "APIConnectionError: Connection error. (ConnectError" in out["requests"][0]["error"]
+    with pytest.raises(ValueError, match="--rate 1e-06: 2 requests at 1e-06/s take about 1e\+06 s to send"):
+        bench("http://127.0.0.1:1", "m", _requests(2), rate=1e-6, progress=False)
+
+
 def test_goodput_counts_requests_meeting_every_slo(start_stub):
     url, _ = start_stub(chunks=3)
     out = bench(url, "stub-model", _requests(6), slo=SLO(ttft_s=FIRST_DELAY_S / 10), progress=False)
@@ -301,8 +343,13 @@ def test_cli_path_writes_json(start_stub, tmp_path: Path, monkeypatch, capsys):
     expected = sample_requests(5, 3, tiny_tokenizer(), 256, 6, pairs=_pairs())
     assert sorted(b["max_tokens"] for b in stub.bodies) == sorted(r.output_len for r in expected)
     assert "TTFT" in capsys.readouterr().out
-    stub.fail_marker = "?"  # every question fails: the run is an error (the JSON still says why)
+    stub.fail_marker = "?"  # every question fails: the run is an error, and the earlier result is left as it was
     with pytest.raises(ValueError, match="all 5 requests failed; the first: .*stub failure"):
+        run_bench_serve(args)
+    assert json.loads(path.read_text())["summary"]["completed"] == 5
+    assert f"left {path} as it was" in capsys.readouterr().out
+    path.unlink()  # with no earlier result, the failed run's JSON says why
+    with pytest.raises(ValueError, match="all 5 requests failed"):
         run_bench_serve(args)
     assert json.loads(path.read_text())["summary"]["failed"] == 5
 

@@ -21,6 +21,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
 from minibatch.metrics import SLO
-from minibatch.serving.bench_stats import (DEFAULT_BURSTINESS, DEFAULT_MAX_OUTPUT_LEN, ENDPOINTS, arrival_offsets,
-                                           check_args, check_options, finish_record, format_summary, summarize)
+from minibatch.serving.bench_stats import (DEFAULT_BURSTINESS, DEFAULT_MAX_OUTPUT_LEN, ENDPOINTS, api_base,
+                                           arrival_offsets, check_args, check_options, chunk_text, error_text,
+                                           finish_record, format_summary, summarize)
 from minibatch.sharegpt import human_gpt_pairs
 
 
@@ -73,12 +75,6 @@ def sample_requests(num_prompts: int, seed: int, tokenizer, max_prompt_len: int 
                 return chosen
     raise ValueError(f"--num-prompts {num_prompts}: only {len(chosen)} ShareGPT prompts have at most "
                      f"--max-prompt-len {max_prompt_len} tokens")
-
-
-def api_base(base_url: str) -> str:
-    """``base_url`` ending in ``/v1`` (given with or without it, trailing slashes ignored)."""
-    url = base_url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
 
 
 def first_model_id(base_url: str, timeout_s: float = 30.0) -> str:
@@ -145,14 +141,6 @@ def _open_stream(client: AsyncOpenAI, model: str, request: BenchRequest, endpoin
     return client.completions.create(prompt=request.prompt, **common)
 
 
-def _chunk_text(chunk, endpoint: str) -> str:
-    """The text a streamed chunk carries ('' for role-only, empty and usage-only chunks)."""
-    if not chunk.choices:
-        return ""
-    choice = chunk.choices[0]
-    return (choice.delta.content if endpoint == "chat" else choice.text) or ""
-
-
 async def _stream_into(record: dict, client: AsyncOpenAI, model: str, request: BenchRequest, endpoint: str,
                        ignore_eos: bool, t0: float) -> None:
     """Send one request and stamp every text chunk's arrival into ``record`` (seconds after ``t0``)."""
@@ -161,10 +149,12 @@ async def _stream_into(record: dict, client: AsyncOpenAI, model: str, request: B
         async with await _open_stream(client, model, request, endpoint, ignore_eos) as stream:
             async for chunk in stream:
                 now = time.perf_counter() - t0
-                text = _chunk_text(chunk, endpoint)
+                text, finish_reason = chunk_text(chunk, endpoint)
                 if text:
                     record["chunk_times_s"].append(now)
                     pieces.append(text)
+                if finish_reason is not None:
+                    record["finish_reason"] = finish_reason
                 if chunk.usage is not None:
                     record["prompt_tokens"] = chunk.usage.prompt_tokens
                     record["completion_tokens"] = chunk.usage.completion_tokens
@@ -174,16 +164,16 @@ async def _stream_into(record: dict, client: AsyncOpenAI, model: str, request: B
 
 async def _run_request(index: int, request: BenchRequest, client: AsyncOpenAI, model: str, endpoint: str,
                        ignore_eos: bool, t0: float, timeout_s: float) -> dict:
-    """One request's finished record; errors (HTTP, connection, timeout) are recorded, not raised."""
+    """One request's finished record; errors (HTTP, connection, timeout, ``stream_problem``s) are recorded."""
     record = {"index": index, "prompt_len": request.prompt_len, "output_len": request.output_len,
               "success": False, "error": None, "send_time_s": time.perf_counter() - t0, "chunk_times_s": [],
-              "prompt_tokens": None, "completion_tokens": None}
+              "finish_reason": None, "prompt_tokens": None, "completion_tokens": None}
     try:
         await asyncio.wait_for(_stream_into(record, client, model, request, endpoint, ignore_eos, t0), timeout_s)
     except asyncio.TimeoutError:
         record["error"] = f"timed out after {timeout_s} s (--timeout-s)"
     except Exception as e:  # openai.APIStatusError, APIConnectionError, a malformed stream, ...
-        record["error"] = f"{type(e).__name__}: {e}"
+        record["error"] = error_text(e)
     else:
         record["success"] = True  # an empty completion (EOS first) is an answer: no latencies, 0 or 1 tokens
 
@@ -214,9 +204,13 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
         bar.update(1)
         return record
 
-    from openai import AsyncOpenAI
+    import httpx
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-    async with AsyncOpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0) as client:
+    # a connection per open request: the client's default pool of 1000 made request 1001 wait, inside its TTFT
+    pool = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
+    async with AsyncOpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0,
+                           http_client=pool) as client:
         t0 = time.perf_counter()
         records = await asyncio.gather(*(send(i, r) for i, r in enumerate(requests)))
         duration_s = time.perf_counter() - t0
@@ -292,9 +286,15 @@ def run_bench_serve(args: argparse.Namespace, command: str | None = None) -> dic
               "environment": environment(load_before), "base_url": api_base(args.base_url), "model": model,
               "config": config, **out}
     print(format_summary(out["summary"]))
-    if args.json:
+    measured = out["summary"]["completed"] - out["summary"]["num_empty"]  # requests that streamed text
+    if args.json and (measured or not Path(args.json).exists()):  # (a run of nothing leaves an earlier one)
         write_json(args.json, result)
         print(f"wrote {args.json}")
+    elif args.json:
+        print(f"left {args.json} as it was: no request of this run streamed any text")
     if requests and not out["summary"]["completed"]:  # nothing measured: the command failed (the JSON has why)
         raise ValueError(f"all {len(requests)} requests failed; the first: {out['requests'][0]['error']}")
+    if requests and not measured:
+        raise ValueError(f"none of the {len(requests)} requests streamed any text (the server answered each with "
+                         "an empty completion): nothing was measured")
     return result

@@ -8,7 +8,10 @@ The metrics are the engine's (``minibatch.metrics``: one set of definitions and 
   as in vLLM), pooled over all requests for the summary.
 * TPOT = (E2E - TTFT) / (output_tokens - 1), undefined (None) for output_tokens <= 1; such a request
   counts TPOT as 0 for goodput, as vLLM does. output_tokens is the server's ``usage.completion_tokens``
-  when it sends usage, else the number of text chunks (``output_tokens_source`` says which).
+  when it sends a plausible one (an int from the number of text chunks to max_tokens), else the number of text
+  chunks (``output_tokens_source`` says which; ``usage_error`` why a usage was not taken).
+* A request succeeds when its stream ends with a finish_reason other than "abort" and holds at most max_tokens
+  text chunks (:func:`stream_problem`): a stream cut short, or a request the server aborted (a drain), fails.
 * Percentiles p50/p90/p99 are ``numpy.percentile`` (linear interpolation), like vLLM. All times are seconds.
 * goodput: requests per second that met every SLO given (``minibatch.metrics.SLO``).
 """
@@ -56,6 +59,10 @@ def check_options(num_prompts: int, rate: float, burstiness: float, max_concurre
     """Raise ValueError with a one-line message naming the first bad option and its allowed range."""
     check_int(num_prompts, "--num-prompts", 1, MAX_NUM_REQUESTS)
     arrival_offsets(0, rate, burstiness)  # checks --rate and --burstiness
+    if (num_prompts - 1) / rate > MAX_SECONDS:  # the sends alone would take longer than a week
+        raise ValueError(f"--rate {rate:g}: {num_prompts} requests at {rate:g}/s take about "
+                         f"{(num_prompts - 1) / rate:.3g} s to send, more than {MAX_SECONDS:g}; give at least "
+                         f"{(num_prompts - 1) / MAX_SECONDS:.3g} requests/s")
     if rate == math.inf and burstiness != DEFAULT_BURSTINESS:
         raise ValueError(f"--burstiness {burstiness} does not apply with --rate inf (every request is sent at once); "
                          "give a finite --rate")
@@ -92,17 +99,70 @@ def check_args(args: argparse.Namespace) -> SLO | None:
     return SLO(**objectives) if any(v is not None for v in objectives.values()) else None
 
 
+def api_base(base_url: str) -> str:
+    """``base_url`` ending in ``/v1`` (given with or without it, trailing slashes ignored)."""
+    url = base_url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def chunk_text(chunk, endpoint: str) -> tuple[str, str | None]:
+    """(the text a streamed chunk carries, its finish_reason): '' for role-only, empty and usage-only chunks.
+
+    Raises:
+        ValueError: the text is not a string (not an OpenAI stream)."""
+    if not chunk.choices:
+        return "", None
+    choice = chunk.choices[0]
+    text = (choice.delta.content if endpoint == "chat" else choice.text) or ""
+    if not isinstance(text, str):
+        raise ValueError(f"a chunk's text is not a string: {short_repr(text)}")
+    return text, getattr(choice, "finish_reason", None)
+
+
+def error_text(e: BaseException) -> str:
+    """An exception as one record's error, with its cause (the openai client's "Connection error." hides why)."""
+    cause = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {e}" + (f" ({type(cause).__name__}: {short_repr(str(cause))})" if cause else "")
+
+
+def stream_problem(record: dict) -> str | None:
+    """Why a stream that ended without an error is not a success, or None: no finish_reason (cut short, or not an
+    OpenAI stream), finish_reason "abort" (the server gave up on it), or more text chunks than max_tokens."""
+    n, reason = len(record["chunk_times_s"]), record.get("finish_reason")
+    if reason is None:
+        return f"the stream ended without a finish_reason after {n} text chunks (cut short, or not an OpenAI stream)"
+    if reason == "abort":
+        return f"the server aborted it (finish_reason 'abort') after {n} text chunks"
+    if n > record["output_len"]:
+        return f"{n} text chunks for max_tokens {record['output_len']}"
+    return None
+
+
+def usage_count(value, low: int, high: int) -> int | None:
+    """A usage count the server sent, if it is an int in [low, high], else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high else None
+
+
 def finish_record(record: dict) -> dict:
     """Add input/output token counts and TTFT/ITL/E2E/TPOT (seconds, ``minibatch.metrics.latencies``) to one
-    request's record, computed from its ``send_time_s``, ``chunk_times_s`` and usage; returns it. input_tokens
-    is the server's ``usage.prompt_tokens`` when sent, else the tokenized ``prompt_len``. A request without
-    text chunks gets None for every latency and no ITL."""
+    request's record, computed from its ``send_time_s``, ``chunk_times_s`` and usage; returns it. A success whose
+    stream has a :func:`stream_problem` becomes a failure. input_tokens is the server's ``usage.prompt_tokens`` when
+    it sent an int in [1, MAX_TOKENS], else the tokenized ``prompt_len``; output_tokens: see the module docstring.
+    A request without text chunks gets None for every latency and no ITL."""
     times = record["chunk_times_s"]
-    usage_prompt = record.get("prompt_tokens")
-    record["input_tokens"] = usage_prompt if usage_prompt is not None else record["prompt_len"]
-    usage_tokens = record.get("completion_tokens")
-    record["output_tokens"] = usage_tokens if usage_tokens is not None else len(times)
-    record["output_tokens_source"] = "usage" if usage_tokens is not None else "chunks"
+    if record["success"] and (problem := stream_problem(record)):
+        record.update(success=False, error=problem)
+    sent = {k: record.get(k) for k in ("prompt_tokens", "completion_tokens")}
+    prompt = usage_count(sent["prompt_tokens"], 1, MAX_TOKENS)
+    record["input_tokens"] = prompt if prompt is not None else record["prompt_len"]
+    output = usage_count(sent["completion_tokens"], len(times), max(len(times), record["output_len"]))
+    record["output_tokens"] = output if output is not None else len(times)
+    record["output_tokens_source"] = "usage" if output is not None else "chunks"
+    bad = [f"{k} {short_repr(v)}" for k, v in sent.items() if v is not None and
+           (prompt if k == "prompt_tokens" else output) is None]
+    if bad:
+        record["usage_error"] = (f"usage {', '.join(bad)} not taken (not an int from the {len(times)} text chunks "
+                                 f"to max_tokens {record['output_len']}, or a prompt of 1 to {MAX_TOKENS} tokens)")
     if not times:
         record.update(ttft_s=None, e2e_s=None, tpot_s=None, itl_s=[])
         return record
@@ -128,15 +188,19 @@ def summarize(records: list[dict], duration_s: float, slo: SLO | None = None) ->
     """
     done = [r for r in records if r["success"]]
     ok = [r for r in done if r["chunk_times_s"]]
-    summary = {"completed": len(done), "failed": len(records) - len(done), "num_empty": len(done) - len(ok)}
+    summary = {"completed": len(done), "failed": len(records) - len(done), "num_empty": len(done) - len(ok),
+               "num_usage_not_taken": sum("usage_error" in r for r in records)}
     return summary | summary_values(Sample([request_metrics_of(r) for r in ok], duration_s, slo))
 
 
 def format_summary(summary: dict) -> str:
     """A short text table: the counts, every metric column with a header, then the latency
     statistics (:data:`~minibatch.metrics.LATENCIES`) in milliseconds."""
-    lines = [f"{'completed / failed':<28}{summary['completed']} / {summary['failed']}",
-             f"{'duration (s)':<28}{format_cell('duration_s', summary['duration_s'])}"]
+    lines = [f"{'completed / failed':<28}{summary['completed']} / {summary['failed']}"]
+    lines += [f"{label:<28}{summary[key]}" for key, label in (("num_empty", "completed without text"),
+                                                               ("num_usage_not_taken", "usage not taken (chunks)"))
+              if summary.get(key)]
+    lines.append(f"{'duration (s)':<28}{format_cell('duration_s', summary['duration_s'])}")
     stats = ["mean"] + [f"p{p}" for p in PERCENTILES]
     grid = {f"{name}_{k}_s" for name in LATENCIES for k in stats}  # shown below, in ms
     lines += [f"{c.header:<28}{format_cell(name, summary.get(name))}"
