@@ -3,7 +3,7 @@
 Every JSON, trace or profile that minibatch writes goes through :func:`write_json` or
 :func:`atomic_write_text`:
 
-* **Atomic.** The text goes to a temp file in the target's folder (``.NAME.tmp-PID-RANDOM``),
+* **Atomic.** The text goes to a temp file in the target's folder (``.NAME.tmp-PID-RANDOM``, NAME cut short),
   is flushed to disk (``fsync``) and renamed over the target (``os.replace``, atomic on POSIX and
   Windows). A failed write -- full disk, unwritable folder, Ctrl-C half way -- removes the temp
   file and leaves the old file as it was: readers see the old file or the new one, never half.
@@ -29,6 +29,8 @@ import secrets
 import stat
 import tempfile
 from pathlib import Path
+
+MAX_NAME_BYTES = 255  # a file name's limit on Linux, macOS and Windows file systems
 
 
 def strict_json(obj):
@@ -75,7 +77,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         raise OSError(errno.EINVAL, f"cannot write {given}: not a regular file (a device, pipe or socket)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        # (the name cut to 40 characters: a name near the 255-byte limit would make the temp file's too long)
+        tmp = path.parent / f".{path.name[:40]}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     except OSError as e:
         raise OSError(e.errno, f"cannot write {given}: {e.strerror}") from e
@@ -237,6 +240,9 @@ def check_output_file(path: str | Path, option: str = "--json") -> Path:
     if not str(path).strip():
         raise ValueError(f"{option} must be a file path, got {str(path)!r}")
     p = Path(path)
+    if len(p.name.encode()) > MAX_NAME_BYTES:
+        raise ValueError(f"{option}: its file name is {len(p.name.encode())} bytes long, more than the "
+                         f"{MAX_NAME_BYTES} a file system allows; give a shorter one")
     if p.is_dir():
         raise ValueError(f"{option}: {p} is a folder; give a file path (e.g. {p / 'result.json'})")
     if p.exists() and not p.is_file():  # a write replaces the file: never /dev/null, a pipe or a socket

@@ -825,7 +825,8 @@ def test_check_output_paths_accept_good_paths_and_create_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["file is a folder", "file under a file", "file empty", "dir is a file",
-                                  "dir under a file", "dir empty", "file unwritable", "dir unwritable"])
+                                  "dir under a file", "dir empty", "file unwritable", "dir unwritable",
+                                  "name too long"])
 def test_check_output_paths_refuse(tmp_path, unwritable_dir, case):
     (tmp_path / "afile").write_text("x")
     check, path, needle = {
@@ -837,6 +838,7 @@ def test_check_output_paths_refuse(tmp_path, unwritable_dir, case):
         "dir empty": (files.check_output_dir, " ", "must be a folder path"),
         "file unwritable": (files.check_output_file, unwritable_dir / "sub" / "r.json", "cannot write in"),
         "dir unwritable": (files.check_output_dir, unwritable_dir / "figs", "cannot write in"),
+        "name too long": (files.check_output_file, tmp_path / ("b" * 252 + ".json"), "257 bytes long, more than"),
     }[case]
     with pytest.raises(ValueError, match=needle) as info:
         check(path, option="--the-option")
@@ -1259,6 +1261,14 @@ def test_cache_that_looks_complete_but_fails_to_load_names_the_directory(fake_ca
     with pytest.raises(ValueError, match="delete that directory") as info:
         gguf.load_smollm2()
     assert str(entry) in str(info.value)
+
+
+def test_a_name_near_the_limit_is_written(tmp_path):
+    """A 250-byte name passed the check and then failed after the run: its temp file's name was too long."""
+    path = tmp_path / ("b" * 245 + ".json")
+    files.check_output_file(path)
+    files.write_json(path, {"a": 1})
+    assert files.read_json(path) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_atomic_write_through_a_symlink_keeps_the_link(tmp_path):
