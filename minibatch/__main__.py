@@ -113,7 +113,7 @@ def check_calibrate_modes(parser, args) -> None:
         if (path := getattr(args, name)) is not None and not path.strip():
             raise ValueError(f"{opt(name)} must be a file path (leave it out if not wanted), got {path!r}")
     measuring = [f.name for f in dataclasses.fields(ModelConfig)] + ["threads", "scale", "quick", "draft_only"]
-    ignored = {"refit": measuring, "draft_only": ["model", "dtype", "attention_backend", "quick"]}
+    ignored = {"refit": measuring, "draft_only": ["model", "dtype", "attention_backend", "quick", "enforce_eager"]}
     for mode in ("refit", "draft_only"):
         if getattr(args, mode) and (given := given_options(parser, args, ignored[mode], ("calibrate",))):
             raise ValueError(f"{opt(given[0])} does not apply with {opt(mode)} (it "
@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--quick", action="store_true", help="fewer sizes and steps on every axis (about a quarter of "
                    "the time; benchmarks/validate_sim.py --profile compares it with the full fit)")
     k.add_argument("--out", default=None, help="profile JSON (default data/profiles/<model>-<device>.json in "
-                   "float32, <model>-<device>-<dtype>.json otherwise)")
+                   "float32, <model>-<device>-<dtype>.json otherwise; -<backend>, -quick, -scale<S>, -eager "
+                   "added for those options, so a variant never replaces the full profile)")
     k.add_argument("--draft-only", default=None, metavar="PROFILE",
                    help="measure only --draft-model and add it to this profile (writes --out or PROFILE)")
     k.add_argument("--refit", default=None, metavar="PROFILE",
@@ -253,7 +254,7 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         run_compare(cfg) if args.command == "compare" else simulate_command(args, cfg)
         return 0
     # calibrate
-    from minibatch.sim.calibrate import calibrate, calibrate_draft, print_profile, refit
+    from minibatch.sim.calibrate import calibrate, calibrate_draft, default_profile_path, print_profile, refit
     from minibatch.sim.cost_model import Profile
 
     model_config(args)  # --model, --device, --dtype, --attention-backend, --draft-model checked now
@@ -268,8 +269,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
             raise ValueError("--draft-only needs --draft-model")
         base = Profile.load(args.draft_only)
         check_output_file(args.out or args.draft_only, "--out")
-        profile = calibrate_draft(base, args.draft_model, args.device, args.threads, args.scale,
-                                  progress=not args.no_progress)
+        device = args.device if given_options(parser, args, ["device"], ("calibrate",)) else None  # the profile's
+        profile = calibrate_draft(base, args.draft_model, device, args.threads, args.scale, not args.no_progress)
         profile.meta["draft_command"] = command
         print_profile(profile)
         print(f"wrote {profile.save(args.out or args.draft_only)} (draft {args.draft_model} added)")
@@ -282,8 +283,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         print(f"wrote {profile.save(args.out or args.refit)} (refit of {args.refit})")
         return 0
     dtype = dtype_name(resolve_dtype(args.dtype, args.device))
-    out = args.out or f"data/profiles/{args.model.replace('/', '_')}-{args.device}" \
-        f"{'' if dtype == 'float32' else '-' + dtype}.json"
+    out = args.out or default_profile_path(args.model, args.device, dtype, args.attention_backend, args.quick,
+                                           args.scale, args.enforce_eager)
     check_output_file(out, "--out")
     profile = calibrate(args.model, args.device, args.threads, args.scale, args.draft_model,
                         progress=not args.no_progress, command=command, dtype=dtype,

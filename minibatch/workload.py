@@ -285,8 +285,6 @@ def build_trace(cfg, tokenizer, vocab_size: int) -> list[Request]:
     Raises:
         ValueError: a bad trace file (names the file, the request index and the field).
     """
-    from minibatch.trace_io import load_trace
-
     if cfg.trace is not None:
         return load_trace(cfg.trace, vocab_size=vocab_size)
     return make_trace(cfg.num_requests, arrival=cfg.arrival, rate_per_s=cfg.rate, cv=cfg.arrival_cv,

@@ -100,7 +100,7 @@ def test_gpu_check_with_a_skipped_step_and_one_that_ran_still_passes(tmp_path, c
 @pytest.mark.parametrize("options", [
     [],  # --rate inf with the default burstiness
     ["--rate", "inf", "--burstiness", "1.0"],  # the default given: it cannot be told apart, and it is right
-    ["--rate", str(MIN_RATE), "--burstiness", "0.5"],
+    ["--rate", str(MIN_RATE), "--burstiness", "0.5", "--num-prompts", "1"],  # (more: over a week of sends)
     ["--rate", "4", "--burstiness", "3"],
     ["--output-len", "5"],  # with the default --max-output-len
     ["--max-output-len", "10"],

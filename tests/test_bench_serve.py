@@ -265,7 +265,7 @@ def test_a_connection_error_names_its_cause_and_a_week_of_sends_is_refused():
         port = sock.getsockname()[1]
     out = bench(f"http://127.0.0.1:{port}", "m", _requests(1), progress=False, timeout_s=5)
     assert "APIConnectionError: Connection error. (ConnectError" in out["requests"][0]["error"]
-    with pytest.raises(ValueError, match="--rate 1e-06: 2 requests at 1e-06/s take about 1e\+06 s to send"):
+    with pytest.raises(ValueError, match=r"--rate 1e-06: 2 requests at 1e-06/s take about 1e\+06 s to send"):
         bench("http://127.0.0.1:1", "m", _requests(2), rate=1e-6, progress=False)
 
 

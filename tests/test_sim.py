@@ -176,6 +176,28 @@ def test_calibrate_writes_a_profile_that_fits_its_samples(tiny_profile):
         assert p.meta["repeat_spread"][layout]["steps"] > 0  # some scenarios measure a shape more than once
 
 
+def test_a_variant_calibration_never_replaces_the_full_profile_and_a_draft_is_measured_where_its_profile_was(
+        tiny_profile, capsys):
+    """calibrate's default --out named only model, device and dtype: a --quick, --scale or other-backend run
+    replaced the full profile. --draft-only measured the draft on --device (default cpu) whatever the profile's."""
+    from minibatch.sim.calibrate import calibrate_draft, default_profile_path
+
+    assert default_profile_path("smollm2-135m", "cpu", "float32") == "data/profiles/smollm2-135m-cpu.json"
+    assert default_profile_path("smollm2-135m", "cpu", "bfloat16", quick=True) == \
+        "data/profiles/smollm2-135m-cpu-bfloat16-quick.json"  # the committed quick profile's name
+    assert default_profile_path("a/b", "cuda:1", "bfloat16", "triton", True, 0.1, True) == \
+        "data/profiles/a_b-cuda1-bfloat16-triton-quick-scale0.1-eager.json"
+    profile = Profile.load(tiny_profile)
+    profile.meta["device"] = "cuda:1"
+    with pytest.raises(ValueError, match="--device cpu: the profile was measured on cuda:1"):
+        calibrate_draft(profile, "tiny-random-llama", "cpu")
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--model", "tiny-random-llama", "--quick", "--scale", "0.05", "--out",
+              str(tiny_profile.with_name("small.json")), "--no-progress"])
+    assert info.value.code == 2 and not tiny_profile.with_name("small.json").exists()
+    assert "--scale 0.05 with --quick leaves too few steps; give a larger --scale" in capsys.readouterr().err
+
+
 def test_quick_calibration_covers_every_axis_with_fewer_steps(tmp_path, one_thread):
     """``calibrate --quick`` measures every kind of workload the full grid does, at fewer sizes and steps, and
     still fits both layouts and the draft; the profile says it was quick."""

@@ -88,6 +88,16 @@ def fit_profile(model: str, samples: list[dict], meta: dict | None = None) -> Pr
                    meta={**(meta or {}), "fit_error": errors, "repeat_spread": spread, "samples": samples})
 
 
+def default_profile_path(model: str, device: str, dtype: str, attention_backend: str = "torch", quick: bool = False,
+                         scale: float = 1.0, enforce_eager: bool = False) -> str:
+    """``data/profiles/<model>-<device>[-<dtype> unless float32][-<backend> unless torch][-quick][-scale<S>]
+    [-eager].json``: a variant of a calibration never replaces the full one's profile."""
+    parts = [model.replace("/", "_"), device.replace(":", ""), "" if dtype == "float32" else dtype,
+             "" if attention_backend == "torch" else attention_backend, "quick" if quick else "",
+             "" if scale == 1 else f"scale{scale:g}", "eager" if enforce_eager else ""]
+    return f"data/profiles/{'-'.join(p for p in parts if p)}.json"
+
+
 def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, scale: float = 1.0,
               draft_model: str | None = None, progress: bool = True, command: str | None = None,
               dtype="float32", attention_backend: str = "torch", quick: bool = False,
@@ -140,7 +150,11 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
             "cuda_graphs": runner.decode_graphs is not None and runner.decode_graphs.replays > 0,
             "vocab_size": model.config.vocab_size,  # simulate draws its made-up prompt ids below it
             "max_model_len": runner.max_model_len}  # and refuses requests longer than this
-    profile = fit_profile(model_name, samples, meta)
+    try:
+        profile = fit_profile(model_name, samples, meta)
+    except ValueError as e:  # too few steps to fit: the workloads were shrunk too far
+        raise ValueError(f"{e}: --scale {scale:g}{' with --quick' if quick else ''} leaves too few steps; give a "
+                         "larger --scale") from None
     if draft_model:
         from minibatch.experiment import load_draft_runner
 
@@ -188,16 +202,28 @@ def refit(profile: Profile) -> Profile:
     return new
 
 
-def calibrate_draft(profile: Profile, draft_model: str, device: str = "cpu", threads: int | None = None,
+def calibrate_draft(profile: Profile, draft_model: str, device: str | None = None, threads: int | None = None,
                     scale: float = 1.0, progress: bool = True) -> Profile:
-    """Add (or replace) ``profile``'s draft model: measure only the draft's scenarios."""
+    """Add (or replace) ``profile``'s draft model: measure only the draft's scenarios, where and as the profile was
+    measured (its device, dtype, attention backend and grid, full or quick).
+
+    Raises:
+        ValueError: ``device`` given and not the profile's (its target steps were timed there).
+    """
     from minibatch.experiment import load_draft_runner
     from minibatch.experiment import load_runner, warm_up
 
-    model, tokenizer, runner, _ = load_runner(profile.model, device, threads=threads, dtype=profile.dtype)
-    draft_runner = load_draft_runner(draft_model, profile.model, model, tokenizer, device)
+    measured_on, backend = profile.meta.get("device", "cpu"), profile.meta.get("attention_backend", "torch")
+    if device is not None and device != measured_on:
+        raise ValueError(f"--device {device}: the profile was measured on {measured_on}, where its draft is "
+                         "measured too (leave --device out)")
+    model, tokenizer, runner, _ = load_runner(profile.model, measured_on, threads=threads, dtype=profile.dtype,
+                                              attention_backend=backend)
+    draft_runner = load_draft_runner(draft_model, profile.model, model, tokenizer, measured_on, backend)
     warm_up(runner, draft_runner)
-    samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale), progress)
+    grid = QUICK if profile.meta.get("quick") else FULL
+    samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale, grid=grid),
+                            progress)
     profile.draft, err = fit_draft(samples)
     profile.meta.update(draft_model=draft_model, draft_fit_error=err, draft_samples=samples)
     return profile
