@@ -86,10 +86,23 @@ def test_grid_values_of_their_yaml_types_and_a_damaged_cache_entry(tmp_path):
     assert len(result["rows"]) == 2 and [f["config"]["threads"] for f in result["failed"]] == [-1, 0]
     assert all("threads must be an int in [1, 1024]" in f["error"] for f in result["failed"])
     entry = sorted((tmp_path / "cache").glob("*.json"))[0]
-    entry.write_text(entry.read_text()[:20])
-    again = run_sweep(str(grid), cache_dir=str(tmp_path / "cache"), progress=False)
-    assert again["cached"] == 1 and again["computed"] == 1
-    assert without_times(again["rows"]) == without_times(result["rows"])
+    for damaged in (entry.read_text()[:20], "{}", "[1]", '{"config": {}, "result": []}'):  # (the others crashed)
+        entry.write_text(damaged)
+        again = run_sweep(str(grid), cache_dir=str(tmp_path / "cache"), progress=False)
+        assert again["cached"] == 1 and again["computed"] == 1
+        assert without_times(again["rows"]) == without_times(result["rows"])
+
+
+def test_a_json_named_like_its_own_cache_is_refused_before_any_runs(tmp_path, capsys):
+    """sweep --json r.cache ran every configuration, then could not write the table over its own cache folder."""
+    grid = write_grid(tmp_path / "g.json", {"max_num_seqs": [2]})
+    with pytest.raises(SystemExit):
+        main(["sweep", "--grid", str(grid), "--json", str(tmp_path / "r.cache"), "--no-progress"])
+    assert "the folder of finished configurations would have this name too" in capsys.readouterr().err
+    (tmp_path / "q.cache").write_text("a file where the default cache folder goes")
+    with pytest.raises(SystemExit):
+        main(["sweep", "--grid", str(grid), "--json", str(tmp_path / "q.json"), "--no-progress"])
+    assert "--cache (default " in capsys.readouterr().err and not (tmp_path / "q.json").exists()
 
 
 @pytest.fixture

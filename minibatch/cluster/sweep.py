@@ -121,7 +121,7 @@ def run_sweep(grid_path: str, *, use_ray: bool = False, ray_address: str | None 
         check_ray_address(ray_address)
     command, configs = load_grid(grid_path)
     version = code_version()
-    cache = Path(cache_dir or Path(json_path or grid_path).with_suffix(".cache"))
+    cache = Path(cache_dir or default_cache(grid_path, json_path))
     cache.mkdir(parents=True, exist_ok=True)
     results: dict[int, dict] = {}
     failed: list[dict] = []
@@ -129,8 +129,12 @@ def run_sweep(grid_path: str, *, use_ray: bool = False, ray_address: str | None 
     for i, config in enumerate(configs):
         file = cache / f"{config_key(command, config, version)}.json"
         try:
-            results[i] = json.loads(file.read_text(encoding="utf-8"))
+            entry = json.loads(file.read_text(encoding="utf-8"))
         except (OSError, ValueError):  # not there yet, or unreadable (a write cut short before writes were atomic)
+            entry = None
+        if isinstance(entry, dict) and isinstance(entry.get("config"), dict) and isinstance(entry.get("result"), dict):
+            results[i] = entry
+        else:  # (an entry of another shape, e.g. edited by hand, is computed again)
             todo.append((i, config, file))
     cached = len(results)
     bar = tqdm(total=len(configs), initial=cached, desc="sweep", unit="config", disable=not progress)
@@ -169,6 +173,12 @@ def run_sweep(grid_path: str, *, use_ray: bool = False, ray_address: str | None 
     else:  # every configuration failed: an earlier table there is not replaced by an empty one
         print(f"every configuration failed: {json_path} is left as it was", file=sys.stderr)
     return out
+
+
+def default_cache(grid_path: str, json_path: str | None) -> Path:
+    """The folder of finished configurations when --cache is not given: --json's path (else the grid's) with the
+    suffix .cache."""
+    return Path(json_path or grid_path).with_suffix(".cache")
 
 
 def run_on_ray(command: str, todo: list, done, address: str | None) -> None:
@@ -223,7 +233,8 @@ def add_sweep_arguments(p) -> None:
     p.add_argument("--grid", required=True, help="a YAML or JSON grid file (see python -m minibatch.cluster.sweep)")
     p.add_argument("--ray", action="store_true", help="run the configurations as tasks on a local Ray instance")
     p.add_argument("--ray-address", default=None, help="run them on this Ray cluster (ray.init(address=...))")
-    p.add_argument("--cache", default=None, help="where finished configurations are kept (default: next to --json)")
+    p.add_argument("--cache", default=None, help="where finished configurations are kept (default: --json's path, "
+                   "else --grid's, with the suffix .cache)")
     p.add_argument("--json", dest="json_path", default=None, help="write the table as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -236,8 +247,11 @@ def sweep_command(args) -> int:
         check_output_file(args.json_path, "--json")
     if not args.grid.strip():
         raise ValueError("--grid must be a YAML or JSON grid file, got ''")
-    if args.cache is not None:
-        check_output_dir(args.cache, "--cache")
+    cache = args.cache if args.cache is not None else default_cache(args.grid, args.json_path)
+    if args.json_path is not None and Path(cache) == Path(args.json_path):
+        raise ValueError(f"--json {args.json_path}: the folder of finished configurations would have this name too; "
+                         "give another --json name, or a --cache")
+    check_output_dir(cache, "--cache" if args.cache is not None else f"--cache (default {cache})")
     out = run_sweep(args.grid, use_ray=args.ray, ray_address=args.ray_address, cache_dir=args.cache,
                     json_path=args.json_path, progress=not args.no_progress)
     metrics = ("policy", "output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "prefix_cache_hit_rate")
