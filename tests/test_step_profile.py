@@ -1,7 +1,10 @@
 """The step profile (``python -m minibatch profile``, minibatch/experiments/step_profile.py): every shape's
 components add up to its profiled step, the roofline counts are the hand-computed ones, bad options are one line."""
 
+import importlib.util
 import json
+
+import sys
 
 import pytest
 
@@ -67,8 +70,12 @@ def test_module_names_map_to_components():
 @pytest.mark.parametrize("option,value", [("--decode-batches", "0"), ("--prefill-lens", "x"), ("--repeats", "0"),
                                           ("--block-size", "0"), ("--block-size", "100000"), ("--rounds", "0"),
                                           ("--rounds", "21"), ("--threads", "0"), ("--threads", "-1"),
-                                          ("--vllm-python", "/no/such/python")])
+                                          ("--vllm-python", "/no/such/python"), ("--vllm-python", sys.executable),
+                                          ("--figure", "breakdown.txt")])
 def test_bad_profile_options_are_one_line(option, value, capsys):
+    """(--vllm-python without vllm, and a --figure saved elsewhere as NAME.png, failed only after the profile.)"""
+    if value == sys.executable and importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this Python has vllm")
     with pytest.raises(SystemExit) as e:
         main(["profile", "--model", "tiny-random-llama", option, value])
     err = capsys.readouterr().err.strip()

@@ -82,6 +82,18 @@ def interpreter_problem(path) -> str | None:
     return None
 
 
+def lacks_vllm(path) -> str | None:
+    """Why the interpreter ``path`` cannot import vllm, or None when it can (asked of it in a subprocess: a job
+    that runs our side first learns it before, not after)."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        done = subprocess.run([str(path), "-c", probe], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"--vllm-python {path}: cannot run it ({type(e).__name__})"
+    return None if done.returncode == 0 else (f"--vllm-python {path}: not a Python with the vllm package "
+                                              "(scripts/setup_vllm.sh makes an environment with it)")
+
+
 def vllm_python(config: VllmConfig) -> str:
     """The interpreter that runs vLLM. Raises PeerUnavailable when there is none (the message says how to get one)."""
     if config.vllm_python is not None:

@@ -243,7 +243,7 @@ def add_profile_arguments(p) -> None:
 
 def profile_command(args, command: str) -> dict:
     """``python -m minibatch profile``: check the options, profile, print, write JSON and figure."""
-    from minibatch.baselines.vllm_peer import interpreter_problem
+    from minibatch.baselines.vllm_peer import interpreter_problem, lacks_vllm
     from minibatch.checks import MAX_BLOCK_SIZE, check_int, comma_list
     from minibatch.files import check_output_file
     from minibatch.report import write_json
@@ -261,9 +261,11 @@ def profile_command(args, command: str) -> dict:
         check_int(value, name, 1, high)
     if args.threads is not None:
         check_int(args.threads, "--threads", 1, 1024)
-    problem = args.vllm_python is not None and interpreter_problem(args.vllm_python)
+    problem = args.vllm_python is not None and (interpreter_problem(args.vllm_python) or lacks_vllm(args.vllm_python))
     if problem:
         raise ValueError(problem)
+    if args.figure is not None and not args.figure.endswith(".png"):  # (a figure is saved as NAME.png)
+        raise ValueError(f"--figure must be a .png path, got {args.figure!r}")
     for path, name in ((args.json_path, "--json"), (args.figure, "--figure")):
         if path is not None:
             check_output_file(path, name)
@@ -274,5 +276,6 @@ def profile_command(args, command: str) -> dict:
         from minibatch.viz.step_profile import plot_profile
 
         result["figure"] = plot_profile(result, args.figure)
+        print(f"wrote {result['figure']}")
     write_json(result, args.json_path)
     return result
