@@ -198,6 +198,16 @@ def test_a_variant_calibration_never_replaces_the_full_profile_and_a_draft_is_me
     assert "--scale 0.05 with --quick leaves too few steps; give a larger --scale" in capsys.readouterr().err
 
 
+def test_a_refit_of_damaged_samples_names_the_file(tiny_profile, tmp_path, capsys):
+    data = json.loads(tiny_profile.read_text())
+    data["samples"][0]["num_tokens"] = "x"  # ('>' not supported between 'int' and 'str', unnamed, before)
+    damaged = tmp_path / "damaged.json"
+    damaged.write_text(json.dumps(data))
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--refit", str(damaged), "--out", str(tmp_path / "out.json")])
+    assert f"{damaged}: its stored samples cannot be fitted again" in capsys.readouterr().err
+
+
 def test_quick_calibration_covers_every_axis_with_fewer_steps(tmp_path, one_thread):
     """``calibrate --quick`` measures every kind of workload the full grid does, at fewer sizes and steps, and
     still fits both layouts and the draft; the profile says it was quick."""

@@ -190,15 +190,18 @@ def refit(profile: Profile) -> Profile:
     form): no measuring; the command, environment and samples are kept.
 
     Raises:
-        ValueError: the profile stores no samples (names its file).
+        ValueError: the profile stores no samples, too few, or one that is not a measured step (names its file).
     """
+    where = profile.source or "profile"
     if not profile.meta.get("samples"):
-        raise ValueError(f"{profile.source or 'profile'}: no stored 'samples' to refit: "
-                         "re-run python -m minibatch calibrate")
+        raise ValueError(f"{where}: no stored 'samples' to refit: re-run python -m minibatch calibrate")
     meta = {k: v for k, v in profile.meta.items() if k not in ("fit_error", "repeat_spread", "samples")}
-    new = fit_profile(profile.model, profile.meta["samples"], meta)
-    if profile.meta.get("draft_samples"):
-        new.draft, new.meta["draft_fit_error"] = fit_draft(profile.meta["draft_samples"])
+    try:
+        new = fit_profile(profile.model, profile.meta["samples"], meta)
+        if profile.meta.get("draft_samples"):
+            new.draft, new.meta["draft_fit_error"] = fit_draft(profile.meta["draft_samples"])
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # a sample edited or cut short
+        raise ValueError(f"{where}: its stored samples cannot be fitted again ({type(e).__name__}: {e})") from None
     return new
 
 
