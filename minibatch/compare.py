@@ -130,7 +130,7 @@ class CompareConfig(ModelConfig):
         if self.json_path is not None:  # output paths: fail now, not after the run
             check_output_file(self.json_path, "--json")
         for name in ("figures_dir", "trace_out") + (("reference_cache",) if self.check_reference else ()):
-            if getattr(self, name) not in (None, "", "default"):  # the reference cache's "default": its own folder
+            if (value := getattr(self, name)) not in (None, "default") and (value or name == "trace_out"):  # '' = none
                 check_output_dir(getattr(self, name), opt(name))
         if self.trace is not None:  # a bad trace file fails now; its ids are checked against the vocab later
             from minibatch.trace_io import load_trace

@@ -460,6 +460,7 @@ def run_cli(argv, capsys):
      "--clock applies only to our engine's policies"),
     (["compare", "--model", "tiny-random-llama", "--policies", "hf_generate", "--trace-out", "traces"],
      "--trace-out applies only to our engine's policies"),
+    (["compare", "--model", "tiny-random-llama", "--trace-out", ""], "--trace-out must be a folder path"),
     (["compare", "--model", "tiny-random-llama", "--policies", "hf_generate", "--enforce-eager"],
      "--enforce-eager applies only to our engine's policies"),  # (and to vllm's)
     (["compare", "--model", "tiny-random-llama", "--arrival-cv", "3"], "--arrival-cv applies only with"),
