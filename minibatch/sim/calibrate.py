@@ -126,6 +126,9 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
     t0 = time.perf_counter()
     model, tokenizer, runner, _ = load_runner(model_name, device, threads=threads, dtype=dtype,
                                               attention_backend=attention_backend, enforce_eager=enforce_eager)
+    if attention_backend == "triton" and runner.device.type == "cpu":  # priced as interpreted, not as compiled
+        print("warning: on a CPU the triton kernels run in Triton's interpreter, many times slower than compiled: "
+              "this profile prices the interpreter's steps (--attention-backend torch or cpp for a CPU)")
     grid = QUICK if quick else FULL
     work = scenarios(model.config.vocab_size, scale, grid=grid)
 
