@@ -269,6 +269,24 @@ def test_a_connection_error_names_its_cause_and_a_week_of_sends_is_refused():
         bench("http://127.0.0.1:1", "m", _requests(2), rate=1e-6, progress=False)
 
 
+def test_an_interrupted_run_keeps_the_requests_that_finished(start_stub):
+    """Ctrl-C (the run's task cancelled) threw every finished request away; now they are the result, marked."""
+    from minibatch.serving.bench import benchmark
+
+    url, _ = start_stub(chunks=2)
+
+    async def interrupted():
+        task = asyncio.ensure_future(benchmark(url, "stub-model", _requests(20), max_concurrency=1, progress=False))
+        await asyncio.sleep(0.5)  # a request takes ~0.07 s: some finished, most not
+        task.cancel()
+        return await task
+
+    out = asyncio.run(interrupted())
+    n = len(out["requests"])
+    assert out["interrupted"] is True and 1 <= n < 20 and out["summary"]["completed"] == n
+    assert [r["index"] for r in out["requests"]] == list(range(n))
+
+
 def test_goodput_counts_requests_meeting_every_slo(start_stub):
     url, _ = start_stub(chunks=3)
     out = bench(url, "stub-model", _requests(6), slo=SLO(ttft_s=FIRST_DELAY_S / 10), progress=False)

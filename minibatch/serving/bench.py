@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 from minibatch.metrics import SLO
 from minibatch.serving.bench_stats import (DEFAULT_BURSTINESS, DEFAULT_MAX_OUTPUT_LEN, ENDPOINTS, api_base,
-                                           arrival_offsets, check_args, check_options, chunk_text, error_text,
-                                           finish_record, format_summary, summarize)
+                                           arrival_offsets, check_args, check_options, chunk_text,
+                                           default_tokenizer_name, error_text, finish_record, format_summary,
+                                           summarize)
 from minibatch.sharegpt import human_gpt_pairs
 
 
@@ -94,13 +95,6 @@ def first_model_id(base_url: str, timeout_s: float = 30.0) -> str:
     if not ids:
         raise ValueError(f"--model: the server at {api_base(base_url)} lists no model; give --model")
     return ids[0]
-
-
-def default_tokenizer_name(model: str) -> str:
-    """The tokenizer to count tokens with: ``model`` if it is one of our model names, else smollm2-135m."""
-    from minibatch.models import MODEL_NAMES
-
-    return model if model in MODEL_NAMES else "smollm2-135m"
 
 
 def load_tokenizer(name: str):
@@ -176,7 +170,6 @@ async def _run_request(index: int, request: BenchRequest, client: AsyncOpenAI, m
         record["error"] = error_text(e)
     else:
         record["success"] = True  # an empty completion (EOS first) is an answer: no latencies, 0 or 1 tokens
-
     return finish_record(record)
 
 
@@ -184,7 +177,8 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
                     burstiness: float = 1.0, max_concurrency: int | None = None, endpoint: str = "completions",
                     ignore_eos: bool = False, slo: SLO | None = None, seed: int = 0, progress: bool = True,
                     timeout_s: float = 600.0) -> dict:
-    """Send ``requests`` to the server at ``base_url``; ``{"summary": ..., "requests": [records]}``.
+    """Send ``requests`` to the server at ``base_url``; ``{"summary": ..., "requests": [records]}``, and
+    ``"interrupted": True`` with the requests finished so far when the run is cancelled (Ctrl-C; Python 3.11+).
 
     Request i is sent ``arrival_offsets(...)[i]`` seconds after the start, once one of the
     ``max_concurrency`` slots is free (vLLM's semaphore: its send time is stamped after the wait).
@@ -202,6 +196,7 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
         async with slots:
             record = await _run_request(index, request, client, model, endpoint, ignore_eos, t0, timeout_s)
         bar.update(1)
+        finished.append(record)
         return record
 
     import httpx
@@ -211,11 +206,14 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
     pool = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
     async with AsyncOpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0,
                            http_client=pool) as client:
-        t0 = time.perf_counter()
-        records = await asyncio.gather(*(send(i, r) for i, r in enumerate(requests)))
+        t0, finished = time.perf_counter(), []
+        try:
+            records, cut = await asyncio.gather(*(send(i, r) for i, r in enumerate(requests))), {}
+        except asyncio.CancelledError:  # Ctrl-C: the requests that finished are kept, the run marked interrupted
+            records, cut = sorted(finished, key=lambda r: r["index"]), {"interrupted": True}
         duration_s = time.perf_counter() - t0
     bar.close()
-    return {"summary": summarize(records, duration_s, slo), "requests": records}
+    return {"summary": summarize(records, duration_s, slo), "requests": records} | cut
 
 
 def bench(base_url: str, model: str, requests: list[BenchRequest], **options) -> dict:
@@ -292,6 +290,8 @@ def run_bench_serve(args: argparse.Namespace, command: str | None = None) -> dic
         print(f"wrote {args.json}")
     elif args.json:
         print(f"left {args.json} as it was: no request of this run streamed any text")
+    if out.get("interrupted"):  # (what finished is in the JSON)
+        raise KeyboardInterrupt
     if requests and not out["summary"]["completed"]:  # nothing measured: the command failed (the JSON has why)
         raise ValueError(f"all {len(requests)} requests failed; the first: {out['requests'][0]['error']}")
     if requests and not measured:

@@ -105,6 +105,13 @@ def api_base(base_url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
+def default_tokenizer_name(model: str) -> str:
+    """The tokenizer to count tokens with: ``model`` if it is one of our model names, else smollm2-135m."""
+    from minibatch.models import MODEL_NAMES
+
+    return model if model in MODEL_NAMES else "smollm2-135m"
+
+
 def chunk_text(chunk, endpoint: str) -> tuple[str, str | None]:
     """(the text a streamed chunk carries, its finish_reason): '' for role-only, empty and usage-only chunks.
 
