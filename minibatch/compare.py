@@ -143,8 +143,8 @@ class CompareConfig(ModelConfig):
         """The settings of one policy's run (its ``config_cls``): compare's defaults (COMPARE_SETTINGS,
         KV memory from :func:`kv_slots`), then ``settings``. Every policy that has a setting gets the
         same value; one it lacks is not its own (the token budget is only the chunked policies')."""
-        return policy_spec(policy).make_config(COMPARE_SETTINGS | {"n_slots": kv_slots(self, requests)}
-                                               | self.settings | {"enforce_eager": self.enforce_eager})  # vllm's
+        cfg = policy_spec(policy).make_config(COMPARE_SETTINGS | {"n_slots": kv_slots(self, requests)} | self.settings)
+        return replace(cfg, enforce_eager=self.enforce_eager) if hasattr(cfg, "enforce_eager") else cfg  # vllm's
 
 
 def compare_config(values: dict, command: str, settings: dict, text: str | None = None) -> CompareConfig:
@@ -268,7 +268,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     drafts = any(p in POLICIES and get_policy(p).proposer == "draft" for p in cfg.policies)
     draft_name = cfg.draft_model or default_draft(cfg.model)
     draft_runner = load_draft_runner(draft_name, cfg.model, model, tokenizer, runner.device,
-                                     cfg.attention_backend) if drafts else None
+                                     cfg.attention_backend, cfg.enforce_eager) if drafts else None
     cache = None if not cfg.reference_cache else default_cache_dir() if cfg.reference_cache == "default" \
         else cfg.reference_cache
     t_ref = time.perf_counter()

@@ -1,12 +1,11 @@
 """One way to run a policy on requests and read the result: ``run(policy, requests, executor, clock)``.
 
-Every experiment (``compare``, ``simulate``, the calibration, the simulator's validation, the
-benchmarks and the notebooks) runs fresh copies of the same requests through :func:`run` and
-reads the :class:`Run` it returns: the requests with their outputs and timestamps, the engine's
-step records, the metrics summary and a JSON-ready row.
+Every experiment (``compare``, ``simulate``, the calibration, the simulator's validation, the benchmarks and the
+notebooks) runs fresh copies of the same requests through :func:`run` and reads the :class:`Run` it returns: the
+requests with their outputs and timestamps, the engine's step records, the metrics summary and a JSON-ready row.
 
-Policies are the rows of ``minibatch.policies.POLICIES`` (our engine) plus the Hugging Face peers
-of :data:`BASELINES`, which run through transformers itself.
+Policies are the rows of ``minibatch.policies.POLICIES`` (our engine) plus the peers of :data:`BASELINES`
+(transformers and vLLM), which run through those engines themselves.
 """
 
 from __future__ import annotations
@@ -61,10 +60,9 @@ class Baseline:
         return self.config_cls(**settings_of(self.config_cls, settings))
 
 
-# The peers: HF generate on padded static batches (the outside baseline, static batching's settings),
-# transformers' own continuous batching (generate_batch, no settings) and vLLM (in a child process, with the same
-# max_num_seqs, KV bytes and token budget). They need the model itself (sampling they do not apply is refused:
-# baselines.shared.UNSUPPORTED).
+# The peers: HF generate on padded static batches (the outside baseline, static batching's settings), transformers'
+# own continuous batching (generate_batch, no settings) and vLLM (in a child process, with the same max_num_seqs, KV
+# bytes and token budget). They need the model itself (sampling they do not apply is refused: shared.UNSUPPORTED).
 BASELINES = {b.name: b for b in (Baseline("hf_generate", _hf_generate, StaticConfig),
                                  Baseline("hf_generate_batch", _hf_generate_batch, SchedulerConfig),
                                  Baseline("vllm", _vllm, VllmConfig))}
@@ -281,10 +279,11 @@ def check_draft_model(draft_model: str | None, policies) -> None:
         raise ValueError(f"--draft-model applies only to a draft-model policy (spec), not {','.join(policies)}")
 
 
-def load_draft_runner(name: str, target_name: str, model, tokenizer, device="cpu", attention_backend: str = "torch"):
+def load_draft_runner(name: str, target_name: str, model, tokenizer, device="cpu", attention_backend: str = "torch",
+                      enforce_eager: bool = False):
     """A ModelRunner on the draft model ``name`` (in the target's dtype) for the target ``model`` loaded as
-    ``target_name`` (the target's own model object when they are the same: self-speculation). smollm2-135m-draft's
-    LM head is cut to the 8192 ids its target uses most (``models.draft_vocab_subset``, FR-Spec).
+    ``target_name`` (the target's own model object when they are the same: self-speculation), ``enforce_eager`` as
+    the target's. smollm2-135m-draft's LM head is cut to the 8192 ids its target uses most (FR-Spec).
 
     Raises:
         ValueError: the draft's vocab_size differs from the target's (not the same tokenizer).
@@ -297,4 +296,5 @@ def load_draft_runner(name: str, target_name: str, model, tokenizer, device="cpu
         raise ValueError(f"draft model {name!r} has vocab_size {draft.config.vocab_size}, "
                          f"the target {model.config.vocab_size}: they must share a tokenizer")
     subset = draft_vocab_subset() if name == "smollm2-135m-draft" else None
-    return ModelRunner(draft, tokenizer, attention_backend=attention_backend, vocab_subset=subset)
+    return ModelRunner(draft, tokenizer, attention_backend=attention_backend, vocab_subset=subset,
+                       enforce_eager=enforce_eager)

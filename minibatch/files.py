@@ -240,8 +240,8 @@ def check_output_file(path: str | Path, option: str = "--json") -> Path:
     if not str(path).strip():
         raise ValueError(f"{option} must be a file path, got {str(path)!r}")
     p = Path(path)
-    if len(p.name.encode()) > MAX_NAME_BYTES:
-        raise ValueError(f"{option}: its file name is {len(p.name.encode())} bytes long, more than the "
+    if len(os.fsencode(p.name)) > MAX_NAME_BYTES:
+        raise ValueError(f"{option}: its file name is {len(os.fsencode(p.name))} bytes long, more than the "
                          f"{MAX_NAME_BYTES} a file system allows; give a shorter one")
     if p.is_dir():
         raise ValueError(f"{option}: {p} is a folder; give a file path (e.g. {p / 'result.json'})")

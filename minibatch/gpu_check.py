@@ -25,9 +25,10 @@ weights are on the machine, else ``smollm2-135m-random`` (same shape, seeded ran
 step costs the same, the text is gibberish; the JSON says which ran). On CPU the whole check takes
 about a minute. A later measurement that needs a GPU is one more :class:`Step` in :data:`STEPS`.
 
-Result JSON (``--out``): ``{"command", "device", "passed", "environment", "steps": [{"name",
+Result JSON (``--out``): ``{"command", "device", "complete", "passed", "environment", "steps": [{"name",
 "what", "status": "passed" | "failed" | "needs a GPU", "seconds", "details"}]}``;
-``details`` holds each step's numbers (and, for a failure, the error).
+``details`` holds each step's numbers (and, for a failure, the error). It is written once every step has run; until
+then the steps done so far are in ``OUT.partial.json`` (:func:`progress_path`).
 """
 
 from __future__ import annotations

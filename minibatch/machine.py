@@ -211,6 +211,18 @@ def native_stderr_hidden():
         os.close(devnull)
 
 
+def raise_fd_limit() -> None:
+    """Raise this process's soft limit on open files to its hard one (a server, or a load generator, holds one per
+    connection)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, OSError, ValueError):  # not allowed or not supported: keep the limit there is
+        pass
+
+
 def check_listen_address(host: str, port: int) -> None:
     """Raise ValueError (naming --host and --port) unless a server can listen on ``host``:``port`` now: the name
     resolves and the port is free (a test bind, closed at once)."""

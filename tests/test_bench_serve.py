@@ -231,6 +231,7 @@ def test_unreachable_server_and_timeout_are_recorded(start_stub):
 
 
 @pytest.mark.parametrize("finish_reason, error", [(None, "ended without a finish_reason after 3 text chunks"),
+                                                  ("", "ended without a finish_reason after 3 text chunks"),
                                                   ("abort", "the server aborted it (finish_reason 'abort')")])
 def test_a_stream_cut_short_or_aborted_is_a_failure(start_stub, finish_reason, error):
     """A drain's aborted requests and a stream that stops without finishing were counted as successes, their

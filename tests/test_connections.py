@@ -180,3 +180,47 @@ def test_a_client_that_stops_reading_its_stream_is_cut_off(loaded, monkeypatch):
             time.sleep(0.1)
         assert not mine & state.connections, "the connection of a client that reads nothing is still open"
         assert time.monotonic() - t0 < 5
+
+
+def test_a_client_that_reads_slowly_is_not_cut_off(loaded, monkeypatch):
+    """The send timeout counts time without progress: a client that keeps reading, slower than the stream is made,
+    gets all of it, though it takes several SEND_TIMEOUT_S (the timer is armed again whenever it read some)."""
+    monkeypatch.setattr(connections, "SEND_TIMEOUT_S", 0.5)
+    made = connections.DeadlineH11Protocol.connection_made
+
+    def small_send_buffer(self, transport):
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        made(self, transport)
+
+    monkeypatch.setattr(connections.DeadlineH11Protocol, "connection_made", small_send_buffer)
+    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
+    app, engine = build_server(MODEL, "paged", dict(n_slots=2048, block_size=16, max_num_seqs=4), loaded=loaded)
+    with ServerThread(app, engine) as srv, socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.connect((srv.host, srv.port))
+        s.sendall(request_bytes(body))
+        s.settimeout(10)
+        reply, t0 = b"", time.monotonic()
+        while not reply.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and time.monotonic() - t0 < 30:
+            chunk = s.recv(1024)  # ~20 KB/s
+            if not chunk:
+                break
+            reply += chunk
+            time.sleep(0.05)
+        assert reply.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and time.monotonic() - t0 > 1.0
+
+
+def test_the_send_timer_is_armed_again_while_the_client_reads_and_aborts_when_it_stops():
+    """One large write (the buffer never empties, so writing never resumes): a client that read some of it within
+    SEND_TIMEOUT_S gets SEND_TIMEOUT_S more; one that read nothing is aborted (nginx's send_timeout, between two
+    successive reads)."""
+    from types import SimpleNamespace
+
+    for left, expected in ((150_000, ["armed again"]), (200_000, ["aborted"])):
+        calls = []
+        transport = SimpleNamespace(get_write_buffer_size=lambda: left, abort=lambda: calls.append("aborted"))
+        protocol = SimpleNamespace(transport=transport, send_waiting=200_000, send_timer="armed",
+                                   arm_send=lambda: calls.append("armed again"))
+        connections.DeadlineH11Protocol.send_late(protocol)
+        assert calls == expected and protocol.send_timer is None

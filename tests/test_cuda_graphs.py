@@ -59,12 +59,12 @@ def test_enforce_eager_reaches_the_runner_from_compare_serve_and_calibrate(tmp_p
 
     monkeypatch.setattr(runner_module.ModelRunner, "__init__", spy)
     main(["compare", "--model", "tiny-random-llama", "--num-requests", "2", "--max-output-len", "4", "--policies",
-          "paged", "--enforce-eager", "--no-reference", "--no-progress", "--figures-dir", ""])
+          "paged,spec", "--enforce-eager", "--no-reference", "--no-progress", "--figures-dir", ""])  # and the draft's
     build_server("tiny-random-llama", "paged", dict(n_slots=64), enforce_eager=True, start=False)[1].shutdown()
     monkeypatch.setattr(calibrate, "measure", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop here")))
     with pytest.raises(RuntimeError, match="stop here"):
         calibrate.calibrate("tiny-random-llama", scale=0.1, enforce_eager=True, progress=False)
-    assert len(seen) == 3 and set(seen) == {"enforce_eager=True"}
+    assert len(seen) == 4 and set(seen) == {"enforce_eager=True"}
 
 
 def test_why_a_runner_records_no_graphs(tiny):

@@ -60,6 +60,19 @@ def test_vllm_gets_the_same_settings_and_inputs(tiny, tmp_path):
         vllm_job(model, [Request("s", [5, 6], 3, SamplingParams(temperature=0.7, seed=1))], VllmConfig(), "DIR")
 
 
+def test_compare_enforce_eager_reaches_vllm():
+    """--enforce-eager is compare's (ModelConfig's) option, one for both engines: vLLM's config must get it (a
+    setting merged into the policies' settings was dropped: the peer's field is not a command-line setting)."""
+    from minibatch.compare import compare_config
+
+    reqs = [Request("a", [5, 6, 7], 4, SamplingParams(ignore_eos=True))]
+    for eager in (False, True):
+        cfg = compare_config({"model": "tiny-random-llama", "policies": "paged,vllm", "enforce_eager": eager},
+                             "model", {})
+        assert cfg.policy_config("vllm", reqs).enforce_eager is eager
+        assert not hasattr(cfg.policy_config("paged", reqs), "enforce_eager")
+
+
 def test_its_results_fill_our_requests_like_any_run(tiny, tmp_path):
     model, _ = tiny
     reqs = [Request(f"r{i}", [5 + i, 6, 7], 3, SamplingParams(ignore_eos=True, logprobs=1)) for i in range(2)]
@@ -145,9 +158,12 @@ def test_vllm_step_rounds_pair_ours_with_theirs():
     assert rows[0]["ours_over_vllm"] == 1.0  # median of 1.5, 1.0, 0.5 (the medians' ratio would be 0.75)
 
 
-def test_profile_rounds_alternate_with_vllm(tmp_path, one_thread):
+def test_profile_rounds_alternate_with_vllm(tmp_path, one_thread, monkeypatch):
     """profile --rounds 2 --vllm-python: two rounds of ours, each followed by vLLM's; every row is its median
     round's, with both rounds' step times and probes, and vLLM's per round."""
+    from minibatch.baselines import vllm_peer
+
+    monkeypatch.setattr(vllm_peer, "lacks_vllm", lambda path: None)  # (the fake worker is no interpreter to ask)
     out = tmp_path / "profile.json"
     main(["profile", "--model", "tiny-random-llama", "--dtype", "float32", "--attention-backend", "sdpa",
           "--decode-batches", "2", "--prefill-lens", "16", "--context-len", "12", "--repeats", "2", "--rounds", "2",

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
+from minibatch.machine import raise_fd_limit
 from minibatch.metrics import SLO
 from minibatch.serving.bench_stats import (DEFAULT_BURSTINESS, DEFAULT_MAX_OUTPUT_LEN, ENDPOINTS, api_base,
                                            arrival_offsets, check_args, check_options, chunk_text,
@@ -147,7 +148,7 @@ async def _stream_into(record: dict, client: AsyncOpenAI, model: str, request: B
                 if text:
                     record["chunk_times_s"].append(now)
                     pieces.append(text)
-                if finish_reason is not None:
+                if finish_reason:  # ('' and None: not finished)
                     record["finish_reason"] = finish_reason
                 if chunk.usage is not None:
                     record["prompt_tokens"] = chunk.usage.prompt_tokens
@@ -180,8 +181,8 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
     """Send ``requests`` to the server at ``base_url``; ``{"summary": ..., "requests": [records]}``, and
     ``"interrupted": True`` with the requests finished so far when the run is cancelled (Ctrl-C; Python 3.11+).
 
-    Request i is sent ``arrival_offsets(...)[i]`` seconds after the start, once one of the
-    ``max_concurrency`` slots is free (vLLM's semaphore: its send time is stamped after the wait).
+    Request i is sent ``arrival_offsets(...)[i]`` seconds after the start, once one of the ``max_concurrency`` slots
+    is free (vLLM's semaphore: its send time is stamped after the wait), on a connection of its own.
 
     Raises:
         ValueError: a bad option (see :func:`check_options`).
@@ -202,7 +203,7 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
     import httpx
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-    # a connection per open request: the client's default pool of 1000 made request 1001 wait, inside its TTFT
+    raise_fd_limit()  # a connection per open request (a pool of 1000 made request 1001 wait, inside its TTFT)
     pool = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
     async with AsyncOpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0,
                            http_client=pool) as client:
@@ -277,9 +278,8 @@ def run_bench_serve(args: argparse.Namespace, command: str | None = None) -> dic
     out = bench(args.base_url, model, requests, rate=args.rate, burstiness=args.burstiness,
                 max_concurrency=args.max_concurrency, endpoint=args.endpoint, ignore_eos=args.ignore_eos, slo=slo,
                 seed=args.seed, progress=not args.no_progress, timeout_s=args.timeout_s)
-    config = {k: v for k, v in vars(args).items() if not callable(v)}
-    config.update(model=model, tokenizer=tokenizer_name,
-                  slo=asdict(slo) if slo else None, rate=args.rate if math.isfinite(args.rate) else "inf")
+    config = {k: v for k, v in vars(args).items() if not callable(v)} | {"model": model, "tokenizer": tokenizer_name,
+              "slo": asdict(slo) if slo else None, "rate": args.rate if math.isfinite(args.rate) else "inf"}
     result = {"command": command or " ".join(["python -m minibatch"] + sys.argv[1:]),
               "environment": environment(load_before), "base_url": api_base(args.base_url), "model": model,
               "config": config, **out}

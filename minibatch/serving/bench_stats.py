@@ -136,7 +136,7 @@ def stream_problem(record: dict) -> str | None:
     """Why a stream that ended without an error is not a success, or None: no finish_reason (cut short, or not an
     OpenAI stream), finish_reason "abort" (the server gave up on it), or more text chunks than max_tokens."""
     n, reason = len(record["chunk_times_s"]), record.get("finish_reason")
-    if reason is None:
+    if not reason:
         return f"the stream ended without a finish_reason after {n} text chunks (cut short, or not an OpenAI stream)"
     if reason == "abort":
         return f"the server aborted it (finish_reason 'abort') after {n} text chunks"

@@ -13,9 +13,9 @@ every file descriptor, and then no one else is served and asyncio logs a traceba
 * at most :func:`max_connections` connections are open (from the file-descriptor limit, which :func:`server_config`
   first raises to its hard maximum, as vLLM's server does); one more is answered 503 and closed at once, and the
   listening socket's backlog is a quarter of the cap, so a burst of connects cannot take the descriptors left;
-* a response's bytes the client leaves unread for :data:`SEND_TIMEOUT_S` (the socket's buffers full, ours not
-  emptying) abort the connection, which aborts its request: a client that stops reading a stream, or never reads its
-  answer, would otherwise hold the connection, and the bytes waiting for it, for ever;
+* a client that reads none of its response for :data:`SEND_TIMEOUT_S` while bytes wait for it (the socket's buffers
+  full, ours not shrinking) has its connection aborted, and its request with it: a client that stops reading a
+  stream, or never reads its answer, would otherwise hold the connection, and the bytes waiting for it, for ever;
 * malformed HTTP (a bad request line, chunk size or Content-Length) gets an OpenAI error object, not plain text.
 
 The deadlines follow the request-timeout rules web servers use (nginx's ``client_header_timeout`` and
@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minibatch.checks import short_repr
+from minibatch.machine import raise_fd_limit
 from minibatch.serving.protocol import APIError
 
 HEADER_TIMEOUT_S = 20.0  # a request's headers, from the connection (or their first byte on a kept-alive one)
@@ -92,17 +93,6 @@ def max_connections() -> int:
     return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, min(MAX_CONNECTIONS, soft // 2))
 
 
-def raise_fd_limit() -> None:
-    """Raise this process's soft limit on open files to its hard one (a server holds one per connection)."""
-    try:
-        import resource
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ImportError, OSError, ValueError):  # not allowed or not supported: keep the limit there is
-        pass
-
-
 def raw_error(error: APIError) -> bytes:
     """A whole HTTP/1.1 response carrying ``error``'s OpenAI error object, for a connection h11 cannot answer (no
     request parsed yet, or one it could not parse); the connection closes after it."""
@@ -117,6 +107,7 @@ class DeadlineH11Protocol(H11Protocol):
     objects for malformed HTTP (see the module's docstring)."""
 
     header_timer = send_timer = None
+    send_waiting = 0  # bytes in our buffer when the send timer was (re)armed
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -161,10 +152,14 @@ class DeadlineH11Protocol(H11Protocol):
             self.send_timer.cancel()
         super().connection_lost(exc)
 
-    def pause_writing(self) -> None:  # the client has not read what was sent: it has SEND_TIMEOUT_S to start again
+    def pause_writing(self) -> None:  # the client has not read what was sent: it has SEND_TIMEOUT_S to read on
         super().pause_writing()
         if self.send_timer is None:
-            self.send_timer = self.loop.call_later(SEND_TIMEOUT_S, self.send_late)
+            self.arm_send()
+
+    def arm_send(self) -> None:
+        self.send_waiting = self.transport.get_write_buffer_size()
+        self.send_timer = self.loop.call_later(SEND_TIMEOUT_S, self.send_late)
 
     def resume_writing(self) -> None:  # our buffer is empty again
         super().resume_writing()
@@ -174,7 +169,10 @@ class DeadlineH11Protocol(H11Protocol):
 
     def send_late(self) -> None:
         self.send_timer = None
-        self.transport.abort()  # (no answer can reach a client that reads nothing; its request is aborted)
+        if self.transport.get_write_buffer_size() < self.send_waiting:  # it read some: SEND_TIMEOUT_S more
+            self.arm_send()
+        else:  # nothing read in SEND_TIMEOUT_S (no answer can reach it): the connection and its request end
+            self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
         self.refuse(APIError(f"invalid HTTP request: {msg.rstrip('.').lower()} (the request line, a header, "

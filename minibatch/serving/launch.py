@@ -78,7 +78,7 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     draft_runner = None
     if get_policy(policy).proposer == "draft":
         draft_runner = load_draft_runner(draft_model or default_draft(model), model, hf_model, tokenizer, device,
-                                         attention_backend)
+                                         attention_backend, enforce_eager)
     engine = make_engine(policy, runner, LiveClock(device), config=config, draft_runner=draft_runner)
     name = served_model_name or model
     metrics = ServingMetrics(name)

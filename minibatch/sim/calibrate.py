@@ -148,6 +148,7 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
     if contention(env):
         print(f"warning: {contention(env)}")
     meta = {"command": command, "environment": env, "device": str(device), "scale": scale, "quick": quick,
+            "enforce_eager": enforce_eager,
             "dtype": dtype_name(model.dtype), "attention_backend": runner.attention_backend.name,
             # whether decode steps were replayed from CUDA graphs (runner.cuda_graphs)
             "cuda_graphs": runner.decode_graphs is not None and runner.decode_graphs.replays > 0,
@@ -161,7 +162,8 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
     if draft_model:
         from minibatch.experiment import load_draft_runner
 
-        draft_runner = load_draft_runner(draft_model, model_name, model, tokenizer, device, attention_backend)
+        draft_runner = load_draft_runner(draft_model, model_name, model, tokenizer, device, attention_backend,
+                                         enforce_eager)
         warm_up(runner, draft_runner)
         draft_samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale, grid=grid),
                                       progress)
@@ -211,7 +213,7 @@ def refit(profile: Profile) -> Profile:
 def calibrate_draft(profile: Profile, draft_model: str, device: str | None = None, threads: int | None = None,
                     scale: float = 1.0, progress: bool = True) -> Profile:
     """Add (or replace) ``profile``'s draft model: measure only the draft's scenarios, where and as the profile was
-    measured (its device, dtype, attention backend and grid, full or quick).
+    measured (its device, dtype, attention backend, enforce_eager and grid, full or quick).
 
     Raises:
         ValueError: ``device`` given and not the profile's (its target steps were timed there).
@@ -220,12 +222,13 @@ def calibrate_draft(profile: Profile, draft_model: str, device: str | None = Non
     from minibatch.experiment import load_runner, warm_up
 
     measured_on, backend = profile.meta.get("device", "cpu"), profile.meta.get("attention_backend", "torch")
+    eager = profile.meta.get("enforce_eager", False)
     if device is not None and device != measured_on:
         raise ValueError(f"--device {device}: the profile was measured on {measured_on}, where its draft is "
                          "measured too (leave --device out)")
     model, tokenizer, runner, _ = load_runner(profile.model, measured_on, threads=threads, dtype=profile.dtype,
-                                              attention_backend=backend)
-    draft_runner = load_draft_runner(draft_model, profile.model, model, tokenizer, measured_on, backend)
+                                              attention_backend=backend, enforce_eager=eager)
+    draft_runner = load_draft_runner(draft_model, profile.model, model, tokenizer, measured_on, backend, eager)
     warm_up(runner, draft_runner)
     grid = QUICK if profile.meta.get("quick") else FULL
     samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale, grid=grid),
