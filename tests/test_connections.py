@@ -149,67 +149,64 @@ def test_a_connection_answered_before_its_body_arrived_is_closed(server, head, m
         assert reply.startswith(b"HTTP/1.1 ") and time.monotonic() - t0 < 3.5  # closed, not held
 
 
-def test_a_client_that_stops_reading_its_stream_is_cut_off(loaded, monkeypatch):
+LONG_STREAM = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True,
+                          "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
+
+
+@pytest.fixture
+def small_buffers_server(loaded, monkeypatch):
+    """A server whose sockets have a small send buffer (as a long response, or a slow network, fills a large one),
+    a SEND_TIMEOUT_S of 0.5 s, and a context for LONG_STREAM (~40 KB of events); and a client socket with a small
+    receive buffer."""
+    monkeypatch.setattr(connections, "SEND_TIMEOUT_S", 0.5)
+    made = connections.DeadlineH11Protocol.connection_made
+
+    def small_send_buffer(self, transport):
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        made(self, transport)
+
+    monkeypatch.setattr(connections.DeadlineH11Protocol, "connection_made", small_send_buffer)
+    app, engine = build_server(MODEL, "paged", dict(n_slots=2048, block_size=16, max_num_seqs=4), loaded=loaded)
+    with ServerThread(app, engine) as srv, socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        yield srv, s
+
+
+def test_a_client_that_stops_reading_its_stream_is_cut_off(small_buffers_server):
     """A client that reads nothing of a long stream: once the sockets' buffers are full, its bytes wait in ours;
     after SEND_TIMEOUT_S the connection is aborted (before, it was held for ever: the response ended, and the
-    keep-alive timeout's close waited for the unread bytes), and others are served meanwhile. The server's send
-    buffer is made small here, as a long response (or a slow network) fills a large one."""
-    monkeypatch.setattr(connections, "SEND_TIMEOUT_S", 0.5)
-    made = connections.DeadlineH11Protocol.connection_made
-
-    def small_send_buffer(self, transport):
-        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        made(self, transport)
-
-    monkeypatch.setattr(connections.DeadlineH11Protocol, "connection_made", small_send_buffer)
-    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True,
-                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
-    app, engine = build_server(MODEL, "paged", dict(n_slots=2048, block_size=16, max_num_seqs=4), loaded=loaded)
-    with ServerThread(app, engine) as srv, socket.socket() as s:
-        state = srv.server.server_state
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        s.connect((srv.host, srv.port))
-        s.sendall(request_bytes(body))  # ~40 KB of events follow; none is read
-        t0 = time.monotonic()
-        while not state.connections and time.monotonic() - t0 < 5:
-            time.sleep(0.01)
-        mine = set(state.connections)
-        assert len(mine) == 1
-        assert httpx.post(srv.base_url + "/completions", content=BODY, timeout=10).status_code == 200
-        while mine & state.connections and time.monotonic() - t0 < 15:
-            time.sleep(0.1)
-        assert not mine & state.connections, "the connection of a client that reads nothing is still open"
-        assert time.monotonic() - t0 < 5
+    keep-alive timeout's close waited for the unread bytes), and others are served meanwhile."""
+    srv, s = small_buffers_server
+    state = srv.server.server_state
+    s.connect((srv.host, srv.port))
+    s.sendall(request_bytes(LONG_STREAM))  # none of it is read
+    t0 = time.monotonic()
+    while not state.connections and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    mine = set(state.connections)
+    assert len(mine) == 1
+    assert httpx.post(srv.base_url + "/completions", content=BODY, timeout=10).status_code == 200
+    while mine & state.connections and time.monotonic() - t0 < 15:
+        time.sleep(0.1)
+    assert not mine & state.connections, "the connection of a client that reads nothing is still open"
+    assert time.monotonic() - t0 < 5
 
 
-def test_a_client_that_reads_slowly_is_not_cut_off(loaded, monkeypatch):
+def test_a_client_that_reads_slowly_is_not_cut_off(small_buffers_server):
     """The send timeout counts time without progress: a client that keeps reading, slower than the stream is made,
-    gets all of it, though it takes several SEND_TIMEOUT_S (the timer is armed again whenever it read some)."""
-    monkeypatch.setattr(connections, "SEND_TIMEOUT_S", 0.5)
-    made = connections.DeadlineH11Protocol.connection_made
-
-    def small_send_buffer(self, transport):
-        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        made(self, transport)
-
-    monkeypatch.setattr(connections.DeadlineH11Protocol, "connection_made", small_send_buffer)
-    body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True,
-                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
-    app, engine = build_server(MODEL, "paged", dict(n_slots=2048, block_size=16, max_num_seqs=4), loaded=loaded)
-    with ServerThread(app, engine) as srv, socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
-        s.connect((srv.host, srv.port))
-        s.sendall(request_bytes(body))
-        s.settimeout(10)
-        reply, t0 = b"", time.monotonic()
-        while not reply.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and time.monotonic() - t0 < 30:
-            chunk = s.recv(1024)  # ~20 KB/s
-            if not chunk:
-                break
-            reply += chunk
-            time.sleep(0.05)
-        assert reply.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and time.monotonic() - t0 > 1.0
-
+    gets all of it, though it takes several SEND_TIMEOUT_S."""
+    srv, s = small_buffers_server
+    s.connect((srv.host, srv.port))
+    s.sendall(request_bytes(LONG_STREAM))
+    s.settimeout(10)
+    reply, t0, end = b"", time.monotonic(), b"data: [DONE]\n\n\r\n0\r\n\r\n"
+    while not reply.endswith(end) and time.monotonic() - t0 < 30:
+        chunk = s.recv(1024)  # ~20 KB/s
+        if not chunk:
+            break
+        reply += chunk
+        time.sleep(0.05)
+    assert reply.endswith(end) and time.monotonic() - t0 > 1.0
 
 def test_the_send_timer_is_armed_again_while_the_client_reads_and_aborts_when_it_stops():
     """One large write (the buffer never empties, so writing never resumes): a client that read some of it within
