@@ -14,6 +14,7 @@ import math
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -286,6 +287,28 @@ def test_an_interrupted_run_keeps_the_requests_that_finished(start_stub):
     n = len(out["requests"])
     assert out["interrupted"] is True and 1 <= n < 20 and out["summary"]["completed"] == n
     assert [r["index"] for r in out["requests"]] == list(range(n))
+
+
+def test_a_busy_client_is_measured_and_named(start_stub, monkeypatch):
+    """A client too busy for its streams stamps their chunks late (1100 streams on 2 cores: TTFT 5.5-8.3 s where the
+    server answered every one at 3.0 s): its event loop's lag is in the summary, and over 50 ms it is a warning."""
+    from minibatch.serving import bench_stats
+
+    url, _ = start_stub(chunks=2)
+    calm = bench(url, "stub-model", _requests(2), progress=False)["summary"]
+    assert 0 <= calm["client_lag_p99_s"] <= calm["client_lag_max_s"] and bench_stats.lag_warning(calm) is None
+    finish = bench_stats.finish_record
+
+    def busy(record):  # the loop's thread held for 0.2 s, as by parsing a thousand streams
+        time.sleep(0.2)
+        return finish(record)
+
+    monkeypatch.setattr(bench_mod, "finish_record", busy)
+    summary = bench(url, "stub-model", _requests(2), progress=False)["summary"]
+    assert summary["client_lag_max_s"] >= 0.15
+    assert "the client's event loop ran up to" in bench_stats.lag_warning(summary)
+    assert bench_stats.lag_summary([0.0] * 99 + [1.0]) == {"client_lag_p99_s": pytest.approx(0.01),
+                                                           "client_lag_max_s": 1.0}
 
 
 def test_goodput_counts_requests_meeting_every_slo(start_stub):

@@ -30,12 +30,13 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
+from minibatch.hf_load import load_tokenizer  # (bench-serve's tokenizer: here too, for notebooks)
 from minibatch.machine import raise_fd_limit
 from minibatch.metrics import SLO
 from minibatch.serving.bench_stats import (DEFAULT_BURSTINESS, DEFAULT_MAX_OUTPUT_LEN, ENDPOINTS, api_base,
                                            arrival_offsets, check_args, check_options, chunk_text,
                                            default_tokenizer_name, error_text, finish_record, format_summary,
-                                           summarize)
+                                           lag_summary, lag_warning, summarize, LAG_TICK_S)
 from minibatch.sharegpt import human_gpt_pairs
 
 
@@ -96,35 +97,6 @@ def first_model_id(base_url: str, timeout_s: float = 30.0) -> str:
     if not ids:
         raise ValueError(f"--model: the server at {api_base(base_url)} lists no model; give --model")
     return ids[0]
-
-
-def load_tokenizer(name: str):
-    """A tokenizer only (no model weights): our tiny byte-level one, SmolLM2's from the converted cache
-    (else straight from its GGUF file), or ``AutoTokenizer.from_pretrained`` of a local dir / hub id.
-
-    Raises:
-        ValueError: the tokenizer cannot be loaded (names --tokenizer).
-    """
-    from transformers import AutoTokenizer
-
-    from minibatch.gguf import cache_entry_problem, gguf_location, smollm2_cache_path
-    from minibatch.hf_load import quiet_loading
-    from minibatch.models import tiny_tokenizer
-
-    if name.startswith("tiny-random-"):
-        return tiny_tokenizer()
-    try:
-        with quiet_loading():
-            if name.startswith("smollm2-135m"):  # the draft shares the target's tokenizer
-                path = smollm2_cache_path()
-                if path.exists() and cache_entry_problem(path) is None:
-                    return AutoTokenizer.from_pretrained(path)
-                directory, file = gguf_location()
-                return AutoTokenizer.from_pretrained(directory, gguf_file=file)
-            return AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # OSError (not found / offline), ValueError, ...
-        raise ValueError(f"--tokenizer: cannot load a tokenizer from {name!r} ({type(e).__name__}: "
-                         f"{str(e)[:200]})") from e
 
 
 def _open_stream(client: AsyncOpenAI, model: str, request: BenchRequest, endpoint: str, ignore_eos: bool):
@@ -192,6 +164,12 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     bar = tqdm(total=len(requests), desc="bench-serve", unit="req", disable=not progress)
 
+    async def watch() -> None:  # how late the client's own event loop runs: its chunk stamps are late as much
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(LAG_TICK_S)
+            lags.append(time.perf_counter() - t - LAG_TICK_S)
+
     async def send(index: int, request: BenchRequest) -> dict:
         await asyncio.sleep(max(0.0, t0 + offsets[index] - time.perf_counter()))
         async with slots:
@@ -207,14 +185,16 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
     pool = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
     async with AsyncOpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0,
                            http_client=pool) as client:
-        t0, finished = time.perf_counter(), []
+        t0, finished, lags = time.perf_counter(), [], []
+        watcher = asyncio.ensure_future(watch())
         try:
             records, cut = await asyncio.gather(*(send(i, r) for i, r in enumerate(requests))), {}
         except asyncio.CancelledError:  # Ctrl-C: the requests that finished are kept, the run marked interrupted
             records, cut = sorted(finished, key=lambda r: r["index"]), {"interrupted": True}
         duration_s = time.perf_counter() - t0
+        watcher.cancel()
     bar.close()
-    return {"summary": summarize(records, duration_s, slo), "requests": records} | cut
+    return {"summary": summarize(records, duration_s, slo) | lag_summary(lags), "requests": records} | cut
 
 
 def bench(base_url: str, model: str, requests: list[BenchRequest], **options) -> dict:
@@ -284,6 +264,8 @@ def run_bench_serve(args: argparse.Namespace, command: str | None = None) -> dic
               "environment": environment(load_before), "base_url": api_base(args.base_url), "model": model,
               "config": config, **out}
     print(format_summary(out["summary"]))
+    if warning := lag_warning(out["summary"]):
+        print(f"warning: {warning}")
     measured = out["summary"]["completed"] - out["summary"]["num_empty"]  # requests that streamed text
     if args.json and (measured or not Path(args.json).exists()):  # (a run of nothing leaves an earlier one)
         write_json(args.json, result)

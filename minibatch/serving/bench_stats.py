@@ -14,6 +14,8 @@ The metrics are the engine's (``minibatch.metrics``: one set of definitions and 
   text chunks (:func:`stream_problem`): a stream cut short, or a request the server aborted (a drain), fails.
 * Percentiles p50/p90/p99 are ``numpy.percentile`` (linear interpolation), like vLLM. All times are seconds.
 * goodput: requests per second that met every SLO given (``minibatch.metrics.SLO``).
+* client_lag_p99_s / client_lag_max_s: how late the client's own event loop ran (:func:`lag_summary`); over
+  CLIENT_LAG_WARN_S the client was the bottleneck and its times are suspect (:func:`lag_warning`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from minibatch.metrics import (COLUMNS, LATENCIES, PERCENTILES, SLO, RequestMetr
 ENDPOINTS = ("completions", "chat")
 MAX_BURSTINESS = 1000.0  # gamma shape: at 1000 the gaps are already nearly equal
 DEFAULT_BURSTINESS, DEFAULT_MAX_OUTPUT_LEN = 1.0, 128  # the CLI's defaults (an option at another value was given)
+LAG_TICK_S, CLIENT_LAG_WARN_S = 0.01, 0.05  # the client's event-loop probe, and the lag that makes its times suspect
 
 
 def arrival_offsets(num_requests: int, rate: float = math.inf, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -198,6 +201,23 @@ def summarize(records: list[dict], duration_s: float, slo: SLO | None = None) ->
     summary = {"completed": len(done), "failed": len(records) - len(done), "num_empty": len(done) - len(ok),
                "num_usage_not_taken": sum("usage_error" in r for r in records)}
     return summary | summary_values(Sample([request_metrics_of(r) for r in ok], duration_s, slo))
+
+
+def lag_summary(lags: list[float]) -> dict:
+    """How late the client's event loop ran (seconds past each LAG_TICK_S sleep), p99 and max: a busy client (too
+    many streams for its CPU) stamps chunks late, and its TTFT and ITL then include its own delay."""
+    return {"client_lag_p99_s": float(np.percentile(lags, 99)) if lags else None,
+            "client_lag_max_s": max(lags, default=None)}
+
+
+def lag_warning(summary: dict) -> str | None:
+    """A line saying the client was the bottleneck (its loop lagged over CLIENT_LAG_WARN_S), or None."""
+    worst = summary.get("client_lag_max_s")
+    if worst is None or worst <= CLIENT_LAG_WARN_S:
+        return None
+    return (f"the client's event loop ran up to {worst * 1e3:.0f} ms late (p99 {summary['client_lag_p99_s'] * 1e3:.0f}"
+            " ms): chunks were stamped that late, so TTFT and ITL include the client's own delay; send fewer requests "
+            "at once (--max-concurrency) or run the client on another machine")
 
 
 def format_summary(summary: dict) -> str:
