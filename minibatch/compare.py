@@ -122,11 +122,11 @@ class CompareConfig(ModelConfig):
             raise ValueError("--reference-cache applies only with the reference check (not with --no-reference)")
         check_int(self.long_prompts, "--long-prompts (at most --num-requests)", 0, self.num_requests)
         if self.trace is not None and not Path(self.trace).is_file():
-            raise ValueError(f"--trace: no such file {self.trace!r}")
+            raise ValueError(f"--trace: {self.trace!r} is not a file")
         if self.profile is not None and self.clock != "sim":  # a wall-clock run would silently not use it
             raise ValueError("--profile applies only with --clock sim (a wall-clock run measures its steps)")
         if self.profile is not None and not Path(self.profile).is_file():
-            raise ValueError(f"--profile: no such file {self.profile!r} (make one with python -m minibatch calibrate)")
+            raise ValueError(f"--profile: {self.profile!r} is not a file (make one with python -m minibatch calibrate)")
         if self.json_path is not None:  # output paths: fail now, not after the run
             check_output_file(self.json_path, "--json")
         for name in ("figures_dir", "trace_out") + (("reference_cache",) if self.check_reference else ()):
