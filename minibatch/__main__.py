@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "cuda tests, equality with HF generate, the main job, a benchmark (CPU twins without a GPU)")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda where there is one)")
     g.add_argument("--out", default=None, help="result JSON, written once every step has run (default "
-                   "data/gpu/gpu_check_<device name>[.<steps>].json; the steps so far: OUT.partial.json)")
+                   "data/gpu/gpu_check_<device name>[.<steps>].json; the steps so far: NAME.partial.json)")
     g.add_argument("--steps", default=None, help="comma-separated subset of the steps (default: all)")
     g.add_argument("--bench-requests", type=int, default=None,
                    help="requests in the benchmark step's trace (default 64 on a GPU, 16 on CPU)")

@@ -28,7 +28,7 @@ about a minute. A later measurement that needs a GPU is one more :class:`Step` i
 Result JSON (``--out``): ``{"command", "device", "complete", "passed", "environment", "steps": [{"name",
 "what", "status": "passed" | "failed" | "needs a GPU", "seconds", "details"}]}``;
 ``details`` holds each step's numbers (and, for a failure, the error). It is written once every step has run; until
-then the steps done so far are in ``OUT.partial.json`` (:func:`progress_path`).
+then the steps done so far are in ``NAME.partial.json`` next to it (:func:`progress_path`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import socket
 import time
 
 import httpx
+from fastapi.responses import Response
 import pytest
 
 from minibatch.serving import connections
@@ -154,7 +155,7 @@ LONG_STREAM = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 500
 
 
 @pytest.fixture
-def small_buffers_server(loaded, monkeypatch):
+def small_buffers_server(loaded, monkeypatch):  # (its app also has /big: one 150,000-byte write)
     """A server whose sockets have a small send buffer (as a long response, or a slow network, fills a large one),
     a SEND_TIMEOUT_S of 0.5 s, and a context for LONG_STREAM (~40 KB of events); and a client socket with a small
     receive buffer."""
@@ -167,6 +168,7 @@ def small_buffers_server(loaded, monkeypatch):
 
     monkeypatch.setattr(connections.DeadlineH11Protocol, "connection_made", small_send_buffer)
     app, engine = build_server(MODEL, "paged", dict(n_slots=2048, block_size=16, max_num_seqs=4), loaded=loaded)
+    app.add_api_route("/big", lambda: Response(b"x" * 150_000))
     with ServerThread(app, engine) as srv, socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
         yield srv, s
@@ -207,6 +209,23 @@ def test_a_client_that_reads_slowly_is_not_cut_off(small_buffers_server):
         reply += chunk
         time.sleep(0.05)
     assert reply.endswith(end) and time.monotonic() - t0 > 1.0
+
+
+def test_a_client_that_reads_one_large_write_slowly_is_not_cut_off(small_buffers_server):
+    """One large write never empties our buffer until it is all read, so writing never resumes: the timer is armed
+    again whenever the client read some (before, it was aborted SEND_TIMEOUT_S after the pause, 30 KB in)."""
+    srv, s = small_buffers_server
+    s.connect((srv.host, srv.port))
+    s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.settimeout(10)
+    reply, t0 = b"", time.monotonic()
+    while len(reply) < 150_000 and time.monotonic() - t0 < 30:
+        chunk = s.recv(2048)  # ~100-200 KB/s at most: several SEND_TIMEOUT_S in all
+        if not chunk:
+            break
+        reply += chunk
+        time.sleep(0.01)
+    assert reply.endswith(b"x" * 1000) and len(reply.partition(b"\r\n\r\n")[2]) == 150_000
 
 def test_the_send_timer_is_armed_again_while_the_client_reads_and_aborts_when_it_stops():
     """One large write (the buffer never empties, so writing never resumes): a client that read some of it within

@@ -60,11 +60,18 @@ def test_enforce_eager_reaches_the_runner_from_compare_serve_and_calibrate(tmp_p
     monkeypatch.setattr(runner_module.ModelRunner, "__init__", spy)
     main(["compare", "--model", "tiny-random-llama", "--num-requests", "2", "--max-output-len", "4", "--policies",
           "paged,spec", "--enforce-eager", "--no-reference", "--no-progress", "--figures-dir", ""])  # and the draft's
-    build_server("tiny-random-llama", "paged", dict(n_slots=64), enforce_eager=True, start=False)[1].shutdown()
-    monkeypatch.setattr(calibrate, "measure", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop here")))
+    build_server("tiny-random-llama", "spec", dict(n_slots=64), enforce_eager=True, start=False)[1].shutdown()
+    stop = lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("stop here"))  # noqa: E731
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **kw: [])
+    monkeypatch.setattr(calibrate, "fit_profile", lambda *a, **kw: SimpleNamespace(meta={}, draft=None))
+    monkeypatch.setattr(calibrate, "measure_draft", stop)  # (the target's and the draft's runners are built)
     with pytest.raises(RuntimeError, match="stop here"):
-        calibrate.calibrate("tiny-random-llama", scale=0.1, enforce_eager=True, progress=False)
-    assert len(seen) == 4 and set(seen) == {"enforce_eager=True"}
+        calibrate.calibrate("tiny-random-llama", scale=0.1, enforce_eager=True, progress=False,
+                            draft_model="tiny-random-llama")
+    eager_profile = SimpleNamespace(model="tiny-random-llama", dtype="float32", meta={"enforce_eager": True})
+    with pytest.raises(RuntimeError, match="stop here"):  # --draft-only: as its profile was measured
+        calibrate.calibrate_draft(eager_profile, "tiny-random-llama", progress=False)
+    assert len(seen) == 8 and set(seen) == {"enforce_eager=True"}  # compare 2, serve 2, calibrate 2, draft-only 2
 
 
 def test_why_a_runner_records_no_graphs(tiny):

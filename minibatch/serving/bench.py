@@ -191,8 +191,9 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
             records, cut = await asyncio.gather(*(send(i, r) for i, r in enumerate(requests))), {}
         except asyncio.CancelledError:  # Ctrl-C: the requests that finished are kept, the run marked interrupted
             records, cut = sorted(finished, key=lambda r: r["index"]), {"interrupted": True}
+        finally:
+            watcher.cancel()
         duration_s = time.perf_counter() - t0
-        watcher.cancel()
     bar.close()
     return {"summary": summarize(records, duration_s, slo) | lag_summary(lags), "requests": records} | cut
 

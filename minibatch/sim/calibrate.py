@@ -222,7 +222,8 @@ def calibrate_draft(profile: Profile, draft_model: str, device: str | None = Non
     from minibatch.experiment import load_runner, warm_up
 
     measured_on, backend = profile.meta.get("device", "cpu"), profile.meta.get("attention_backend", "torch")
-    eager = profile.meta.get("enforce_eager", False)
+    # (a profile from before enforce_eager was recorded: eager where it was on a GPU and replayed no graphs)
+    eager = profile.meta.get("enforce_eager", measured_on.startswith("cuda") and not profile.meta.get("cuda_graphs"))
     if device is not None and device != measured_on:
         raise ValueError(f"--device {device}: the profile was measured on {measured_on}, where its draft is "
                          "measured too (leave --device out)")
