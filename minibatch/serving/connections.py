@@ -103,8 +103,8 @@ def raw_error(error: APIError) -> bytes:
 
 
 class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request's headers, a cap on open connections and OpenAI error
-    objects for malformed HTTP (see the module's docstring)."""
+    """uvicorn's h11 protocol with a deadline on each request's headers, a send timeout, a cap on open connections
+    and OpenAI error objects for malformed HTTP (see the module's docstring)."""
 
     header_timer = send_timer = None
     send_waiting = 0  # bytes in our buffer when the send timer was (re)armed
