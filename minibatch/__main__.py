@@ -270,8 +270,9 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
             raise ValueError("--draft-only needs --draft-model")
         base = Profile.load(args.draft_only)
         check_output_file(args.out or args.draft_only, "--out")
-        device = args.device if given_options(parser, args, ["device"], ("calibrate",)) else None  # the profile's
-        profile = calibrate_draft(base, args.draft_model, device, args.threads, args.scale, not args.no_progress)
+        given = given_options(parser, args, ["device", "scale"], ("calibrate",))  # others: the profile's
+        profile = calibrate_draft(base, args.draft_model, args.device if "device" in given else None, args.threads,
+                                  args.scale if "scale" in given else None, not args.no_progress)
         profile.meta["draft_command"] = command
         print_profile(profile)
         print(f"wrote {profile.save(args.out or args.draft_only)} (draft {args.draft_model} added)")

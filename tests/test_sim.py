@@ -177,9 +177,11 @@ def test_calibrate_writes_a_profile_that_fits_its_samples(tiny_profile):
 
 
 def test_a_variant_calibration_never_replaces_the_full_profile_and_a_draft_is_measured_where_its_profile_was(
-        tiny_profile, capsys):
+        tiny_profile, capsys, monkeypatch):
     """calibrate's default --out named only model, device and dtype: a --quick, --scale or other-backend run
-    replaced the full profile. --draft-only measured the draft on --device (default cpu) whatever the profile's."""
+    replaced the full profile. --draft-only measured the draft on --device (default cpu) and at --scale (default 1),
+    whatever the profile's."""
+    from minibatch.sim import calibrate
     from minibatch.sim.calibrate import calibrate_draft, default_profile_path
 
     assert default_profile_path("smollm2-135m", "cpu", "float32") == "data/profiles/smollm2-135m-cpu.json"
@@ -188,6 +190,16 @@ def test_a_variant_calibration_never_replaces_the_full_profile_and_a_draft_is_me
     assert default_profile_path("a/b", "cuda:1", "bfloat16", "triton", True, 0.1, True) == \
         "data/profiles/a_b-cuda1-bfloat16-triton-quick-scale0.1-eager.json"
     profile = Profile.load(tiny_profile)
+    scales = []
+
+    def scenarios_at(vocab_size, scale, grid):
+        scales.append(scale)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(calibrate, "draft_scenarios", scenarios_at)
+    with pytest.raises(RuntimeError, match="stop here"):
+        calibrate_draft(profile, "tiny-random-llama")  # at the profile's own scale, not 1
+    assert scales == [0.25]
     profile.meta["device"] = "cuda:1"
     with pytest.raises(ValueError, match="--device cpu: the profile was measured on cuda:1"):
         calibrate_draft(profile, "tiny-random-llama", "cpu")

@@ -211,9 +211,10 @@ def refit(profile: Profile) -> Profile:
 
 
 def calibrate_draft(profile: Profile, draft_model: str, device: str | None = None, threads: int | None = None,
-                    scale: float = 1.0, progress: bool = True) -> Profile:
+                    scale: float | None = None, progress: bool = True) -> Profile:
     """Add (or replace) ``profile``'s draft model: measure only the draft's scenarios, where and as the profile was
-    measured (its device, dtype, attention backend, enforce_eager and grid, full or quick).
+    measured (its device, dtype, attention backend, enforce_eager and grid, full or quick; ``scale`` None: its
+    scale).
 
     Raises:
         ValueError: ``device`` given and not the profile's (its target steps were timed there).
@@ -232,6 +233,7 @@ def calibrate_draft(profile: Profile, draft_model: str, device: str | None = Non
     draft_runner = load_draft_runner(draft_model, profile.model, model, tokenizer, measured_on, backend, eager)
     warm_up(runner, draft_runner)
     grid = QUICK if profile.meta.get("quick") else FULL
+    scale = profile.meta.get("scale", 1.0) if scale is None else scale
     samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale, grid=grid),
                             progress)
     profile.draft, err = fit_draft(samples)
