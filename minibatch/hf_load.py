@@ -59,31 +59,3 @@ def load_pretrained(name_or_path: str) -> tuple[PreTrainedModel, PreTrainedToken
 
     with quiet_loading():
         return AutoModelForCausalLM.from_pretrained(name_or_path), AutoTokenizer.from_pretrained(name_or_path)
-
-
-def load_tokenizer(name: str):
-    """A tokenizer only (no model weights): our tiny byte-level one, SmolLM2's from the converted cache
-    (else straight from its GGUF file), or ``AutoTokenizer.from_pretrained`` of a local dir / hub id.
-
-    Raises:
-        ValueError: the tokenizer cannot be loaded (names --tokenizer).
-    """
-    from transformers import AutoTokenizer
-
-    from minibatch.gguf import cache_entry_problem, gguf_location, smollm2_cache_path
-    from minibatch.models import tiny_tokenizer
-
-    if name.startswith("tiny-random-"):
-        return tiny_tokenizer()
-    try:
-        with quiet_loading():
-            if name.startswith("smollm2-135m"):  # the draft shares the target's tokenizer
-                path = smollm2_cache_path()
-                if path.exists() and cache_entry_problem(path) is None:
-                    return AutoTokenizer.from_pretrained(path)
-                directory, file = gguf_location()
-                return AutoTokenizer.from_pretrained(directory, gguf_file=file)
-            return AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # OSError (not found / offline), ValueError, ...
-        raise ValueError(f"--tokenizer: cannot load a tokenizer from {name!r} ({type(e).__name__}: "
-                         f"{str(e)[:200]})") from e

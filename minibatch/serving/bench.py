@@ -30,9 +30,9 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
 
-from minibatch.hf_load import load_tokenizer  # (bench-serve's tokenizer: here too, for notebooks)
 from minibatch.machine import raise_fd_limit
 from minibatch.metrics import SLO
+from minibatch.serving.text import load_tokenizer  # (bench-serve's tokenizer: here too, for notebooks)
 from minibatch.serving.bench_stats import (DEFAULT_BURSTINESS, DEFAULT_MAX_OUTPUT_LEN, ENDPOINTS, api_base,
                                            arrival_offsets, check_args, check_options, chunk_text,
                                            default_tokenizer_name, error_text, finish_record, format_summary,

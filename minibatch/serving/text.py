@@ -4,7 +4,8 @@ The tokens of one request arrive a few at a time. Their text is decoded incremen
 detokenizer does: only the tokens since the last settled point, from the settled point before it (a
 token's text can depend on its neighbour, and one character may span several byte tokens); the
 text that window adds is appended. Text that may still become a stop string, or that ends in an
-incomplete UTF-8 character, is held back until it is settled.
+incomplete UTF-8 character, is held back until it is settled. Also here: :func:`load_tokenizer`, a tokenizer without
+its model (the load generator counts tokens with it).
 """
 
 from __future__ import annotations
@@ -96,3 +97,31 @@ def template_tokens_per_message(tokenizer) -> int:
         counts.append(sum(t in special for t in ids[1]) - sum(t in special for t in ids[0]))
     return max(0, min(counts, default=0))
 
+
+def load_tokenizer(name: str):
+    """A tokenizer only (no model weights): our tiny byte-level one, SmolLM2's from the converted cache
+    (else straight from its GGUF file), or ``AutoTokenizer.from_pretrained`` of a local dir / hub id.
+
+    Raises:
+        ValueError: the tokenizer cannot be loaded (names --tokenizer).
+    """
+    from transformers import AutoTokenizer
+
+    from minibatch.gguf import cache_entry_problem, gguf_location, smollm2_cache_path
+    from minibatch.hf_load import quiet_loading
+    from minibatch.models import tiny_tokenizer
+
+    if name.startswith("tiny-random-"):
+        return tiny_tokenizer()
+    try:
+        with quiet_loading():
+            if name.startswith("smollm2-135m"):  # the draft shares the target's tokenizer
+                path = smollm2_cache_path()
+                if path.exists() and cache_entry_problem(path) is None:
+                    return AutoTokenizer.from_pretrained(path)
+                directory, file = gguf_location()
+                return AutoTokenizer.from_pretrained(directory, gguf_file=file)
+            return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # OSError (not found / offline), ValueError, ...
+        raise ValueError(f"--tokenizer: cannot load a tokenizer from {name!r} ({type(e).__name__}: "
+                         f"{str(e)[:200]})") from e
