@@ -131,7 +131,7 @@ class CompareConfig(ModelConfig):
             check_output_file(self.json_path, "--json")
         for name in ("figures_dir", "trace_out") + (("reference_cache",) if self.check_reference else ()):
             if (value := getattr(self, name)) not in (None, "default") and (value or name == "trace_out"):  # '' = none
-                check_output_dir(getattr(self, name), opt(name))
+                check_output_dir(value, opt(name))
         if self.trace is not None:  # a bad trace file fails now; its ids are checked against the vocab later
             from minibatch.trace_io import load_trace
 

@@ -252,7 +252,7 @@ def sweep_command(args) -> int:
         raise ValueError(f"--json {args.json_path}: the folder of finished configurations would have this name too; "
                          "give another --json name, or a --cache")
     check_output_dir(cache, "--cache" if args.cache is not None else f"--cache (default {cache})")
-    out = run_sweep(args.grid, use_ray=args.ray, ray_address=args.ray_address, cache_dir=args.cache,
+    out = run_sweep(args.grid, use_ray=args.ray, ray_address=args.ray_address, cache_dir=str(cache),
                     json_path=args.json_path, progress=not args.no_progress)
     metrics = ("policy", "output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "prefix_cache_hit_rate")
     columns = out["varying"] + [k for k in metrics if any(k in row for row in out["rows"])]

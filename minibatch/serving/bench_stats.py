@@ -168,8 +168,8 @@ def finish_record(record: dict) -> dict:
     output = usage_count(sent["completion_tokens"], len(times), max(len(times), record["output_len"]))
     record["output_tokens"] = output if output is not None else len(times)
     record["output_tokens_source"] = "usage" if output is not None else "chunks"
-    bad = [f"{k} {short_repr(v)}" for k, v in sent.items() if v is not None and
-           (prompt if k == "prompt_tokens" else output) is None]
+    taken = {"prompt_tokens": prompt, "completion_tokens": output}
+    bad = [f"{k} {short_repr(v)}" for k, v in sent.items() if v is not None and taken[k] is None]
     if bad:
         record["usage_error"] = (f"usage {', '.join(bad)} not taken (not an int from the {len(times)} text chunks "
                                  f"to max_tokens {record['output_len']}, or a prompt of 1 to {MAX_TOKENS} tokens)")

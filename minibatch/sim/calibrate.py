@@ -160,15 +160,7 @@ def calibrate(model_name: str, device: str = "cpu", threads: int | None = None, 
         raise ValueError(f"{e}: --scale {scale:g}{' with --quick' if quick else ''} leaves too few steps; give a "
                          "larger --scale") from None
     if draft_model:
-        from minibatch.experiment import load_draft_runner
-
-        draft_runner = load_draft_runner(draft_model, model_name, model, tokenizer, device, attention_backend,
-                                         enforce_eager)
-        warm_up(runner, draft_runner)
-        draft_samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale, grid=grid),
-                                      progress)
-        profile.draft, err = fit_draft(draft_samples)
-        profile.meta.update(draft_model=draft_model, draft_fit_error=err, draft_samples=draft_samples)
+        add_draft(profile, draft_model, model_name, runner, tokenizer, scale, grid, enforce_eager, progress)
     profile.meta["calibration_time_s"] = round(time.perf_counter() - t0, 1)
     return profile
 
@@ -219,8 +211,7 @@ def calibrate_draft(profile: Profile, draft_model: str, device: str | None = Non
     Raises:
         ValueError: ``device`` given and not the profile's (its target steps were timed there).
     """
-    from minibatch.experiment import load_draft_runner
-    from minibatch.experiment import load_runner, warm_up
+    from minibatch.experiment import load_runner
 
     measured_on, backend = profile.meta.get("device", "cpu"), profile.meta.get("attention_backend", "torch")
     # (a profile from before enforce_eager was recorded: eager where it was on a GPU and replayed no graphs)
@@ -228,14 +219,24 @@ def calibrate_draft(profile: Profile, draft_model: str, device: str | None = Non
     if device is not None and device != measured_on:
         raise ValueError(f"--device {device}: the profile was measured on {measured_on}, where its draft is "
                          "measured too (leave --device out)")
-    model, tokenizer, runner, _ = load_runner(profile.model, measured_on, threads=threads, dtype=profile.dtype,
-                                              attention_backend=backend, enforce_eager=eager)
-    draft_runner = load_draft_runner(draft_model, profile.model, model, tokenizer, measured_on, backend, eager)
-    warm_up(runner, draft_runner)
-    grid = QUICK if profile.meta.get("quick") else FULL
+    _, tokenizer, runner, _ = load_runner(profile.model, measured_on, threads=threads, dtype=profile.dtype,
+                                          attention_backend=backend, enforce_eager=eager)
     scale = profile.meta.get("scale", 1.0) if scale is None else scale
-    samples = measure_draft(runner, draft_runner, draft_scenarios(model.config.vocab_size, scale, grid=grid),
+    grid = QUICK if profile.meta.get("quick") else FULL
+    add_draft(profile, draft_model, profile.model, runner, tokenizer, scale, grid, eager, progress)
+    return profile
+
+
+def add_draft(profile: Profile, draft_model: str, target_name: str, runner, tokenizer, scale: float, grid,
+              enforce_eager: bool, progress: bool) -> None:
+    """Measure ``draft_model`` drafting for ``runner`` (the target's: the draft runs on its device and attention
+    backend) on the draft scenarios at ``scale`` and ``grid``, and fit ``profile.draft`` (samples kept in the meta)."""
+    from minibatch.experiment import load_draft_runner, warm_up
+
+    draft_runner = load_draft_runner(draft_model, target_name, runner.model, tokenizer, runner.device,
+                                     runner.attention_backend.name, enforce_eager)
+    warm_up(runner, draft_runner)
+    samples = measure_draft(runner, draft_runner, draft_scenarios(runner.model.config.vocab_size, scale, grid=grid),
                             progress)
     profile.draft, err = fit_draft(samples)
     profile.meta.update(draft_model=draft_model, draft_fit_error=err, draft_samples=samples)
-    return profile
