@@ -374,7 +374,8 @@ def test_cli_path_writes_json(start_stub, tmp_path: Path, monkeypatch, capsys):
     url, stub = start_stub(chunks=2)
     path = tmp_path / "out" / "bench.json"
     args = _parse("--base-url", url + "/", "--tokenizer", "tiny-random-llama", "--num-prompts", "5", "--seed", "3",
-                  "--max-output-len", "6", "--slo-ttft-s", "100", "--json", str(path), "--no-progress")
+                  "--max-output-len", "6", "--slo-ttft-s", "100", "--json", str(path), "--no-progress",
+                  "--num-warmups", "0")
     result = run_bench_serve(args, command="python -m minibatch bench-serve ...")
     saved = json.loads(path.read_text())
     assert saved["command"] == "python -m minibatch bench-serve ..." and saved["environment"]["python"]
@@ -396,7 +397,29 @@ def test_cli_path_writes_json(start_stub, tmp_path: Path, monkeypatch, capsys):
     assert json.loads(path.read_text())["summary"]["failed"] == 5
 
 
+def test_warm_ups_are_sent_first_and_not_measured(start_stub, tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(bench_mod, "human_gpt_pairs", lambda: (_pairs(), len(_pairs())))
+    url, stub = start_stub(chunks=2)
+    path = tmp_path / "bench.json"
+    argv = ["--base-url", url, "--tokenizer", "tiny-random-llama", "--num-prompts", "4", "--json", str(path),
+            "--no-progress"]
+    result = run_bench_serve(_parse(*argv, "--num-warmups", "3"))  # (the CLI's default is 1)
+    warm, measured = stub.bodies[:3], stub.bodies[3:]  # three copies of request 0, then the 4 measured requests
+    assert len(measured) == 4 and warm == [warm[0]] * 3 and warm[0] in measured
+    assert [r["index"] for r in result["requests"]] == [0, 1, 2, 3] and result["summary"]["completed"] == 4
+    assert min(r["send_time_s"] for r in result["requests"]) < FIRST_DELAY_S  # the clock starts after the warm-ups
+    assert result["config"]["num_warmups"] == 3 and _parse("--base-url", url).num_warmups == 1
+    stub.fail_marker = "prompt 0"  # the library call: request 0 is the warm-up, so its failure stops the run
+    with pytest.raises(ValueError, match=r"--num-warmups: 2 of 2 warm-up requests failed, the first: .*stub failure"):
+        bench(url, "stub-model", _requests(3), num_warmups=2, progress=False)
+    stub.fail_marker, bodies = "?", len(stub.bodies)  # a failed warm-up leaves the earlier result as it was
+    with pytest.raises(ValueError, match="--num-warmups: 1 of 1 warm-up requests failed"):
+        run_bench_serve(_parse(*argv))
+    assert len(stub.bodies) == bodies + 1 and json.loads(path.read_text())["summary"]["completed"] == 4
+
+
 @pytest.mark.parametrize("argv, option", [
+    (["--num-warmups", "-1"], "--num-warmups"),
     (["--seed", "-1"], "--seed"), (["--output-len", "1000000000000"], "--output-len"),
     (["--rate", "0"], "--rate"), (["--rate", "-2"], "--rate"), (["--rate", "nan"], "--rate"),
     (["--num-prompts", "0"], "--num-prompts"), (["--burstiness", "0"], "--burstiness"),

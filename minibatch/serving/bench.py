@@ -149,17 +149,19 @@ async def _run_request(index: int, request: BenchRequest, client: AsyncOpenAI, m
 async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, rate: float = math.inf,
                     burstiness: float = 1.0, max_concurrency: int | None = None, endpoint: str = "completions",
                     ignore_eos: bool = False, slo: SLO | None = None, seed: int = 0, progress: bool = True,
-                    timeout_s: float = 600.0) -> dict:
+                    timeout_s: float = 600.0, num_warmups: int = 0) -> dict:
     """Send ``requests`` to the server at ``base_url``; ``{"summary": ..., "requests": [records]}``, and
     ``"interrupted": True`` with the requests finished so far when the run is cancelled (Ctrl-C; Python 3.11+).
 
     Request i is sent ``arrival_offsets(...)[i]`` seconds after the start, once one of the ``max_concurrency`` slots
-    is free (vLLM's semaphore: its send time is stamped after the wait), on a connection of its own.
+    is free (vLLM's semaphore: its send time is stamped after the wait), on a connection of its own. Before the
+    clock starts, ``num_warmups`` copies of request 0 are sent at once and not measured (vLLM's ``--num-warmups``):
+    they take the client's and the server's first-request costs out of the first wave's TTFT.
 
     Raises:
-        ValueError: a bad option (see :func:`check_options`).
+        ValueError: a bad option (see :func:`check_options`), or a warm-up request that failed (its error).
     """
-    check_options(len(requests), rate, burstiness, max_concurrency, endpoint, timeout_s)
+    check_options(len(requests), rate, burstiness, max_concurrency, endpoint, timeout_s, num_warmups)
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     bar = tqdm(total=len(requests), desc="bench-serve", unit="req", disable=not progress)
@@ -185,6 +187,11 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
     pool = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
     async with AsyncOpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0,
                            http_client=pool) as client:
+        warm = await asyncio.gather(*(_run_request(-1, requests[0], client, model, endpoint, ignore_eos,
+                                                   time.perf_counter(), timeout_s) for _ in range(num_warmups)))
+        if failed := [w["error"] for w in warm if not w["success"]]:
+            raise ValueError(f"--num-warmups: {len(failed)} of {num_warmups} warm-up requests failed, the first: "
+                             f"{failed[0]} (--num-warmups 0 skips the warm-up)")
         t0, finished, lags = time.perf_counter(), [], []
         watcher = asyncio.ensure_future(watch())
         try:
@@ -232,6 +239,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> argparse.Argum
     a("--json", default=None, metavar="PATH", help="write the result (command, environment, summary, requests)")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--timeout-s", type=float, default=600.0, help="per-request time limit in seconds")
+    a("--num-warmups", type=int, default=1, help="copies of the first request sent, unmeasured, before the clock "
+                                                  "starts; one that fails stops the run (0: none)")
     return parser
 
 
@@ -258,7 +267,7 @@ def run_bench_serve(args: argparse.Namespace, command: str | None = None) -> dic
                                args.output_len)
     out = bench(args.base_url, model, requests, rate=args.rate, burstiness=args.burstiness,
                 max_concurrency=args.max_concurrency, endpoint=args.endpoint, ignore_eos=args.ignore_eos, slo=slo,
-                seed=args.seed, progress=not args.no_progress, timeout_s=args.timeout_s)
+                seed=args.seed, progress=not args.no_progress, timeout_s=args.timeout_s, num_warmups=args.num_warmups)
     config = {k: v for k, v in vars(args).items() if not callable(v)} | {"model": model, "tokenizer": tokenizer_name,
               "slo": asdict(slo) if slo else None, "rate": args.rate if math.isfinite(args.rate) else "inf"}
     result = {"command": command or " ".join(["python -m minibatch"] + sys.argv[1:]),

@@ -58,9 +58,10 @@ def arrival_offsets(num_requests: int, rate: float = math.inf, burstiness: float
 
 
 def check_options(num_prompts: int, rate: float, burstiness: float, max_concurrency: int | None, endpoint: str,
-                  timeout_s: float) -> None:
+                  timeout_s: float, num_warmups: int = 0) -> None:
     """Raise ValueError with a one-line message naming the first bad option and its allowed range."""
     check_int(num_prompts, "--num-prompts", 1, MAX_NUM_REQUESTS)
+    check_int(num_warmups, "--num-warmups", 0, MAX_NUM_REQUESTS)
     arrival_offsets(0, rate, burstiness)  # checks --rate and --burstiness
     if (num_prompts - 1) / rate > MAX_SECONDS:  # the sends alone would take longer than a week
         raise ValueError(f"--rate {rate:g}: {num_prompts} requests at {rate:g}/s take about "
@@ -78,7 +79,8 @@ def check_options(num_prompts: int, rate: float, burstiness: float, max_concurre
 
 def check_args(args: argparse.Namespace) -> SLO | None:
     """Check every ``bench-serve`` option (ValueError naming the option); the SLO given, or None."""
-    check_options(args.num_prompts, args.rate, args.burstiness, args.max_concurrency, args.endpoint, args.timeout_s)
+    check_options(args.num_prompts, args.rate, args.burstiness, args.max_concurrency, args.endpoint, args.timeout_s,
+                  args.num_warmups)
     for option in ("max_prompt_len", "max_output_len", "output_len"):
         value = getattr(args, option)
         if value is not None:
