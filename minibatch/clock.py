@@ -219,8 +219,12 @@ class SimClock(WallClock):
         pass
 
     def end_step(self, shape: StepShape, draft_forwards=(), draft_time_s: float = 0.0) -> tuple[float, float]:
-        """Price the step of ``shape`` and its draft forwards ((tokens, rows, context) each; the measured
-        draft_time_s is not used): returns (step seconds, of which drafting) and advances now_s."""
+        """Price the step of ``shape`` and its draft forwards ((rows, tokens, context tokens) each, as
+        ``StepResult.draft_forwards``; the measured draft_time_s is not used): returns (step seconds, of which
+        drafting) and advances now_s.
+
+        Raises:
+            ValueError: the cost model priced the step at a negative, infinite or NaN time."""
         draft_s = sum(self.draft_cost_model.forward_time_s(*f) for f in draft_forwards)
         dt = self.cost_model.step_time_s(shape) + draft_s
         if not 0.0 <= dt < math.inf:  # NaN too: a NaN timeline admits no arrival again (the run would never end)

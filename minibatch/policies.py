@@ -7,8 +7,8 @@
     prefill_first   paged; a step is all prefill or all decode          (vLLM v0)
     chunked         stall-free batching with chunked prefill            (Sarathi-Serve, OSDI'24)
     chunked_prefix  chunked + prefix caching
-    spec            paged + speculative decoding with a draft model     (Leviathan et al. 2023)
-    spec_ngram      paged + speculative decoding with n-gram lookup     (prompt lookup decoding)
+    spec            paged + speculative decoding with a draft model     (Leviathan et al., ICML'23 §2.3)
+    spec_ngram      paged + speculative decoding with n-gram lookup     (prompt lookup decoding, Saxena 2023)
 
 A new idea is a scheduler subclass plus one :func:`register_policy` call, in the researcher's own
 file (``python -m minibatch compare --policy-module my_policy.py --policies mine,paged``).
@@ -92,7 +92,7 @@ def register_policy(name: str, scheduler: type, *, enable_prefix_caching: bool =
 
     Raises:
         ValueError: a name that is not lowercase letters, digits and "_", or is taken (unless
-            ``replace``); a proposer other than "draft" / "ngram".
+            ``replace``); a proposer other than "draft" / "ngram", or one on a non-PagedScheduler scheduler.
         FieldTypeError: scheduler is not a Scheduler subclass, or config_cls not a SchedulerConfig subclass.
     """
     if not isinstance(name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
@@ -202,13 +202,14 @@ def make_engine(policy: str, executor, clock=None, *, config=None, draft_runner=
         verify_cost_ratio) used instead of the one num_speculative_tokens / adaptive_k would build;
         num_speculative_tokens becomes its ``max_k`` (draft tokens per request and step, and the
         draft model's lookahead KV slots per request).
-    Speculative policies wrap a ModelRunner in a SpeculativeRunner; a SimExecutor gets the
-    speculator instead (it makes up drafts and accepts them at its acceptance_rate).
+    Speculative policies wrap a ModelRunner in a SpeculativeRunner; a SimExecutor gets the speculator instead.
 
     Raises:
         ValueError / FieldTypeError: an unknown policy, a setting out of range or one the policy
             does not have, a missing draft_runner, a speculator on a policy without a proposer or with
-            adaptive_k / another num_speculative_tokens also set (the message names the field).
+            adaptive_k / another num_speculative_tokens also set (the message names the field), a draft_runner
+            to a policy without a draft model, a speculative policy on a SimExecutor without acceptance_rate, an
+            executor without ``execute()``.
     """
     spec = get_policy(policy)
     if speculator is not None:

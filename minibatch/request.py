@@ -111,22 +111,26 @@ class Request:
         prompt_text: optional text of the prompt, for demos.
         parent_request_id: parallel sampling (vLLM's ``n > 1``): this request samples another
             continuation of the parent's (identical) prompt. The paged scheduler then forks the
-            parent's KV blocks (copy-on-write) instead of computing the prompt again.
+            parent's KV blocks (copy-on-write; Kwon et al., SOSP'23 §4.4) instead of computing the prompt again.
         priority: for the ``priority`` queue policy: lower is served first (vLLM's convention);
             any int, default 0.
         num_speculative_tokens: speculative decoding: this request's k, overriding the
             engine's choice (0: never speculate); None (default): the engine decides.
         num_external_computed_tokens: KV of the first this-many prompt tokens arrives from elsewhere
-            (disaggregated serving: a prefill replica computed it; vLLM's KV connector calls them external
-            computed tokens): the paged schedulers give it blocks without computing it. In
-            [0, len(prompt_token_ids)); a recompute preemption loses it (the prompt is computed again).
+            (disaggregated serving, DistServe OSDI'24 and Splitwise ISCA'24: a prefill replica computed it;
+            vLLM's KV connector calls them external computed tokens): the paged schedulers give it blocks
+            without computing it. In [0, len(prompt_token_ids)); a recompute preemption loses it (the prompt is
+            computed again).
 
     Raises:
         TypeError: a field of the wrong type: request_id not a str, token ids that are not ints
-            (floats, bools, strings, nested lists), a float max_new_tokens, a non-int priority.
+            (floats, bools, strings, nested lists), a float max_new_tokens, a non-int priority, a
+            ``sampling`` that is not a SamplingParams (FieldTypeError, a TypeError).
         ValueError: a field out of range: an empty prompt or an id < 0, max_new_tokens outside
             [1, 2**20], arrival_time_s outside [0, 1e9], priority outside [-(2**31 - 1), 2**31 - 1],
-            num_speculative_tokens outside [0, 64]. Ids >= the model's vocab_size are refused by ``Engine.add_request``.
+            num_speculative_tokens outside [0, 64], sampling.min_tokens > max_new_tokens,
+            num_external_computed_tokens outside [0, len(prompt_token_ids)). Ids >= the model's vocab_size are
+            refused by ``Engine.add_request``.
     """
 
     request_id: str
@@ -264,11 +268,14 @@ class Request:
 
 
 def fork_requests(request: Request, n: int, seeds: list[int] | None = None) -> list[Request]:
-    """Parallel sampling: ``request`` plus ``n - 1`` children sampling the same prompt
-    (ids ``{id}.1`` .. ``{id}.{n-1}``, each with its own seed, default request seed + i).
+    """Parallel sampling: ``request`` plus ``n - 1`` children sampling the same prompt (ids ``{id}.1`` ..
+    ``{id}.{n-1}``), whose KV blocks share the prompt's until a write copies them (copy-on-write; Kwon et al.,
+    SOSP'23 §4.4). Each gets its own seed: ``seeds[i]``, by default the request's seed + i (an unseeded request
+    counts as seed 0, so the forks of two unseeded prompts share seeds 0..n-1). ``request`` itself is changed in
+    place: its ``sampling`` gets ``seeds[0]``.
 
     Raises:
-        ValueError: n < 1, or len(seeds) != n.
+        ValueError: n outside [1, MAX_NUM_SEQS], or len(seeds) != n. FieldTypeError: n not an int.
     """
     from minibatch.checks import MAX_NUM_SEQS, check_int
 

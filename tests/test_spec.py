@@ -15,6 +15,7 @@ from minibatch.scheduler import ChunkedPrefillScheduler, PagedScheduler
 from minibatch.spec import (AdaptiveK, DraftModelProposer, FixedK, NgramProposer, SpecDecodingStats, SpeculativeRunner,
                             best_k, expected_tokens, greedy_verify, ngram_lookup, processed_probs, rejection_sample)
 from minibatch.spec.rejection_sampler import naive_sample
+from minibatch.spec.forward_cost import forward_time_s, measure_verify_cost
 
 from conftest import MAX_NEW
 
@@ -289,6 +290,26 @@ def test_spec_policies_in_make_engine(one_thread, paged_setup):
         make_engine("spec_ngram", runner, num_speculative_tokens=0)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         Request("x", [1], 3, num_speculative_tokens=-1)
+
+
+def test_measuring_a_runner_leaves_its_engine_working(one_thread, paged_setup):
+    """forward_time_s resizes the runner's KV cache: it claims it as an engine does, so the engine that used the
+    runner before reallocates its own at its next step (before, it ran on the measurement's few blocks)."""
+    model, runner, prompts, refs = paged_setup
+    engine = make_engine("paged", runner, n_slots=512)
+    first = engine.generate(_requests(prompts[:4]))
+    assert measure_verify_cost(runner, k=2, context=8) > 0
+    assert forward_time_s(runner, 1, 40, repeats=1) > 0
+    again = engine.generate([Request(f"again{i}", p, n, SamplingParams(ignore_eos=True))
+                             for i, (p, n) in enumerate(zip(prompts, MAX_NEW))])
+    assert {r.request_id: r.output_token_ids for r in first} == {f"r{i}": refs[f"r{i}"] for i in range(4)}
+    assert {r.request_id.replace("again", "r"): r.output_token_ids for r in again} == refs
+    engine.add_request(Request("held", prompts[0], 5, SamplingParams(ignore_eos=True)))
+    engine.step()  # the engine now holds KV: a measurement would overwrite it
+    with pytest.raises(RuntimeError, match="still holds KV"):
+        forward_time_s(runner)
+    engine.abort_request("held")  # (the session's runner is shared with later tests)
+    assert not engine.holds_kv
 
 
 def test_make_engine_speculator_override(one_thread, paged_setup):

@@ -26,7 +26,8 @@ class SimExecutor(KVOwnership):
         until the first rejection; ``stats`` counts. A list gives vLLM's per-position acceptance
         rates instead (the fraction of drafts at position i accepted, as ``SpecDecodingStats``
         measures them; non-increasing): position i is accepted with probability rate[i] /
-        rate[i-1] once i-1 was (the last rate repeats).
+        rate[i-1] once i-1 was; past the list the last such ratio repeats (rate[-1] / rate[-2]: the rates go on
+        decaying geometrically).
     speculator: FixedK or AdaptiveK: k for each request's next drafts (``make_engine`` runs a speculative policy
         on :meth:`with_speculator`'s copy); None: no drafts are proposed.
     draft_forwards: record the draft forwards (a draft model); False for n-gram lookup, whose
@@ -42,7 +43,8 @@ class SimExecutor(KVOwnership):
 
     Raises:
         ValueError: acceptance_rate or proposal_rate outside [0, 1], per-position rates that increase, an empty
-            list, max_model_len or vocab_size below 1. FieldTypeError: a value of the wrong type (a bool, a str).
+            list, max_model_len or vocab_size below 1, a speculator without acceptance_rate.
+        FieldTypeError: a value of the wrong type (a bool, a str).
     """
 
     eos_token_ids: tuple[int, ...] = ()
@@ -64,6 +66,8 @@ class SimExecutor(KVOwnership):
         if rates is not None and any(b > a for a, b in zip(rates, rates[1:])):
             raise ValueError(f"acceptance_rate per-position rates must be non-increasing, got {short_repr(rates)}")
         check_real(proposal_rate, "proposal_rate", 0.0, 1.0)
+        if speculator is not None:
+            _check_can_draft(acceptance_rate)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.acceptance_rate = acceptance_rate
@@ -110,8 +114,6 @@ class SimExecutor(KVOwnership):
         forwards (rows, tokens, context tokens) a draft model would run for them."""
         if self.speculator is None:
             return {}, ()
-        if self.acceptance_rate is None:
-            raise ValueError("SimExecutor with a speculator needs acceptance_rate= to simulate speculative decoding")
         plan = [(s.request_id, s.request.num_tokens + len(sampled[s.request_id]), k)  # tokens after this step
                 for s, k in rows_to_draft(out, sampled, accepted, self.speculator)
                 if self.proposal_rate >= 1.0 or self.rng.random() < self.proposal_rate]
@@ -130,7 +132,12 @@ class SimExecutor(KVOwnership):
     def with_speculator(self, speculator) -> "SimExecutor":
         """A copy of this executor that proposes drafts with ``speculator`` (its own draft bookkeeping; the random
         stream and ``stats`` are shared with this one). This executor is left as it was: ``make_engine`` gives a
-        speculative policy the copy, so a later policy on the same executor proposes no drafts."""
+        speculative policy the copy, so a later policy on the same executor proposes no drafts.
+
+        Raises:
+            ValueError: this executor has no acceptance_rate.
+        """
+        _check_can_draft(self.acceptance_rate)
         twin = copy.copy(self)
         twin.speculator, twin._draft_seen = speculator, {}
         return twin
@@ -153,3 +160,8 @@ class SimExecutor(KVOwnership):
 
     def release_state(self) -> None:
         self._draft_seen = {}
+
+
+def _check_can_draft(acceptance_rate) -> None:
+    if acceptance_rate is None:
+        raise ValueError("SimExecutor with a speculator needs acceptance_rate= to simulate speculative decoding")

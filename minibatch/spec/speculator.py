@@ -35,14 +35,17 @@ from minibatch.request import Request
 
 
 def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens emitted by one verification of k drafts] = sum_{i=0..k} alpha^i (alpha in [0, 1], k in [0, 64])."""
+    """E[tokens emitted by one verification of k drafts] = sum_{i=0..k} alpha^i (alpha in [0, 1], k in [0, 64];
+    Leviathan et al., ICML'23 §3.1, Eq. 1). Raises ValueError (FieldTypeError: not a number) outside them."""
     check_real(alpha, "alpha (the acceptance rate)", 0.0, 1.0)
     return sum(alpha ** i for i in range(check_int(k, "k", 0, MAX_SPEC_TOKENS) + 1))
 
 
 def predicted_speedup(alpha: float, k: int, verify_cost_ratio: float, draft_cost_ratio: float) -> float:
     """Batch-1 speedup over plain decoding: expected_tokens(alpha, k) / (v + c k), in decode-step units
-    (alpha: Leviathan's per-token acceptance probability; k = 0 is a plain decode, speedup 1)."""
+    (alpha: Leviathan's per-token acceptance probability; k = 0 is a plain decode, speedup 1). Leviathan et al.,
+    ICML'23 §3's walltime improvement, with a verify forward costing v decode steps instead of 1. Raises ValueError
+    (FieldTypeError: not a number): alpha or k as :func:`expected_tokens`, v outside (0, 1e6], c outside [0, 1e6]."""
     check_real(verify_cost_ratio, "verify_cost_ratio", 0.0, 1e6, low_open=True)
     check_real(draft_cost_ratio, "draft_cost_ratio", 0.0, 1e6)
     return expected_tokens(alpha, k) / (verify_cost_ratio + draft_cost_ratio * k) if k else 1.0
@@ -80,32 +83,6 @@ def rows_to_draft(plan, sampled: dict, accepted: dict, speculator) -> list[tuple
             if k > 0:
                 rows.append((s, k))
     return rows
-
-
-def forward_time_s(runner, num_new_tokens: int = 1, context: int = 128, repeats: int = 10) -> float:
-    """Median seconds of one batch-1 packed forward of ``num_new_tokens`` tokens after ``context``
-    cached tokens on ``runner`` (a ModelRunner; its KV cache is reallocated)."""
-    import time
-
-    from minibatch.runner.batch import PackedSequence
-
-    block_size, n = 16, context + num_new_tokens
-    table = list(range(-(-n // block_size)))
-    runner.allocate_kv_cache(len(table), block_size)
-    ids = [3 + i % 100 for i in range(n)]
-    runner.forward_sequences([PackedSequence("m", ids[:context], 0, table, 1)])
-    ts = []
-    for _ in range(repeats + 2):  # two warm-up forwards
-        t0 = time.perf_counter()
-        runner.forward_sequences([PackedSequence("m", ids[context:], context, table, num_new_tokens)])
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts[2:])[repeats // 2]
-
-
-def measure_verify_cost(runner, k: int = 4, context: int = 128) -> float:
-    """A verify forward's time (k+1 new tokens) over a plain decode's (1) on ``runner`` at batch 1:
-    AdaptiveK's verify_cost_ratio on this machine."""
-    return forward_time_s(runner, k + 1, context) / forward_time_s(runner, 1, context)
 
 
 class FixedK:
