@@ -362,6 +362,15 @@ def test_sim_executor_acceptance_rate():
     assert ex.stats.acceptance_rate_per_pos == pytest.approx([0.6, 0.36, 0.216, 0.1296], abs=0.03)
     with pytest.raises(ValueError, match="acceptance_rate"):
         SimExecutor(acceptance_rate=1.5)
+    with pytest.raises(ValueError, match="needs acceptance_rate"):  # at construction, not at the first step
+        SimExecutor(speculator=FixedK(4))
+    with pytest.raises(ValueError, match="needs acceptance_rate"):
+        SimExecutor().with_speculator(FixedK(4))
+    # per-position rates: past the list, the last ratio (0.6 / 0.8) repeats
+    ex = SimExecutor(acceptance_rate=[0.8, 0.6], seed=2, speculator=FixedK(3))
+    Engine(PagedScheduler(max_num_seqs=16, num_blocks=512, num_lookahead_tokens=3), ex).generate(
+        [Request(f"r{i}", [5] * 8, 200, SamplingParams(ignore_eos=True)) for i in range(16)])
+    assert ex.stats.acceptance_rate_per_pos == pytest.approx([0.8, 0.6, 0.45], abs=0.03)
 
 
 @pytest.mark.parametrize("p", [0.3, 0.6, 0.9])
