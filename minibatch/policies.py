@@ -157,7 +157,7 @@ def load_policy_module(path: str) -> list[str]:
 
     file = Path(path)
     if file.suffix != ".py" or not file.is_file():
-        raise ValueError(f"--policy-module: no such Python file {str(path)!r}")
+        raise ValueError(f"--policy-module: {'not a .py file' if file.is_file() else 'no such Python file'} {path!r}")
     key = (file.resolve(), file.stat().st_mtime_ns)
     if key in _LOADED and all(name in registered() for name in _LOADED[key]):
         return _LOADED[key]  # loaded already (a notebook cell run again, compare then simulate in one process)

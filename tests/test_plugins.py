@@ -134,9 +134,10 @@ def test_register_policy_checks_its_arguments():
     (None, "no such Python file"),
     ("raise RuntimeError('boom')", "RuntimeError: boom"),
     ("x = 1", "registers no policy"),
+    ("", "not a .py file"),  # (written as plugin.txt)
 ])
 def test_bad_policy_module_is_one_line_exit_2(tmp_path, capsys, text, message):
-    path = tmp_path / "plugin.py"
+    path = tmp_path / ("plugin.txt" if text == "" else "plugin.py")
     if text is not None:
         path.write_text(text)
     with pytest.raises(ValueError, match=message):
