@@ -107,6 +107,10 @@ class CostModel:
     batch pays for its padding); batch_rows is the number of sequences in the forward.
     The defaults are rough numbers for smollm2-135m on a 2-core CPU; a calibrated model fit
     from measured steps is a ``minibatch.sim.cost_model.Profile`` (``python -m minibatch calibrate``).
+
+    Raises:
+        FieldTypeError: a coefficient that is not a real number (a bool or str included).
+        ValueError: a coefficient that is negative, NaN, infinite or above ``MAX_SECONDS``.
     """
 
     fixed_s: float = 0.030

@@ -43,9 +43,9 @@ COMPARE_SETTINGS = {"max_num_seqs": 32, "max_wait_s": 0.5}
 
 @dataclass(frozen=True)
 class CompareConfig(ModelConfig):
-    """Options of ``python -m minibatch compare`` and ``simulate`` (``--help`` is made from these
-    fields, the model's (:class:`~minibatch.models.ModelConfig`, shared with serve and calibrate) and the
-    registered policies' settings). Validated on creation: one error naming the field as its option and range.
+    """Options of ``python -m minibatch compare`` and ``simulate`` (``--help`` is made from these fields, the model's
+    (:class:`~minibatch.models.ModelConfig`, shared with serve and calibrate) and the registered policies' settings).
+    Validated on creation: ValueError (FieldTypeError for a wrong type) naming the field as its option and range.
 
     settings: the policies' settings by name (e.g. ``{"max_num_seqs": 8, "target_itl_s": 0.1}``): each
         applies to every selected policy that has it (``POLICIES[p].config_cls``); one no selected

@@ -232,7 +232,13 @@ class Engine:
 
     # ------------------------------------------------------------------ front ends
     def stream(self, requests: list[Request] | None = None) -> Iterator[TokenEvent]:
-        """Add ``requests`` and yield every token as its step ends, until all finish."""
+        """Add ``requests`` and yield every token as its step ends, until all finish.
+
+        Raises:
+            as ``add_request`` (TypeError: not a Request; ValueError: a request that cannot run or is not fresh)
+            and ``step`` (RuntimeError: the executor is held by another engine, or nothing can be scheduled;
+            ValueError: the KV cache does not fit). A generator: nothing runs, or raises, before the first next().
+        """
         for r in requests or []:
             self.add_request(r)
         while self.has_unfinished():
@@ -246,6 +252,11 @@ class Engine:
         """Offline: run ``requests`` to completion; returns them (same order) with outputs filled.
 
         progress: show a tqdm bar over finished requests.
+
+        Raises:
+            as ``add_request`` (TypeError: not a Request; ValueError: a request that cannot run or is not fresh)
+            and ``step`` (RuntimeError: the executor is held by another engine, or nothing can be scheduled;
+            ValueError: the KV cache does not fit).
         """
         bar = None
         if progress:

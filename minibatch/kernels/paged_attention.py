@@ -11,7 +11,7 @@ physical block. The kernel never sees a contiguous context, it translates every 
     slot = block_tables[r, pos // block_size] * block_size + pos % block_size
 
 The context is consumed in tiles of BLOCK_N positions with the online softmax of FlashAttention
-(Dao et al., 2022): keep a running max m, running sum l and unnormalised output acc; for each
+(Dao et al., NeurIPS'22 §3.1, Algorithm 1): keep a running max m, running sum l and unnormalised output acc; for each
 tile of scores s,
     m_new = max(m, max(s));  alpha = exp(m - m_new);  p = exp(s - m_new)
     l = l * alpha + sum(p);  acc = acc * alpha + p @ V;  m = m_new
@@ -217,14 +217,25 @@ def paged_decode_attention(
     q: (num_seqs, num_heads, head_dim), sequence i's query at position seq_lens[i] - 1; its K/V
         are already in the cache. Same dtype as kv_cache.
     kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
-    block_tables: (num_seqs, max_blocks) int32; entries past a sequence's last block are ignored.
-    seq_lens: (num_seqs,) int32, each >= 1: sequence i attends to positions 0 .. seq_lens[i] - 1.
+    block_tables: (num_seqs, max_blocks) int32 or int64; entries past a sequence's last block are ignored.
+    seq_lens: (num_seqs,) int32 or int64, each >= 1: sequence i attends to positions 0 .. seq_lens[i] - 1.
     Returns (num_seqs, num_heads, head_dim) in q's dtype (fp32 accumulation).
+
+    Raises:
+        ValueError: kv_cache not 6-D with dim 1 == 2, or its last dim not contiguous; layer outside
+            [0, num_layers); q not (num_seqs, num_heads, head_dim) with num_heads a multiple of
+            num_kv_heads, or q's dtype not kv_cache's; block_tables / seq_lens of the wrong shape or
+            not int32/int64; q, block_tables or seq_lens on another device than kv_cache; q's last dim
+            not contiguous.
+        RuntimeError: from ``require_triton``: triton cannot be imported; the kernels were compiled
+            for the GPU but the tensors are not on CUDA; or triton was imported before
+            TRITON_INTERPRET=1 was set, so the interpreter cannot run them.
 
     One program per (sequence, query head), a 2-D grid: the simplest mapping, since a single
     query needs no matmul. With GQA the num_heads // num_kv_heads programs of a group each read
     the same K/V tiles; on a GPU the repeats mostly hit L2. Production kernels (vLLM v1,
-    FlashDecoding) give one program the whole group, and split long contexts across programs.
+    Flash-Decoding (Dao, Haziza, Massa, Sizov, 2023)) give one program the whole group, and split
+    long contexts across programs.
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_queries_per_kv = _check_attention_args(q, kv_cache, layer, block_tables, seq_lens, num_seqs)
@@ -263,14 +274,19 @@ def paged_prefill_attention(
         cache (the new tokens' K/V must be stored first): earlier chunks or a prefix-cache hit
         are included. q_len == 1 (decode) and q_len == seq_len (fresh prefill) are special cases.
     kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
-    block_tables: (num_reqs, max_blocks) int32; entries past a request's last block are ignored.
-    seq_lens: (num_reqs,) int32, cached + new tokens, >= q_len >= 1.
-    cu_seqlens_q: (num_reqs + 1,) int32 offsets, cu_seqlens_q[0] == 0.
+    block_tables: (num_reqs, max_blocks) int32 or int64; entries past a request's last block are ignored.
+    seq_lens: (num_reqs,) int32 or int64, cached + new tokens, >= q_len >= 1.
+    cu_seqlens_q: (num_reqs + 1,) int32 or int64 offsets, cu_seqlens_q[0] == 0.
     max_q_len: the longest q_len, if the caller knows it (else read from cu_seqlens_q: a sync).
     Returns (num_tokens, num_heads, head_dim) in q's dtype (fp32 accumulation). Compiled, bf16/fp16
     tiles go to tl.dot as they are and P is rounded to q's dtype for P @ V; interpreted, all math is fp32.
 
     Grid: (num_reqs, num_heads, cdiv(max_q_len, BLOCK_M)); programs past a request's q_len exit.
+
+    Raises:
+        ValueError: as ``paged_decode_attention`` (with num_reqs = len(cu_seqlens_q) - 1 rows in
+            block_tables / seq_lens), and cu_seqlens_q not 1-D int32/int64 or not on q's device.
+        RuntimeError: from ``require_triton``, as ``paged_decode_attention``.
     """
     num_reqs = cu_seqlens_q.shape[0] - 1
     num_tokens, num_heads, head_dim = q.shape
@@ -341,7 +357,12 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Pure-torch reference for ``paged_decode_attention`` (same arguments and result)."""
+    """Pure-torch reference for ``paged_decode_attention`` (same arguments and result).
+
+    Raises:
+        ValueError: the argument checks of ``paged_decode_attention`` except q's contiguity.
+            No Triton needed, so no RuntimeError.
+    """
     _check_attention_args(q, kv_cache, layer, block_tables, seq_lens, q.shape[0])
     out = torch.empty_like(q)
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -360,7 +381,13 @@ def paged_prefill_attention_ref(
     scale: float,
     max_q_len: int | None = None,
 ) -> torch.Tensor:
-    """Pure-torch reference for ``paged_prefill_attention`` (same arguments and result)."""
+    """Pure-torch reference for ``paged_prefill_attention`` (same arguments and result).
+
+    Raises:
+        ValueError: the checks on kv_cache, layer, q, block_tables and seq_lens of
+            ``paged_decode_attention``; cu_seqlens_q and q's contiguity are not checked.
+            No Triton needed, so no RuntimeError.
+    """
     _check_attention_args(q, kv_cache, layer, block_tables, seq_lens, cu_seqlens_q.shape[0] - 1)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()

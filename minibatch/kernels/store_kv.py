@@ -102,6 +102,15 @@ def store_kv(
     slot_mapping: (num_tokens,) int32 or int64; slot = block_id * block_size + offset, -1 = skip.
     Slots must be distinct and < num_blocks * block_size (not checked: that would sync with the
     GPU). Returns None. A bf16/fp16 key into a cache of the same dtype is copied bit for bit.
+
+    Raises:
+        ValueError: kv_cache not 6-D with dim 1 == 2, or its last dim not contiguous; layer outside
+            [0, num_layers); key / value not (num_tokens, num_kv_heads, head_dim) matching the cache;
+            slot_mapping not (num_tokens,) int32/int64; key, value or slot_mapping on another device
+            than kv_cache; key's or value's last dim not contiguous.
+        RuntimeError: from ``require_triton``: triton cannot be imported; the kernels were compiled
+            for the GPU but kv_cache is not on CUDA; or triton was imported before TRITON_INTERPRET=1
+            was set, so the interpreter cannot run them.
     """
     _check_store_args(kv_cache, layer, key, value, slot_mapping)
     require_triton(kv_cache.device)
@@ -127,7 +136,11 @@ def store_kv(
 def store_kv_ref(
     kv_cache: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Pure-torch reference for ``store_kv``: same arguments, same in-place effect."""
+    """Pure-torch reference for ``store_kv``: same arguments, same in-place effect.
+
+    Raises:
+        ValueError: the checks of ``store_kv`` except the contiguity of key / value; no RuntimeError.
+    """
     _check_store_args(kv_cache, layer, key, value, slot_mapping)
     _, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     keep = slot_mapping >= 0  # (num_tokens,) False on padding

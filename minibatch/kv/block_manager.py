@@ -58,12 +58,14 @@ class BlockManager:
         num_blocks: KV blocks in the cache, >= 1.
         block_size: token slots per block, >= 1 (vLLM's default is 16).
         enable_prefix_caching: share full prompt blocks between requests by hash.
-        watermark: fraction of blocks admission keeps free (vLLM v0's 0.01), so that running
-            requests can still grow a block without preempting at once; 0 <= watermark < 1.
+        watermark: fraction of blocks admission keeps free (``int(watermark * num_blocks)`` blocks), so
+            that running requests can still grow a block without preempting at once; 0 <= watermark < 1.
+            The default here is 0.0 (none kept); ``PagedScheduler`` passes 0.01 by default (its config's
+            ``watermark``), the value of vLLM v0's ``BlockSpaceManager``.
         num_cpu_blocks: CPU blocks for swap-out preemption, >= 0.
 
     Raises:
-        ValueError: an argument out of range (the message names it).
+        ValueError: an argument out of range (FieldTypeError for a wrong type; the message names it).
         KeyError: an operation on a request that holds no blocks.
         RuntimeError: an operation that needs more free blocks than there are (callers check
             ``can_*`` first; the scheduler preempts instead).

@@ -46,9 +46,10 @@ class ModelRunner(KVOwnership):
             reference, gathers K/V by block table and runs SDPA; "triton" runs ``minibatch.kernels``' store_kv
             and paged attention kernels, on a CPU under the Triton interpreter, slowly) or an AttentionBackend.
         vocab_subset: packed steps compute logits only for these token ids (the rest get -inf):
-            a draft model's cheaper LM head (FR-Spec, Zhao et al. 2025: a small draft over a
-            49k vocabulary spends most of its time in the LM head; the most frequent tokens
-            carry almost all of its proposals). None (default): the whole vocabulary.
+            a draft model's cheaper LM head (Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary
+            Language Models via Frequency-Ranked Speculative Sampling": a small draft over a 49k vocabulary
+            spends most of its time in the LM head; the most frequent tokens carry almost all of its proposals).
+            None (default): the whole vocabulary.
         prepack_weights: on a CPU in bfloat16, lay every linear weight out once for oneDNN instead of at each
             call (``runner.prepack``: the same kernel on the same numbers, bit-identical outputs, ~25% less
             matmul time in decode steps); in float32, pack every weight once into panels for our own matrix-product
@@ -71,7 +72,10 @@ class ModelRunner(KVOwnership):
     without it every prefill step faults its activations' pages in afresh), for the whole process.
 
     Raises:
-        ValueError: an unknown attention_backend, or one that does not support the model's device or dtype.
+        FieldTypeError: model is not a torch.nn.Module (a name, load_model's pair); vocab_subset not a flat
+            sequence of int ids.
+        ValueError: vocab_subset empty or an id outside [0, vocab_size); an unknown attention_backend, or one
+            that does not support the model's device or dtype.
         NotImplementedError: the model does not run the packed attention exactly (its attention
             does not dispatch through transformers' AttentionInterface, its layers drop
             attn_metadata, packed rows see each other, an attention option we do not implement,
@@ -79,8 +83,10 @@ class ModelRunner(KVOwnership):
             without the attention geometry (num_hidden_layers, num_attention_heads, hidden_size).
 
     Attributes:
-        kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), made by
-            ``allocate_kv_cache`` (the packed layout only).
+        kv_cache: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim) in the model's dtype, on
+            its device, made by ``allocate_kv_cache`` (the packed layout only); None before.
+        cpu_kv_cache: the same layout with num_cpu_blocks blocks, on the CPU (pinned when the model is on
+            CUDA): swap space for ``move_blocks``; None before ``allocate_kv_cache``.
         eos_token_ids: ids that finish a request (unless its sampling has ignore_eos).
         max_model_len: the model's context limit: the first of ``MAX_MODEL_LEN_FIELDS`` its config
             has, else ``NO_POSITION_LIMIT``.
@@ -191,7 +197,8 @@ class ModelRunner(KVOwnership):
     # ------------------------------------------------------------------ steps
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step; its result holds request_id -> (sampled token,) for requests that get a token."""
+        """Run one step; its result holds request_id -> (sampled token,) for requests that get a token.
+        Raises RuntimeError for a packed step before ``allocate_kv_cache`` ("call allocate_kv_cache...")."""
         self.move_blocks(out)
         if out.is_padded_batch:
             logits, request_ids = self._forward_padded(out)
@@ -215,7 +222,8 @@ class ModelRunner(KVOwnership):
 
     @torch.inference_mode()
     def forward_sequences(self, seqs: list[PackedSequence]) -> tuple[torch.Tensor, list[str]]:
-        """One packed forward over explicit sequences (a draft model's steps); see ``forward_packed``."""
+        """One packed forward over explicit sequences (a draft model's steps); see ``forward_packed``.
+        Raises RuntimeError before ``allocate_kv_cache`` ("call allocate_kv_cache...")."""
         return self.forward_packed(pack_sequences(seqs, self._kv(), self.attention_backend))
 
     def forward_packed(self, batch) -> tuple[torch.Tensor, list[str]]:

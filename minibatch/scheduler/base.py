@@ -21,6 +21,9 @@ class Scheduler:
     queue_policy: "fcfs" (default), "sjf", "priority" or a
         :class:`~minibatch.scheduler.queue_policy.QueuePolicy`; iteration-level schedulers serve
         requests in the order of ``sort_key`` (the policy's key, ties broken by arrival).
+
+    Raises:
+        ValueError: ``queue_policy`` is neither one of those names nor a QueuePolicy (``make_queue_policy``).
     """
 
     name = "base"

@@ -1,5 +1,5 @@
-"""Each scheduler's settings, one frozen dataclass per scheduler (Vidur's one config class per
-replica scheduler), with vLLM's names where vLLM has the setting.
+"""Each scheduler's settings, one frozen dataclass per scheduler (as the simulator Vidur, Agrawal et al., MLSys'24,
+has one config class per replica scheduler), with vLLM's names where vLLM has the setting.
 
 A scheduler class names its config in ``config_cls`` and reads it in ``from_config``; the policy
 table (``minibatch.policies``) registers it with the policy, and the command line offers every

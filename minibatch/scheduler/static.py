@@ -30,7 +30,8 @@ class StaticScheduler(Scheduler):
         max_wait_s: form a partial batch once the oldest waiting request waited this long, >= 0.
 
     Raises:
-        ValueError: batch_size < 1 or max_wait_s < 0.
+        ValueError: batch_size < 1, or max_wait_s negative, infinite or NaN.
+        FieldTypeError: max_wait_s is not a real number (a bool or str included).
     """
 
     name = "static"

@@ -143,8 +143,10 @@ class AsyncEngine:
 
         Raises:
             ValueError / TypeError: the request can never run (``Engine.check_request``).
-            QueueFullError: ``max_num_waiting`` requests already wait.
+            ValueError: its request_id was already submitted (or added to the engine).
+            QueueFullError: ``max_num_waiting`` requests already wait, or the server is draining (checked first).
             EngineDeadError: the loop thread has stopped.
+            RuntimeError: no running event loop in this thread (``asyncio.get_running_loop``).
         """
         if self.draining:  # first: once drained, the loop has stopped too, and the answer is still "shutting down"
             raise QueueFullError("the server is shutting down (draining): no new requests")

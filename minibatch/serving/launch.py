@@ -188,9 +188,8 @@ def draining_server(config, engine: AsyncEngine, drain_timeout_s: float):
 
 
 class ServerThread:
-    """uvicorn serving ``app`` in a daemon thread of this process, on 127.0.0.1 and a free port
-    (``base_url``: ``http://127.0.0.1:PORT/v1``). ``stop()`` (or leaving the ``with``) closes the
-    port and shuts down ``engine``."""
+    """uvicorn serving ``app`` in a daemon thread of this process, on 127.0.0.1 and a free port (``base_url``:
+    ``http://127.0.0.1:PORT/v1``). ``stop()`` (or leaving the ``with``) closes the port and shuts down ``engine``."""
 
     def __init__(self, app, engine: AsyncEngine | None = None, host: str = "127.0.0.1"):
         from minibatch.serving.connections import http_server
@@ -201,6 +200,7 @@ class ServerThread:
         self.host, self.port = host, None
 
     def start(self, timeout_s: float = 30.0) -> "ServerThread":
+        """Serve; returns self once started. RuntimeError: the server thread died first, or timeout_s passed."""
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
@@ -244,10 +244,9 @@ def stop_running_children() -> None:
 
 
 class ServerProcess:
-    """``python -m minibatch serve ARGS --port PORT`` as a child process, its output in ``log``
-    (a file path); ``start()`` waits for /health. ``stop()`` (or leaving the ``with``) ends it (and
-    its port); so does the exit of this interpreter, should nobody call it (a notebook cell that
-    failed between start and stop).
+    """``python -m minibatch serve ARGS --port PORT`` as a child process, its output in ``log`` (a file path);
+    ``start()`` waits for /health. ``stop()`` (or leaving the ``with``) ends it (and its port); so does the exit of this
+    interpreter, should nobody call it (a notebook cell that failed between start and stop).
 
     command: another server's command line instead (e.g. ``transformers serve``, ``vllm serve``), "{port}" in it
     replaced by the port; it must answer GET /health. env: variables added to the child's environment;
@@ -265,6 +264,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout_s: float | None = None) -> "ServerProcess":
+        """Spawn and wait for /health. RuntimeError: the child exited first, or timeout_s passed (then stopped)."""
         timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT,

@@ -71,7 +71,11 @@ def ngram_lookup(token_ids: list[int], k: int, n_max: int = 4, n_min: int = 1) -
 
 
 class NgramProposer:
-    """Prompt lookup decoding (no model). n_max, n_min: the n-gram sizes tried, longest first."""
+    """Prompt lookup decoding (no model). n_max, n_min: the n-gram sizes tried, longest first.
+
+    Raises:
+        ValueError: not 1 <= n_min <= n_max (checked by ``ngram_lookup``).
+    """
 
     name = "ngram"
     writes_kv = False  # drafts need no KV of their own: no lookahead slots

@@ -81,7 +81,12 @@ class SpeculativeRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step: verify the drafts the plan carries, sample, then propose the next drafts."""
+        """Run one step: verify the drafts the plan carries, sample, then propose the next drafts.
+
+        Raises:
+            ValueError: a padded plan (``out.is_padded_batch``, static batching): speculation needs a packed one.
+            RuntimeError: the target's (or a draft model's) KV cache is not allocated ("call allocate_kv_cache...").
+        """
         if out.is_padded_batch:
             raise ValueError("speculative decoding needs a packed (paged) scheduler, not static batching")
         self.target.move_blocks(out)
