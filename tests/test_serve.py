@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minibatch.reference import reference_outputs
 from minibatch.request import Request, SamplingParams
+from minibatch.serving.async_engine import warm_up
 from minibatch.serving.launch import ServerProcess, ServerThread, build_server
 
 MODEL = "tiny-random-llama"
@@ -904,3 +905,24 @@ def test_metrics_are_updated_before_a_request_gets_its_last_token(server):
     for _ in range(20):
         c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2)
         assert metric(server, "num_requests_running") == 0
+
+
+def test_the_server_warms_up_on_a_throwaway_engine(loaded, monkeypatch):
+    """Before it listens, the server runs one short request on a throwaway engine over the same runner (the model's
+    first forwards are slow); the served engine has none of it. A static batch does not wait for others to fill."""
+    from minibatch.serving import launch
+
+    warmed = []
+    monkeypatch.setattr(launch, "warm_up", lambda engine: warmed.append((engine, warm_up(engine))))
+    for policy, settings in (("paged", dict(n_slots=256, block_size=4)), ("static", dict(max_wait_s=60.0))):
+        app, engine = build_server(MODEL, policy, settings, loaded=loaded, start=False)
+        throwaway, seconds = warmed.pop()
+        assert throwaway is not engine.engine and throwaway.executor is engine.engine.executor and seconds < 30
+        done = throwaway.requests["warmup"]
+        assert done.is_finished and len(done.output_token_ids) == 4 and done.num_prompt_tokens == 16
+        assert not engine.engine.requests and not engine.engine.trace
+        engine.shutdown()
+    app, engine = build_server(MODEL, "paged", dict(n_slots=4, block_size=4), loaded=loaded, start=False)
+    done = warmed.pop()[0].requests["warmup"]  # a KV cache of 4 token slots: the warm-up fits in it
+    assert done.num_prompt_tokens + done.max_new_tokens <= 4 and done.is_finished
+    engine.shutdown()

@@ -18,10 +18,27 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from minibatch.engine import Engine
-from minibatch.request import Request
+from minibatch.request import Request, SamplingParams
 
 MAX_HISTORY = 10_000  # finished requests and StepRecords a server keeps without keep_history
 IDLE_POLL_S = 0.005  # how often the loop looks again while requests wait (a static batch filling up)
+
+
+def warm_up(engine: Engine, num_prompt_tokens: int = 16, max_new_tokens: int = 4) -> float:
+    """Run one short greedy request through ``engine``, a throwaway engine on the server's runners, before the
+    server listens; returns its seconds. A model's first forwards pay one-time costs (oneDNN primitives and weight
+    packing on a CPU, allocations, CUDA graph capture on a GPU), which would otherwise land in the first users'
+    TTFT; vLLM too runs dummy forwards before it serves.
+    The served engine is a fresh one: none of this request's steps, statistics or cached blocks are in it."""
+    fits = engine.max_request_tokens()  # (a KV cache too small for any request: nothing runs, the caller refuses)
+    new = min(max_new_tokens, fits // 2)
+    vocab, t0 = engine.executor.vocab_size, time.perf_counter()
+    prompt = [3 + i % max(vocab - 3, 1) for i in range(min(num_prompt_tokens, fits - new))]
+    if getattr(engine.scheduler, "max_wait_s", 0.0) > 0.0:  # a padded batch need not wait for others to fill it
+        engine.scheduler.max_wait_s = 0.0
+    if new:
+        engine.generate([Request("warmup", prompt, new, SamplingParams(ignore_eos=True))])
+    return time.perf_counter() - t0
 
 
 class QueueFullError(RuntimeError):

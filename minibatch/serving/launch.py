@@ -16,15 +16,14 @@ from collections.abc import Callable
 
 from minibatch.clock import LiveClock
 from minibatch.precision import dtype_name, resolve_dtype
-from minibatch.serving.async_engine import AsyncEngine
+from minibatch.serving.async_engine import AsyncEngine, warm_up
 from minibatch.serving.metrics import ServingMetrics
 
 DEFAULT_POLICY = "paged"
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The serve command's own options (the model's come from ModelConfig, the policy settings from the
-    policies' config classes)."""
+    """The serve command's own options (the model's come from ModelConfig, policy settings from their configs)."""
     p.add_argument("--policy", default=DEFAULT_POLICY, help=f"scheduling policy (default: {DEFAULT_POLICY})")
     p.add_argument("--served-model-name", default=None, help="the id /v1/models shows (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
@@ -79,7 +78,9 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     if get_policy(policy).proposer == "draft":
         draft_runner = load_draft_runner(draft_model or default_draft(model), model, hf_model, tokenizer, device,
                                          attention_backend, enforce_eager)
-    engine = make_engine(policy, runner, LiveClock(device), config=config, draft_runner=draft_runner)
+    new_engine = lambda: make_engine(policy, runner, LiveClock(device), config=config, draft_runner=draft_runner)
+    warm_up(new_engine())  # a throwaway engine's forwards take the model's one-time costs, before any user's
+    engine = new_engine()
     name = served_model_name or model
     metrics = ServingMetrics(name)
     async_engine = AsyncEngine(engine, max_num_waiting, keep_history=keep_history, on_step=metrics.on_step)
@@ -162,9 +163,8 @@ def run_serve(args, settings: dict) -> int:
 
 def draining_server(config, engine: AsyncEngine, drain_timeout_s: float):
     """uvicorn's server (for ``config``) with a graceful drain: the first SIGTERM/SIGINT stops new requests (503),
-    lets the open ones finish for up to ``drain_timeout_s``, ends the rest with finish_reason "abort" (every open
-    stream gets its final chunk and ``[DONE]``), then lets uvicorn close the connections; a second signal exits at
-    once."""
+    lets the open ones finish for up to ``drain_timeout_s``, ends the rest with finish_reason "abort" (each open
+    stream gets its final chunk and ``[DONE]``), then uvicorn closes the connections; a second signal exits at once."""
     import uvicorn
 
     class Server(uvicorn.Server):
