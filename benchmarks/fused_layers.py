@@ -61,6 +61,19 @@ def kernel_at(rev: str):
                                                      for x in layer.extra_sources))
 
 
+def check_interface(module, rev: str, names: tuple[str, ...]) -> None:
+    """Refuse ``module`` (the kernel at ``rev``) when one of today's kernel functions ``names`` is missing from it or
+    takes other arguments (pybind11's signature line): today's Python calls it, so the run would end in a TypeError."""
+    from minibatch.kernels import cpu_decode_layer
+
+    today = cpu_decode_layer.KERNEL.load()
+    for name in names:
+        if (getattr(getattr(module, name, None), "__doc__", None) or "").split("\n")[:1] != \
+                (getattr(today, name).__doc__ or "").split("\n")[:1]:
+            raise ValueError(f"--against-rev {rev}: its kernel's {name} takes other arguments than this tree's fused "
+                             "layers pass (the kernel's interface changed after it); compare against a later revision")
+
+
 def with_kernel(runner, module):
     """``runner``'s packed forward calls ``module``'s fused layer (swapped in around each call)."""
     from minibatch.kernels import cpu_decode_layer
@@ -98,7 +111,9 @@ def main(argv=None) -> dict:
         sys.exit("fused decode layers are not available here (no C++ compiler to build them)")
     if args.against_rev:
         runners[f"fused_{args.against_rev}"] = ModelRunner(model, tokenizer, attention_backend="cpp")
-        with_kernel(runners[f"fused_{args.against_rev}"], kernel_at(args.against_rev))
+        layer = "decode_layer_prepacked" if args.dtype == "bfloat16" else "decode_layer"  # what the steps call
+        check_interface(kernel := kernel_at(args.against_rev), args.against_rev, (layer,))
+        with_kernel(runners[f"fused_{args.against_rev}"], kernel)
     rows = []
     for n in args.batches:
         steps = step_times(runners, n, args.steps)

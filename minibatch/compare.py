@@ -226,24 +226,23 @@ def run_compare(cfg: CompareConfig) -> dict:
     from minibatch.equivalence import TOP_K, rule_for, with_logprobs
     from minibatch.kernels.prebuild import start_kernel_builds
     from minibatch.models import load_model
-    from minibatch.precision import dtype_name
+    from minibatch.precision import dtype_name, resolve_dtype
     from minibatch.reference import default_cache_dir, reference_outputs
     from minibatch.runner import ModelRunner, kv_owner
 
+    if cfg.clock == "sim" and cfg.profile:  # a profile prices steps of the dtype it measured (before the model loads)
+        from minibatch.sim.cost_model import Profile
+
+        measured_in, runs_in = Profile.load(cfg.profile).dtype, dtype_name(resolve_dtype(cfg.dtype, cfg.device))
+        if measured_in != runs_in:
+            raise ValueError(f"--profile {cfg.profile} was calibrated in {measured_in}, the model runs in {runs_in}: "
+                             f"pass --dtype {measured_in} or a {runs_in} profile")
     load_before = machine_load()  # other busy processes slow a wall-clock run: recorded before and after
     builds = start_kernel_builds(cfg.device, cfg.dtype, cfg.attention_backend)  # compiled while the model loads
     t0 = time.perf_counter()
     model, tokenizer = load_model(cfg.model, device=cfg.device, dtype=cfg.dtype)
     print(f"model {cfg.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params in "
           f"{dtype_name(model.dtype)}, loaded in {time.perf_counter() - t0:.1f} s")
-    if cfg.clock == "sim" and cfg.profile:  # a profile prices steps of the dtype it measured
-        from minibatch.sim.cost_model import Profile
-
-        measured_in = Profile.load(cfg.profile).dtype
-        if measured_in != dtype_name(model.dtype):
-            raise ValueError(f"--profile {cfg.profile} was calibrated in {measured_in}, the model runs in "
-                             f"{dtype_name(model.dtype)}: pass --dtype {measured_in} or a {dtype_name(model.dtype)} "
-                             "profile")
     requests = build_trace(cfg, tokenizer, model.config.vocab_size)
     rule = rule_for(model.dtype)
     if rule != "exact":  # the logprob-close rule needs our top logprobs where a greedy output diverges

@@ -119,13 +119,15 @@ def _checked(fn: Callable) -> Callable:
 
 
 def print_rows(rows: list[dict]) -> None:
-    """The k-sweep table: throughput, decode speedup, acceptance rate, mean acceptance length."""
+    """The k-sweep table: throughput, decode speedup, acceptance rate, mean acceptance length ("-" for a run
+    without drafts)."""
     print(f"{'run':<24}{'out tok/s':>10}{'TPOT p50 ms':>12}{'decode x':>9}{'accept':>8}{'mean len':>9}")
     for r in rows:
         sp = r.get("spec", {})
+        accept = f"{sp['acceptance_rate']:.1%}" if "acceptance_rate" in sp else "-"
+        length = f"{sp['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in sp else "-"
         print(f"{r['run']:<24}{r['output_throughput_tok_s']:>10.1f}{r['tpot_p50_s'] * 1e3:>12.1f}"
-              f"{r.get('decode_speedup', 1.0):>9.2f}{sp.get('acceptance_rate', float('nan')):>8.1%}"
-              f"{sp.get('mean_acceptance_length', float('nan')):>9.2f}")
+              f"{r.get('decode_speedup', 1.0):>9.2f}{accept:>8}{length:>9}")
 
 
 def plot_speedup_vs_alpha(verify_cost_ratio: float, draft_cost_ratio: float, ks=(1, 2, 4, 6), ax=None,
