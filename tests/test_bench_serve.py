@@ -409,6 +409,9 @@ def test_warm_ups_are_sent_first_and_not_measured(start_stub, tmp_path: Path, mo
     assert [r["index"] for r in result["requests"]] == [0, 1, 2, 3] and result["summary"]["completed"] == 4
     assert min(r["send_time_s"] for r in result["requests"]) < FIRST_DELAY_S  # the clock starts after the warm-ups
     assert result["config"]["num_warmups"] == 3 and _parse("--base-url", url).num_warmups == 1
+    stub.max_open, bodies = 0, len(stub.bodies)  # warm-ups keep to --max-concurrency, as the requests do
+    bench(url, "stub-model", _requests(2), num_warmups=5, max_concurrency=2, progress=False)
+    assert len(stub.bodies) == bodies + 5 + 2 and stub.max_open == 2
     stub.fail_marker = "prompt 0"  # the library call: request 0 is the warm-up, so its failure stops the run
     with pytest.raises(ValueError, match=r"--num-warmups: 2 of 2 warm-up requests failed, the first: .*stub failure"):
         bench(url, "stub-model", _requests(3), num_warmups=2, progress=False)

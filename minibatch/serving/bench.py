@@ -155,8 +155,9 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
 
     Request i is sent ``arrival_offsets(...)[i]`` seconds after the start, once one of the ``max_concurrency`` slots
     is free (vLLM's semaphore: its send time is stamped after the wait), on a connection of its own. Before the
-    clock starts, ``num_warmups`` copies of request 0 are sent at once and not measured (vLLM's ``--num-warmups``):
-    they take the client's and the server's first-request costs out of the first wave's TTFT.
+    clock starts, ``num_warmups`` copies of request 0 are sent (at most ``max_concurrency`` open) and not measured
+    (vLLM's ``--num-warmups``): they take the client's and the server's first-request costs out of the first wave's
+    TTFT.
 
     Raises:
         ValueError: a bad option (see :func:`check_options`), or a warm-up request that failed (its error).
@@ -180,6 +181,10 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
         finished.append(record)
         return record
 
+    async def warm_up() -> dict:  # a copy of request 0, unmeasured, under the same --max-concurrency (as vLLM's)
+        async with slots:
+            return await _run_request(-1, requests[0], client, model, endpoint, ignore_eos, 0.0, timeout_s)
+
     import httpx
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
@@ -187,8 +192,7 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
     pool = DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
     async with AsyncOpenAI(base_url=api_base(base_url), api_key="EMPTY", timeout=timeout_s, max_retries=0,
                            http_client=pool) as client:
-        warm = await asyncio.gather(*(_run_request(-1, requests[0], client, model, endpoint, ignore_eos,
-                                                   time.perf_counter(), timeout_s) for _ in range(num_warmups)))
+        warm = await asyncio.gather(*(warm_up() for _ in range(num_warmups)))
         if failed := [w["error"] for w in warm if not w["success"]]:
             raise ValueError(f"--num-warmups: {len(failed)} of {num_warmups} warm-up requests failed, the first: "
                              f"{failed[0]} (--num-warmups 0 skips the warm-up)")
