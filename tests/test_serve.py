@@ -926,3 +926,27 @@ def test_the_server_warms_up_on_a_throwaway_engine(loaded, monkeypatch):
     done = warmed.pop()[0].requests["warmup"]  # a KV cache of 4 token slots: the warm-up fits in it
     assert done.num_prompt_tokens + done.max_new_tokens <= 4 and done.is_finished
     engine.shutdown()
+
+
+def test_a_policy_that_cannot_run_a_lone_request_still_starts(loaded, capsys):
+    """The warm-up is best effort: a policy of one's own that admits nothing while one request waits alone (the
+    engine raises "cannot schedule") starts cold, with a warning line, instead of failing to start."""
+    from minibatch.policies import POLICIES, register_policy
+    from minibatch.scheduler import PagedScheduler
+
+    class WaitForTwo(PagedScheduler):
+        name = "wait_for_two"
+
+        def schedule(self, now_s):
+            if len(self.waiting) == 1 and not self.running:
+                return self.finish_output(self.begin_step())
+            return super().schedule(now_s)
+
+    register_policy("wait_for_two", WaitForTwo, replace=True)
+    try:
+        app, engine = build_server(MODEL, "wait_for_two", dict(n_slots=256), loaded=loaded, start=False)
+        assert "warning: no warm-up (scheduler wait_for_two cannot schedule" in capsys.readouterr().out
+        assert not engine.engine.requests
+        engine.shutdown()
+    finally:
+        POLICIES.pop("wait_for_two")

@@ -24,20 +24,35 @@ MAX_HISTORY = 10_000  # finished requests and StepRecords a server keeps without
 IDLE_POLL_S = 0.005  # how often the loop looks again while requests wait (a static batch filling up)
 
 
-def warm_up(engine: Engine, num_prompt_tokens: int = 16, max_new_tokens: int = 4) -> float:
+def warm_up(engine: Engine, num_prompt_tokens: int = 16, max_new_tokens: int = 4, max_steps: int = 64) -> float:
     """Run one short greedy request through ``engine``, a throwaway engine on the server's runners, before the
     server listens; returns its seconds. A model's first forwards pay one-time costs (oneDNN primitives and weight
-    packing on a CPU, allocations, CUDA graph capture on a GPU), which would otherwise land in the first users'
-    TTFT; vLLM too runs dummy forwards before it serves.
-    The served engine is a fresh one: none of this request's steps, statistics or cached blocks are in it."""
+    packing on a CPU, allocations; on a GPU the CUDA graph of batch 1, other batch sizes are still recorded at their
+    first step), which would otherwise land in the first users' TTFT; vLLM too runs dummy forwards before it serves.
+    The served engine is a fresh one: none of this request's steps, statistics or cached blocks are in it.
+
+    Best effort: at most ``max_steps`` steps, and a scheduler that cannot run a lone request (a policy of one's own
+    that waits for a batch) only costs the warm-up (a warning line); the request is aborted whatever happens.
+
+    Raises:
+        ValueError: the KV cache does not fit in memory (as the served engine's first step would raise)."""
     fits = engine.max_request_tokens()  # (a KV cache too small for any request: nothing runs, the caller refuses)
     new = min(max_new_tokens, fits // 2)
     vocab, t0 = engine.executor.vocab_size, time.perf_counter()
     prompt = [3 + i % max(vocab - 3, 1) for i in range(min(num_prompt_tokens, fits - new))]
-    if getattr(engine.scheduler, "max_wait_s", 0.0) > 0.0:  # a padded batch need not wait for others to fill it
+    if isinstance(getattr(engine.scheduler, "max_wait_s", None), (int, float)):  # a padded batch need not wait
         engine.scheduler.max_wait_s = 0.0
-    if new:
-        engine.generate([Request("warmup", prompt, new, SamplingParams(ignore_eos=True))])
+    try:
+        if new:
+            engine.add_request(Request("warmup", prompt, new, SamplingParams(ignore_eos=True)))
+        for _ in range(max_steps):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+    except RuntimeError as e:  # the scheduler cannot run it: serve anyway, cold
+        print(f"warning: no warm-up ({e})", flush=True)
+    finally:
+        engine.abort_request("warmup")
     return time.perf_counter() - t0
 
 

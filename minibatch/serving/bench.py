@@ -165,7 +165,6 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
     check_options(len(requests), rate, burstiness, max_concurrency, endpoint, timeout_s, num_warmups)
     offsets = arrival_offsets(len(requests), rate, burstiness, seed)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
-    bar = tqdm(total=len(requests), desc="bench-serve", unit="req", disable=not progress)
 
     async def watch() -> None:  # how late the client's own event loop runs: its chunk stamps are late as much
         while True:
@@ -196,6 +195,7 @@ async def benchmark(base_url: str, model: str, requests: list[BenchRequest], *, 
         if failed := [w["error"] for w in warm if not w["success"]]:
             raise ValueError(f"--num-warmups: {len(failed)} of {num_warmups} warm-up requests failed, the first: "
                              f"{failed[0]} (--num-warmups 0 skips the warm-up)")
+        bar = tqdm(total=len(requests), desc="bench-serve", unit="req", disable=not progress)  # (after the warm-ups)
         t0, finished, lags = time.perf_counter(), [], []
         watcher = asyncio.ensure_future(watch())
         try:

@@ -56,8 +56,8 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
     enforce_eager: no CUDA graphs for the decode steps on a GPU (``ModelRunner``'s option).
 
     Raises:
-        ValueError: an unknown model or policy, a policy that cannot serve (the HF baselines),
-            an option out of range or one the policy does not use, an unknown attention backend.
+        ValueError: an unknown model or policy, a policy that cannot serve (the HF baselines), an option out of
+            range or one the policy does not use, an unknown attention backend, a KV cache too big for memory.
     """
     from minibatch.experiment import check_draft_model, default_draft, load_draft_runner
     from minibatch.policies import POLICIES, get_policy, make_engine
