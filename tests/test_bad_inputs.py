@@ -1330,6 +1330,7 @@ def test_calibration_workloads_build_at_any_scale(scale):
     ("fused_layers.py", ["--batches", "1,,2"], "argument --batches: must be a comma-separated list"),
     ("cpu_decode.py", ["--against-source", "/no/such.cpp"], "--against-source /no/such.cpp: no such file"),
     ("vllm_peer.py", ["--rounds", "0"], "argument --rounds: must be an int in [1, 20], got 0"),
+    ("vllm_peer.py", ["--num-requests", "0"], "argument --num-requests: must be an int in [1, 1000000], got 0"),
     ("validate_sim.py", ["--resimulate", "--measured", "README.md"], "README.md"),  # not JSON: found after parsing
 ])
 def test_benchmark_scripts_refuse_bad_input_in_one_line(script, argv, message):

@@ -6,6 +6,7 @@ import json
 import platform
 import statistics
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from minibatch.metrics import summarize
 from minibatch.models import load_model
 from minibatch.request import Request, SamplingParams
 from minibatch.runner import ModelRunner
+
+ROOT = Path(__file__).resolve().parent.parent
 
 FAKE_WORKER = '''#!{python}
 import json, sys
@@ -198,3 +201,32 @@ def test_vllm_runs_with_our_allocator_settings(tmp_path, monkeypatch, keep):
     path.chmod(0o755)
     got = vllm_peer.run_worker(str(path), {"engine": {}}, tmp_path)
     assert got == (machine.KEEP_FREED_MEMORY_ENV if keep == "1" else {})
+
+
+def test_peer_benchmark_alternates_rounds_and_reports_the_lower_ratio(tmp_path, monkeypatch):
+    """benchmarks/vllm_peer.py: each round is one compare of (ours, vLLM, transformers) on the issue's trace, or on
+    --num-requests of it; the summary gives each round's ratios and the lower of the rounds."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_peer_benchmark", ROOT / "benchmarks" / "vllm_peer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls, speeds = [], iter([(300.0, 150.0), (200.0, 160.0)])  # (ours, vLLM) per round; transformers 100
+
+    def fake_compare(argv):
+        calls.append(argv)
+        ours, theirs = next(speeds)
+        rows = {"chunked": ours, "vllm": theirs, "hf_generate_batch": 100.0}
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps({"contended": False, "policies": {
+            k: {"output_throughput_tok_s": v, "matches_reference": True} for k, v in rows.items()}}))
+
+    monkeypatch.setattr(bench, "minibatch_main", fake_compare)
+    out = tmp_path / "peer.json"
+    result = bench.main(["--num-requests", "3", "--vllm-python", sys.executable, "--json", str(out)])
+    assert len(calls) == 2 and all(a[a.index("--num-requests") + 1] == "3" and a.count("--num-requests") == 1
+                                   and a[a.index("--policies") + 1] == "chunked,vllm,hf_generate_batch"
+                                   for a in calls)
+    summary = json.loads(out.read_text())["summary"]
+    assert summary == result["summary"] and summary["num_requests"] == 3
+    assert [r["ours_over_vllm"] for r in summary["rounds"]] == [2.0, 1.25]
+    assert summary["lowest_ours_over_vllm"] == 1.25 and summary["lowest_ours_over_hf_generate_batch"] == 2.0
