@@ -3,8 +3,8 @@ caches' size (sysfs); how its C allocator treats the memory a step frees (``keep
 2 MiB pages (``huge_page_zeros``); and a process-level helper for its native libraries' stderr
 (``native_stderr_hidden``); whether a server can listen at an address here (``check_listen_address``).
 
-Results record the CPU model, its instruction sets, the allocator's state and the KV cache's pages
-(``report.environment``); the C++ kernels' build name covers the first two (``kernels.cpp_build``).
+Results record the CPU model, its family and model numbers, its instruction sets, the allocator's state and the KV
+cache's pages (``report.environment``); the C++ kernels' build name covers the first three (``kernels.cpp_build``).
 """
 
 from __future__ import annotations
@@ -57,6 +57,31 @@ def last_level_cache_bytes(root: str = "/sys/devices/system/cpu") -> int:
 # Vector instruction sets our kernels and torch's pick their code by (x86 and Arm names, as /proc/cpuinfo spells them)
 SIMD_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
               "avx512_fp16", "amx_tile", "amx_bf16", "asimd", "asimdhp", "sve", "sve2", "bf16")
+
+
+CPU_ID_FIELDS = (("cpu family", "family"), ("model", "model"), ("CPU implementer", "implementer"),
+                 ("CPU part", "part"))  # /proc/cpuinfo's x86 and Arm names, and ours
+
+
+def cpu_id(path: str = "/proc/cpuinfo") -> str:
+    """The CPU's generation by number (Linux: "family 26 model 2" on x86, "implementer 0x41 part 0xd0c" on Arm, from
+    the first processor of ``path``), "" where unknown. A cloud machine's model string can hide it: two 2-core
+    "AMD EPYC"s with the same :func:`cpu_isa`, a Zen 4 (family 25) and a Zen 5 (family 26), differ in what a step
+    costs (the bf16 matmul peaks that ``python -m minibatch profile`` measured on them: about 425 and 700 GFLOP/s,
+    ``data/cpu/step_profile_decode32_runs_zen4_a86bd3d.json`` and ``data/cpu/step_profile_zen5.json``)."""
+    found: dict[str, str] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block only
+                key, _, value = line.partition(":")
+                for field, name in CPU_ID_FIELDS:
+                    if key.strip() == field:
+                        found.setdefault(name, value.strip())
+    except OSError:
+        return ""
+    return " ".join(f"{name} {found[name]}" for _, name in CPU_ID_FIELDS if name in found)
 
 
 def cpu_isa() -> str:

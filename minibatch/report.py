@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from minibatch.machine import cpu_isa, cpu_model, huge_pages_state, malloc_state
+from minibatch.machine import cpu_id, cpu_isa, cpu_model, huge_pages_state, malloc_state
 
 
 def write_json(result: dict, path: str | Path | None) -> None:
@@ -77,7 +77,8 @@ def environment(load_before: dict | None = None) -> dict:
 
     env = {"minibatch": __version__, "commit": git_commit(), "python": platform.python_version(),
            "torch": torch.__version__, "transformers": version("transformers"),
-           "machine": platform.machine(), "cpu_model": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
+           "machine": platform.machine(), "cpu_model": cpu_model(), "cpu_id": cpu_id(), "cpu_isa": cpu_isa(),
+           "cpu_count": os.cpu_count(),
            "torch_threads": torch.get_num_threads(), "malloc": malloc_state(),
            "kv_huge_pages": huge_pages_state()}
     if hasattr(os, "getloadavg"):  # other processes on the machine slow every step: record how busy it was
@@ -202,22 +203,23 @@ def save_figures(runs: dict, figures_dir: str) -> list[str]:
     return [str(p) for p in paths]
 
 
-MACHINE_KEYS = ("cpu_model", "cpu_isa", "cpu_count", "machine", "gpu", "torch", "minibatch")  # what a step's speed
-# depends on
+MACHINE_KEYS = ("cpu_model", "cpu_id", "cpu_isa", "cpu_count", "machine", "gpu", "torch", "minibatch")  # what a
+# step's speed depends on
+LATER_KEYS = ("cpu_id", "cpu_isa")  # recorded only since they were added: a profile without them gets no line
 
 
 def machine_differences(recorded: dict, current: dict) -> list[str]:
     """How the machine and engine a profile was measured on (its ``environment``) differ from ``current``
     (``environment()``): one "key: recorded -> current" per MACHINE_KEYS entry that differs, one line per
-    entry the profile did not record (older profiles lack cpu_model and minibatch), except ``cpu_isa``, which
-    profiles record only since it was added, and, where both name their commit and git can tell, one line if the
+    entry the profile did not record (older profiles lack cpu_model and minibatch), except LATER_KEYS', which
+    profiles record only since they were added, and, where both name their commit and git can tell, one line if the
     engine's code (ENGINE_PATHS) changed between them."""
     out = []
     for key in MACHINE_KEYS:
         if key not in current and key not in recorded:
             continue
         if key not in recorded:
-            if key != "cpu_isa":
+            if key not in LATER_KEYS:
                 out.append(f"{key} not recorded")
         elif recorded[key] != current.get(key):
             out.append(f"{key}: {recorded[key]} -> {current.get(key)}")

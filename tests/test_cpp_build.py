@@ -206,6 +206,32 @@ def test_machine_differences_name_the_instruction_sets():
     assert machine_differences(older, here) == []
 
 
+def test_one_model_string_two_generations(tmp_path, monkeypatch):
+    """A Zen 4 and a Zen 5 "AMD EPYC" with the same instruction sets: the family and model numbers tell them apart,
+    in a profile's machine check and in the kernels' build name; a profile recorded before cpu_id gets no line."""
+    from minibatch import machine
+    from minibatch.report import environment, machine_differences
+
+    x86 = tmp_path / "x86"
+    x86.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                   "model name\t: AMD EPYC\nstepping\t: 1\n\nprocessor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\n")
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n")
+    assert machine.cpu_id(str(x86)) == "family 26 model 2"  # the first processor's
+    assert machine.cpu_id(str(arm)) == "implementer 0x41 part 0xd0c"
+    assert machine.cpu_id(str(tmp_path / "none")) == ""
+    here = environment()
+    assert here["cpu_id"] == machine.cpu_id()
+    zen4, zen5 = here | {"cpu_id": "family 25 model 17"}, here | {"cpu_id": "family 26 model 2"}
+    assert machine_differences(zen4, zen5) == ["cpu_id: family 25 model 17 -> family 26 model 2"]
+    assert machine_differences({k: v for k, v in zen4.items() if k != "cpu_id"}, zen5) == []
+    names = set()
+    for generation in ("family 25 model 17", "family 26 model 2"):
+        monkeypatch.setattr(machine, "cpu_id", lambda g=generation: g)
+        names.add(cpp_build.build_name(cpu_linear.KERNEL.source))
+    assert len(names) == 2
+
+
 KEEP = """
 import ctypes, json, sys
 from minibatch.machine import keep_freed_memory, malloc_state

@@ -43,15 +43,16 @@ def build_inputs(source: str, extra_sources: tuple[str, ...] = ()) -> list[str]:
 
 def build_name(source: str, extra_cflags: tuple[str, ...] = (), extra_sources: tuple[str, ...] = ()) -> str:
     """The extension's name: ``minibatch_`` + the source's file name + a hash of the sources, the headers beside
-    them, flags, torch version, CPU model and vector instruction sets (``-march=native`` code is only valid on the
-    CPU it was built for, so another CPU sharing the cache builds its own, also one with the same model string)."""
-    from minibatch.machine import cpu_isa, cpu_model
+    them, flags, torch version, CPU model, family and model numbers and vector instruction sets (``-march=native``
+    code is only valid on the CPU it was built for, so another CPU sharing the cache builds its own, also one with
+    the same model string)."""
+    from minibatch.machine import cpu_id, cpu_isa, cpu_model
 
     key = b""
     for path in build_inputs(source, extra_sources):
         with open(path, "rb") as f:
             key += f.read()
-    machine = [torch.__version__, platform.machine(), cpu_model(), cpu_isa()]
+    machine = [torch.__version__, platform.machine(), cpu_model(), cpu_id(), cpu_isa()]
     key += " ".join(CFLAGS + list(extra_cflags) + machine).encode()
     stem = os.path.splitext(os.path.basename(source))[0]
     return f"minibatch_{stem}_" + hashlib.sha256(key).hexdigest()[:12]
