@@ -68,7 +68,8 @@ def cpu_id(path: str = "/proc/cpuinfo") -> str:
     the first processor of ``path``), "" where unknown. A cloud machine's model string can hide it: two 2-core
     "AMD EPYC"s with the same :func:`cpu_isa`, a Zen 4 (family 25) and a Zen 5 (family 26), differ in what a step
     costs (the bf16 matmul peaks that ``python -m minibatch profile`` measured on them: about 425 and 700 GFLOP/s,
-    ``data/cpu/step_profile_decode32_runs_zen4_a86bd3d.json`` and ``data/cpu/step_profile_decode32_zen5_c329f76.json``)."""
+    ``data/cpu/step_profile_decode32_runs_zen4_a86bd3d.json`` and
+    ``data/cpu/step_profile_decode32_zen5_c329f76.json``)."""
     found: dict[str, str] = {}
     try:
         with open(path) as f:
