@@ -211,7 +211,7 @@ LATER_KEYS = ("cpu_id", "cpu_isa")  # recorded only since they were added: a pro
 def machine_differences(recorded: dict, current: dict) -> list[str]:
     """How the machine and engine a profile was measured on (its ``environment``) differ from ``current``
     (``environment()``): one "key: recorded -> current" per MACHINE_KEYS entry that differs, one line per
-    entry the profile did not record (older profiles lack cpu_model and minibatch), except LATER_KEYS', which
+    entry the profile did not record (older profiles lack cpu_model and minibatch), except the LATER_KEYS, which
     profiles record only since they were added, and, where both name their commit and git can tell, one line if the
     engine's code (ENGINE_PATHS) changed between them."""
     out = []
