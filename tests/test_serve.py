@@ -580,8 +580,8 @@ def test_huge_bodies_are_refused_cheaply_and_a_large_valid_one_is_served(server)
     unknown values: 400 before the body is parsed (more JSON values than a request for the context can need;
     parsing them held the GIL, and every other request, for a second), the value not sent back. Lists that are too
     long but parse cheaply: 400 naming the field. A valid body over 256 KiB (prepared in the large bodies' own
-    thread) answers as the same small one does. A body must be UTF-8 (an encoded surrogate is refused; a BOM is
-    dropped)."""
+    thread, as is any body over 8 bytes per token of the context) answers as the same small one does. A body must
+    be UTF-8 (an encoded surrogate is refused; a BOM is dropped)."""
     url = server.base_url + "/completions"
     small = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     for field, value in [("prompt", list(range(10**6))), ("prompt", ["ab"] * 10**6), ("stop", ["x"] * 10**6),
@@ -801,6 +801,27 @@ def test_slow_templating_and_tokenizing_never_stall_the_event_loop(loaded, monke
     assert "cannot fit this server's context of 512 tokens" in too_long.json()["error"]["message"]
 
 
+def test_a_body_longer_than_a_full_context_is_tokenized_in_the_large_lane(loaded, monkeypatch):
+    """The small bodies' thread tokenizes at most about what a prompt that fills the context costs (8 bytes a
+    token, at least 16 KiB): a text prompt far past the context, but under 256 KiB, goes to the large bodies'
+    thread, so a stream of them cannot hold up a "hi" (they still get a 400 naming prompt)."""
+    model, tokenizer = loaded
+    lanes, real_encode, vocab = [], tokenizer.encode, tokenizer.get_vocab()
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: lanes.append(threading.current_thread().name)
+                        or real_encode(*a, **k))  # (the large lane's deep copy keeps this wrapper)
+    # a 100-character token, as real vocabularies have (runs of spaces): 512 tokens could then be 51,200 characters,
+    # so these prompts are not refused by their length alone
+    monkeypatch.setattr(tokenizer, "get_vocab", lambda: vocab | {" " * 100: len(vocab)})
+    app, engine = build_server(MODEL, "paged", dict(n_slots=2048, block_size=4, max_num_seqs=4), loaded=loaded)
+    with ServerThread(app, engine) as srv:
+        url = srv.base_url + "/completions"
+        lanes.clear()
+        for words in (2, 3000, 8000):  # 10 bytes, about 15 KiB, about 40 KiB
+            r = httpx.post(url, json={"model": MODEL, "prompt": "word " * words, "max_tokens": 1}, timeout=60)
+            assert r.status_code == (200 if words == 2 else 400), r.text
+    assert [name.rsplit("_", 1)[0] for name in lanes] == ["minibatch-prepare-small"] * 2 + ["minibatch-prepare-large"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_shutdown_drains_and_every_open_stream_gets_its_final_event(tmp_path, sig):
     """SIGTERM or SIGINT with 20 open streams: new requests get 503 at once, the open ones run on until
@@ -890,6 +911,8 @@ def test_union_fields_name_their_forms_and_completions_default_max_tokens_fits(s
             "prompt: must not be empty"
     capital = httpx.post(url, json={"prompt": "x", "Temperature": 0.5}, timeout=30).json()["error"]
     assert capital["message"].startswith("Temperature: unknown field") and capital["param"] == "Temperature"
+    huge = httpx.post(url, json={"prompt": "x", "k" * 100_000: 1}, timeout=30).json()["error"]  # not echoed whole
+    assert huge["param"] == "k" * 64 + "... (100000 characters)" and len(huge["message"]) < 400, huge
     context = httpx.get(server.base_url + "/models", timeout=30).json()["data"][0]["max_model_len"]
     prompt = [5] * (context - 3)
     fits = httpx.post(url, json={"prompt": prompt, "ignore_eos": True}, timeout=60).json()

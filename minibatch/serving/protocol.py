@@ -188,18 +188,24 @@ def parse_body(cls: type[BaseModel], body) -> BaseModel:
     except ValidationError as e:
         errors = e.errors()
         err = errors[0]
-        loc = ".".join(str(x) for x in err["loc"])
+        loc = ".".join(short_name(x) for x in err["loc"])
         what = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
         at = next((i for i, x in enumerate(err["loc"]) if i and is_union_branch(x)), None)  # (0: the field)
         if at is not None and err["type"] != "extra_forbidden":
             # a value no branch of a union field takes: name the branches, not the first one's complaint
             branches = dict.fromkeys(x["loc"][at] for x in errors if x["loc"][:at] == err["loc"][:at])
-            loc, what = ".".join(str(x) for x in err["loc"][:at]), f"must be one of {' | '.join(branches)}"
+            loc, what = ".".join(short_name(x) for x in err["loc"][:at]), f"must be one of {' | '.join(branches)}"
         raise APIError(f"{loc}: {what}" + (f", got {short_repr(err['input'])}" if err["type"] != "missing" else ""),
-                       str(err["loc"][0]) if err["loc"] else None) from None
+                       short_name(err["loc"][0]) if err["loc"] else None) from None
     if getattr(parsed, "stream_options", None) is not None and not parsed.stream:  # as vLLM refuses it
         raise APIError("stream_options: only allowed with stream true", "stream_options")
     return parsed
+
+
+def short_name(loc_part, limit: int = 64) -> str:
+    """A part of an error's location, cut to ``limit`` characters: a client's 1 MB field name must not come back."""
+    text = str(loc_part)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def is_union_branch(loc_part) -> bool:

@@ -29,7 +29,10 @@ from minibatch.serving.protocol import (APIError, ChatCompletionRequest, Complet
 from minibatch.serving.text import TextAssembler, template_role, template_tokens_per_message
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
-SMALL_BODY_BYTES = 256 << 10  # a body larger than this is prepared in the large bodies' thread
+# A body larger than BYTES_PER_TOKEN * max_model_len (at least MIN_SMALL_BODY_BYTES, at most SMALL_BODY_BYTES) is
+# prepared in the large bodies' thread: English text runs about 4-5 bytes to a token, so a prompt that fills the
+# context stays in the small lane, and no body there costs much more to tokenize than such a prompt does.
+BYTES_PER_TOKEN, MIN_SMALL_BODY_BYTES, SMALL_BODY_BYTES = 8, 16 << 10, 256 << 10
 
 
 def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingMetrics,
@@ -44,9 +47,10 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
     max_model_len = context.tokens
     app.state.engine, app.state.metrics, app.state.context = engine, metrics, context
     # The event loop does I/O only: decoding, validating, templating and tokenizing a body run in a thread, so a
-    # huge body never stalls /health or streams; bodies over SMALL_BODY_BYTES in a lane of their own, with its own
+    # huge body never stalls /health or streams; bodies over small_body_bytes in a lane of their own, with its own
     # copy of the tokenizer, so huge ones (even a valid prompt that takes a second to tokenize) never hold up a
     # normal request. Each copy encodes once now: its first call changes its settings (not while another runs).
+    small_body_bytes = min(max(BYTES_PER_TOKEN * max_model_len, MIN_SMALL_BODY_BYTES), SMALL_BODY_BYTES)
     lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"minibatch-prepare-{n}") for n in ("small", "large")]
     tokenizers = [tokenizer, copy.deepcopy(tokenizer)]
     for t in tokenizers:
@@ -90,7 +94,7 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str, metrics: ServingM
 
     async def prepared(raw: HTTPRequest, prepare):
         data = await read_body(raw, max_body_bytes)
-        lane = int(len(data) > SMALL_BODY_BYTES)
+        lane = int(len(data) > small_body_bytes)
         return await asyncio.get_running_loop().run_in_executor(lanes[lane], prepare, data, tokenizers[lane])
 
     @app.exception_handler(APIError)
