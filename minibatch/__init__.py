@@ -19,6 +19,7 @@ if not _torch.cuda.is_available():
 from minibatch.engine import Engine, StepRecord, TokenEvent
 from minibatch.records import StepEntry
 from minibatch.policies import POLICIES, PolicySpec, get_policy, make_engine, register_policy
+from minibatch.plugins import load_policy_module
 from minibatch.request import Request, RequestStatus, SamplingParams
 from minibatch.runner import ModelRunner
 from minibatch.sim.executor import SimExecutor
@@ -28,7 +29,7 @@ from minibatch.spec import AdaptiveK, DraftModelProposer, FixedK, NgramProposer,
 
 __all__ = [
     "Engine", "StepEntry", "StepRecord", "TokenEvent",
-    "POLICIES", "PolicySpec", "get_policy", "make_engine", "register_policy",
+    "POLICIES", "PolicySpec", "get_policy", "make_engine", "register_policy", "load_policy_module",
     "Request", "RequestStatus", "SamplingParams", "ModelRunner", "SimExecutor",
     "OrcaScheduler", "PagedScheduler", "StaticScheduler",
     "CostModel", "SimClock", "StepShape", "WallClock", "make_clock",

@@ -23,7 +23,7 @@ from minibatch.compare import COMPARE_SETTINGS, SIM_DEFAULT_POLICIES, CompareCon
 from minibatch.config import choices_of, opt, setting_fields
 from minibatch.experiment import all_policies, policy_spec
 from minibatch.experiments.step_profile import add_profile_arguments, profile_command
-from minibatch.policies import POLICIES, load_policy_module
+from minibatch import POLICIES, load_policy_module
 from minibatch.models import ModelConfig
 from minibatch.precision import dtype_name, resolve_dtype
 from minibatch.serving.bench import add_bench_serve_arguments, run_bench_serve

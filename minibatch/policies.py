@@ -137,50 +137,6 @@ register_policy("spec_ngram", PagedScheduler, proposer="ngram", description="pag
 BUILTIN_POLICIES = tuple(POLICIES)
 
 
-def load_policy_module(path: str) -> list[str]:
-    """Run the Python file ``path`` (a researcher's policy: a scheduler subclass and a
-    ``register_policy`` call; or an attention backend and a ``register_backend`` call); returns the names of the
-    policies and attention backends it registered.
-
-    Raises:
-        ValueError: no such .py file, the file fails to import (its error in one line), or it
-            registers no policy and no attention backend.
-    """
-    import importlib.util
-    from pathlib import Path
-
-    from minibatch.cluster.routers import router_names
-    from minibatch.runner.backends import backend_names
-
-    def registered():
-        return set(POLICIES) | set(backend_names()) | set(router_names())
-
-    file = Path(path)
-    if file.suffix != ".py" or not file.is_file():
-        raise ValueError(f"--policy-module: {'not a .py file' if file.is_file() else 'no such Python file'} {path!r}")
-    key = (file.resolve(), file.stat().st_mtime_ns)
-    if key in _LOADED and all(name in registered() for name in _LOADED[key]):
-        return _LOADED[key]  # loaded already (a notebook cell run again, compare then simulate in one process)
-    before, names_before = dict(POLICIES), registered()
-    spec = importlib.util.spec_from_file_location(f"minibatch_policy_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # a plug-in's own bug: one line naming the file
-        raise ValueError(f"--policy-module {path}: {type(e).__name__}: {e}") from None
-    added = [name for name in POLICIES if before.get(name) is not POLICIES[name]]
-    added += sorted(registered() - names_before - set(added))
-    if not added:
-        raise ValueError(f"--policy-module {path}: registers no policy (call minibatch.register_policy), attention "
-                         "backend (minibatch.runner.backends.register_backend) or router "
-                         "(minibatch.cluster.routers.register_router)")
-    _LOADED[key] = added
-    return added
-
-
-_LOADED: dict[tuple, list[str]] = {}  # (resolved path, mtime) -> what the file registered
-
-
 def get_policy(name: str) -> PolicySpec:
     """The row named ``name``. Raises ValueError naming the registered policies."""
     if name not in POLICIES:

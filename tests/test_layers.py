@@ -28,8 +28,9 @@ LAYERS = {
     "runner": "clock runner spec hf_load gguf models kernels precision roofline",
     "engine": "records engine metrics",  # StepRecords; Engine.step(); metrics reads only the records
     "viz": "viz",  # plots, KV maps, Chrome traces, step widget: read records and requests
-    # the policy table, make_engine; the routers' table and the cluster's event loop over engines
-    "policies": "policies cluster.routers cluster.cluster",
+    # the policy table, make_engine; the routers' table and the cluster's event loop over engines; loading a
+    # researcher's file that registers policies, attention backends or routers (plugins)
+    "policies": "policies cluster.routers cluster.cluster plugins",
     # the simulator's executor and cost model; the package facade re-exports up to here
     "sim": "sim.executor sim.cost_model sim.profile_format sim __init__",
     # experiments: run(), compare, HF baselines, reference outputs, reports, calibration and validation

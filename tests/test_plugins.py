@@ -9,7 +9,8 @@ import pytest
 
 from minibatch import policies
 from minibatch.__main__ import main
-from minibatch.policies import POLICIES, load_policy_module, register_policy
+from minibatch.plugins import load_policy_module
+from minibatch.policies import POLICIES, register_policy
 from minibatch.scheduler import PagedScheduler
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -112,6 +113,56 @@ def test_srpt_refuses_another_order_of_service(plugin_dir):
     load_policy_module(str(plugin_dir / "srpt.py"))
     with pytest.raises(ValueError, match="--queue-policy must be one of remaining.*a setting of policy srpt"):
         CompareConfig(model="tiny-random-llama", policies=("srpt", "paged"), settings={"queue_policy": "sjf"})
+
+
+def test_an_edited_plugin_file_loaded_again_replaces_what_it_registered(tmp_path):
+    """A plug-in file loaded a second time unchanged is not run again; edited (a policy, a backend, a router), its new
+    definitions replace its old ones without replace=True (a notebook or a sweep picks up the edit in the same
+    process), and a name it no longer registers is gone."""
+    import os
+
+    from minibatch.cluster.routers.base import ROUTERS
+    from minibatch.runner.backends import BACKENDS
+
+    path = tmp_path / "mine.py"
+    source = """
+from minibatch import PagedScheduler, register_policy
+from minibatch.cluster.routers import register_router
+from minibatch.cluster.routers.round_robin import RoundRobin
+from minibatch.runner.backends import register_backend
+from minibatch.runner.backends.sdpa import SdpaBackend
+
+class Edited(PagedScheduler):
+    version = {v}
+
+class EditedBackend(SdpaBackend):
+    name = "edited_backend"
+    version = {v}
+
+@register_router
+class EditedRouter(RoundRobin):
+    name = "edited_router"
+    version = {v}
+
+register_policy("edited", Edited, description="test")
+register_backend(EditedBackend())
+"""
+    path.write_text(source.format(v=1))
+    names = load_policy_module(str(path))
+    assert sorted(names) == ["edited", "edited_backend", "edited_router"]
+    first = POLICIES["edited"]
+    assert load_policy_module(str(path)) == names and POLICIES["edited"] is first  # unchanged: not run again
+    path.write_text(source.format(v=2) + "register_policy('edited_too', Edited)\n")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # (a later mtime, surely)
+    assert sorted(load_policy_module(str(path))) == ["edited", "edited_backend", "edited_router", "edited_too"]
+    assert POLICIES["edited"].scheduler.version == BACKENDS["edited_backend"].version == 2
+    assert ROUTERS["edited_router"].version == 2
+    path.write_text(source.format(v=3))
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 2 * 10**9))
+    load_policy_module(str(path))
+    assert "edited_too" not in POLICIES and POLICIES["edited"].scheduler.version == 3
+    for name in ("edited", "edited_backend", "edited_router"):  # leave the tables as they were
+        POLICIES.pop(name, None), BACKENDS.pop(name, None), ROUTERS.pop(name, None)
 
 
 def test_register_policy_checks_its_arguments():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from minibatch.__main__ import main
-from minibatch.cluster.sweep import code_version, load_grid, run_sweep
+from minibatch.cluster.sweep import code_version, load_grid, rows_of, run_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = str(ROOT / "data/profiles/smollm2-135m-cpu.json")
@@ -66,6 +66,49 @@ def test_a_profile_changed_in_place_is_computed_again(tmp_path):
     again = run_sweep(str(grid), progress=False)
     assert again["cached"] == 0 and again["computed"] == 1
     assert again["rows"][0]["tpot_p50_s"] > first["rows"][0]["tpot_p50_s"]
+
+
+def test_an_edited_policy_module_in_a_list_is_computed_again(tmp_path):
+    """policy_module as a list of files: each file's content is in the cache key, as a single path's is."""
+    router = tmp_path / "again.py"
+    router.write_text(ROUTER)
+    grid = tmp_path / "g.json"
+    grid.write_text(json.dumps({"command": "simulate", "base": BASE | {"policy_module": [str(router)]},
+                                "grid": {"router": ["again"]}}))
+    assert run_sweep(str(grid), progress=False)["computed"] == 1
+    assert run_sweep(str(grid), progress=False)["cached"] == 1
+    router.write_text(ROUTER + "# an edit\n")
+    again = run_sweep(str(grid), progress=False)
+    assert again["cached"] == 0 and again["computed"] == 1
+
+
+def test_two_different_uncommitted_edits_are_two_code_versions(tmp_path):
+    """The code version of a dirty tree names a hash of its changes: results cached under one edit are not served
+    for another; the same edit gives the same version, a clean tree none."""
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "policy.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "policy.py")
+    git("commit", "-q", "-m", "one")
+    clean = code_version(tmp_path)
+    (tmp_path / "policy.py").write_text("x = 2\n")
+    first = code_version(tmp_path)
+    (tmp_path / "policy.py").write_text("x = 3\n")
+    second = code_version(tmp_path)
+    assert "-dirty" not in clean and first.startswith(clean + "-dirty.") and second.startswith(clean + "-dirty.")
+    assert first != second and code_version(tmp_path) == second
+
+
+def test_a_contended_wall_clock_run_keeps_its_warning_in_its_rows():
+    result = {"contended": "load 3.1 on 2 cores", "policies": {"paged": {"output_throughput_tok_s": 10.0}}}
+    assert rows_of({"seed": 0}, result) == [{"seed": 0, "policy": "paged", "output_throughput_tok_s": 10.0,
+                                             "contended": "load 3.1 on 2 cores"}]
+    assert "contended" not in rows_of({"seed": 0}, result | {"contended": None})[0]
 
 
 def test_a_failing_configuration_is_reported_and_the_rest_survive(tmp_path):

@@ -81,7 +81,7 @@ def check_keys(command: str, config: dict, load_modules: bool = True) -> tuple[s
     from minibatch.compare import CompareConfig
     from minibatch.config import setting_fields
     from minibatch.experiment import all_policies, policy_spec
-    from minibatch.policies import load_policy_module
+    from minibatch.plugins import load_policy_module
 
     modules = config.get("policy_module")
     for path in ([modules] if isinstance(modules, str) else modules or []) if load_modules else []:

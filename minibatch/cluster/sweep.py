@@ -16,7 +16,9 @@ simulation; a wall-clock ``compare`` declares its ``threads`` (default 1) and ru
 Ray never packs two on a core. Rows stream into the table as tasks finish (tqdm). A task that fails (an error, or
 a worker that dies) is reported with its configuration and does not lose the other rows. Every finished
 configuration is stored under ``--cache`` keyed by its configuration, the content of the files it names (a profile,
-a trace) and the code version (package version, git commit, dirty flag), so a rerun computes only what is missing.
+a trace, each file of a list) and the code version (package version, git commit, a hash of uncommitted changes), so
+a rerun computes only what is missing. A wall-clock ``compare`` run on a contended machine keeps its warning in its
+rows (``contended``), and the table says how many.
 """
 
 from __future__ import annotations
@@ -36,25 +38,29 @@ from minibatch.cluster.grid import acceptance_text, check_keys, load_grid
 from minibatch.files import atomic_write_text
 
 
-def code_version() -> str:
-    """Package version + git commit + "-dirty" when the work tree has changes (a rerun key: other code, new runs)."""
+def code_version(root: Path | None = None) -> str:
+    """Package version + git commit + "-dirty." and a hash of the tracked files' changes when there are any (a
+    rerun key: other code, or other uncommitted edits, new runs)."""
     from minibatch import __version__
 
-    root = Path(__file__).resolve().parents[2]
+    root = root or Path(__file__).resolve().parents[2]  # (a test gives a repository of its own)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+        diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=root, capture_output=True,
+                              timeout=30).stdout if commit else b""
     except (OSError, subprocess.SubprocessError):
-        commit, dirty = "", ""
-    return f"{__version__}+{commit[:12] or 'nogit'}{'-dirty' if dirty else ''}"
+        commit, diff = "", b""
+    dirty = f"-dirty.{hashlib.sha256(diff).hexdigest()[:12]}" if diff else ""  # two different edits: two versions
+    return f"{__version__}+{commit[:12] or 'nogit'}{dirty}"
 
 
 def config_key(command: str, config: dict, version: str) -> str:
     """The cache key of one configuration: its options, the code version and the content of every file an option
     names (a profile recalibrated in place, or a trace rewritten, is a new configuration)."""
-    files = {k: hashlib.sha256(Path(v).read_bytes()).hexdigest() for k, v in sorted(config.items())
+    named = {f"{k}[{i}]": v for k, value in sorted(config.items())  # a list of files (policy_module) too
+             for i, v in enumerate(value if isinstance(value, list) else [value])}
+    files = {k: hashlib.sha256(Path(v).read_bytes()).hexdigest() for k, v in named.items()
              if isinstance(v, str) and Path(v).is_file()}
     text = json.dumps({"command": command, "config": config, "code": version, "files": files}, sort_keys=True,
                       default=str)
@@ -102,7 +108,8 @@ def rows_of(config: dict, result: dict) -> list[dict]:
     for policy, entry in result.get("policies", {}).items():
         metrics = entry.get("overall", entry)
         rows.append({k: v for k, v in config.items() if k != "policies"} | {"policy": policy} |
-                    {k: v for k, v in metrics.items() if isinstance(v, (int, float, str)) or v is None})
+                    {k: v for k, v in metrics.items() if isinstance(v, (int, float, str)) or v is None} |
+                    ({"contended": result["contended"]} if result.get("contended") else {}))
     return rows
 
 
@@ -255,11 +262,15 @@ def sweep_command(args) -> int:
     out = run_sweep(args.grid, use_ray=args.ray, ray_address=args.ray_address, cache_dir=str(cache),
                     json_path=args.json_path, progress=not args.no_progress)
     metrics = ("policy", "output_throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "prefix_cache_hit_rate")
-    columns = out["varying"] + [k for k in metrics if any(k in row for row in out["rows"])]
+    columns = ([k for k in out["varying"] if k != "policies"]  # (each row's policy is in its own column)
+               + [k for k in metrics if any(k in row for row in out["rows"])])
     print(" ".join(f"{k:>22}" for k in columns))
     for row in out["rows"]:
         cells = [round(v, 4) if isinstance(v := row.get(k), float) else v for k in columns]
         print(" ".join(f"{'-' if c is None else c!s:>22}" for c in cells))
+    if contended := sum(bool(row.get("contended")) for row in out["rows"]):
+        print(f"warning: {contended} of {len(out['rows'])} rows were timed on a contended machine; their timings may "
+              "be inflated (each row's 'contended' in --json says why)")
     print(f"{out['num_configs']} configurations: {out['cached']} cached, {out['computed']} computed, "
           f"{len(out['failed'])} failed (code {out['code_version']})")
     return 1 if out["failed"] else 0
