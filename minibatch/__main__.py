@@ -53,6 +53,7 @@ def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=Comp
         shown = ",".join(default) if f.name == "policies" else default
         metavar = "{" + ",".join(choices_of(m)) + "}" if m["kind"] == "choice" else f.name.upper()
         p.add_argument(flag, dest=f.name, type=kind, default=shown, metavar=metavar,
+                       required=command == "sim" and f.name == "profile",  # simulate prices its steps by it
                        help=f"{m['help']} (default: {shown})" if shown not in (None, "") else m["help"])
     if config_cls is not CompareConfig:
         return
@@ -254,9 +255,8 @@ def _run(parser: argparse.ArgumentParser, args, argv: list[str] | None) -> int:
         cfg = config_from_args(args, "model" if args.command == "compare" else "sim", command)
         run_compare(cfg) if args.command == "compare" else simulate_command(args, cfg)
         return 0
-    # calibrate
     from minibatch.sim.calibrate import calibrate, calibrate_draft, default_profile_path, print_profile, refit
-    from minibatch.sim.cost_model import Profile
+    from minibatch.sim.cost_model import Profile  # (calibrate from here on)
 
     model_config(args)  # --model, --device, --dtype, --attention-backend, --draft-model checked now
     if args.threads is not None:

@@ -28,7 +28,7 @@ from minibatch.policies import POLICIES, get_policy
 from minibatch.scheduler.config import StaticConfig
 from minibatch.report import contention, environment, machine_load, print_table, save_figures, write_json
 from minibatch.request import Request
-from minibatch.trace_io import describe_trace
+from minibatch.trace_io import check_fits_context, describe_trace
 from minibatch.workload import ARRIVALS, build_trace
 
 DEFAULT_POLICIES = ("static", "paged", "chunked", "hf_generate_batch")  # the headline comparison
@@ -69,7 +69,8 @@ class CompareConfig(ModelConfig):
     long_prompts: int = option(0, "the long-prompt trace: this many requests get --long-prompt-len tokens",
                                "int", low=0, high=MAX_NUM_REQUESTS)
     long_prompt_len: int = option(1024, "tokens in each long prompt", "int", low=1, high=MAX_TOKENS)
-    clock: str = option("wall", "wall: measured; sim: cost-model step times (HF peers are always wall)",
+    clock: str = option("wall", "wall: measured; sim: cost-model step times, --profile's or else CostModel's rough "
+                        "SmolLM2-on-2-cores defaults (HF peers are always wall)",
                         "choice", choices=("wall", "sim"), cli="model")
     kv_cache_memory_bytes: int | None = option(None, "KV cache as a byte budget instead of --n-slots: n_slots = "
                                                "this // the model's KV bytes per token in --dtype", "int", low=1,
@@ -248,6 +249,9 @@ def run_compare(cfg: CompareConfig) -> dict:
     if rule != "exact":  # the logprob-close rule needs our top logprobs where a greedy output diverges
         requests = [with_logprobs(r, TOP_K) for r in requests]
     print(f"trace: {describe_trace(requests)}")
+    if cfg.clock == "sim" and cfg.profile is None:
+        print("clock: simulated by CostModel's default coefficients (rough numbers for smollm2-135m on a 2-core CPU, "
+              "whatever the model); --profile FILE prices steps as calibrated")
     runner = ModelRunner(model, tokenizer, attention_backend=cfg.attention_backend, enforce_eager=cfg.enforce_eager)
     if cfg.kv_cache_memory_bytes is not None:
         block = max((getattr(cfg.policy_config(p, requests), "block_size", 1) for p in cfg.policies if p in POLICIES),
@@ -257,10 +261,7 @@ def run_compare(cfg: CompareConfig) -> dict:
                             "tokens at least)", block, MAX_KV_SLOTS)
         cfg = replace(cfg, settings=cfg.settings | {"n_slots": n_slots}, kv_cache_memory_bytes=None)
         print(f"KV cache: {n_slots} token slots of {runner.kv_bytes_per_token} bytes")
-    too_long = [r.request_id for r in requests if r.max_num_tokens > runner.max_model_len]
-    if too_long:  # fail before minutes of reference runs, never drop the requests silently
-        raise ValueError(f"requests {too_long[:5]}{' ...' if len(too_long) > 5 else ''} need more than "
-                         f"max_model_len = {runner.max_model_len} tokens (--max-prompt-len, --max-output-len)")
+    check_fits_context(requests, runner.max_model_len)  # before minutes of reference runs
     swap = cfg.settings.get("preemption_mode") == "swap"
     kv_owner.check_kv_fits(kv_slots(cfg, requests) * (2 if swap else 1), runner.kv_bytes_per_token, runner.device,
                   "--n-slots (KV cache" + (" and as much CPU swap space)" if swap else ")"))

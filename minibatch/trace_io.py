@@ -163,3 +163,14 @@ def describe_trace(requests: list[Request]) -> str:
     return (f"{len(requests)} requests, {sum(r.num_prompt_tokens for r in requests)} prompt + "
             f"{sum(r.max_new_tokens for r in requests)} output tokens, arrivals over "
             f"{max(r.arrival_time_s for r in requests):.1f} s")
+
+
+def check_fits_context(requests: list[Request], max_model_len: int | None, whose: str = "") -> None:
+    """Raise ValueError naming the requests (up to 5) whose prompt plus max_new_tokens exceeds ``max_model_len``
+    (``whose``: "smollm2-135m's " or ""; None: no limit known), and the options that shape a trace's lengths: a run
+    fails before its work, and no request is dropped silently."""
+    too_long = [r.request_id for r in requests if max_model_len is not None and r.max_num_tokens > max_model_len]
+    if too_long:
+        raise ValueError(f"requests {too_long[:5]}{' ...' if len(too_long) > 5 else ''} need more than {whose}"
+                         f"max_model_len = {max_model_len} tokens (--max-prompt-len, --max-output-len, "
+                         "--long-prompt-len, --trace)")

@@ -478,6 +478,9 @@ def run_cli(argv, capsys):
       "--long-prompt-len", "100000"], "requests ['req-002'] need more than smollm2-135m's max_model_len = 8192"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--num-requests", "4", "--long-prompts", "1",
       "--long-prompt-len", "100000", "--replicas", "2"], "need more than smollm2-135m's max_model_len = 8192"),
+    (["compare", "--model", "tiny-random-llama", "--clock", "sim", "--num-requests", "4", "--long-prompts", "1",
+      "--long-prompt-len", "5000", "--policies", "paged"], "max_model_len = 512 tokens (--max-prompt-len, "
+     "--max-output-len, --long-prompt-len, --trace)"),
     (["simulate", "--profile", "data/profiles/smollm2-135m-cpu.json", "--workload", "multiturn", "--max-model-len",
       "9000"], "--max-model-len 9000 exceeds smollm2-135m's max_model_len 8192"),
     # n_slots below one block: named as options, or as --kv-cache-memory-bytes when that sized the cache

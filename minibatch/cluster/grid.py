@@ -13,7 +13,8 @@ from minibatch.checks import short_repr
 COMMANDS = ("simulate", "compare")
 MAX_CONFIGS = 100_000  # a grid's configurations (each a run): more is a typo, or a sweep for a cluster of its own
 SWEPT = {"json_path": "the sweep writes each result (its --json: the table)", "progress": "--no-progress",
-         "trace_out": "every configuration would write the same files", "figures_dir": "likewise"}
+         "trace_out": "every configuration would write the same files",
+         "figures_dir": "every configuration would draw into the same folder"}
 
 
 def load_grid(path: str) -> tuple[str, list[dict]]:

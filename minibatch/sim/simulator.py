@@ -54,12 +54,10 @@ def profile_trace(cfg, profile) -> list:
     """cfg's trace (``compare.build_trace``) with prompt ids below the profile's vocab_size. Raises ValueError if a
     request needs more tokens than the profiled model's max_model_len (when the profile records it)."""
     from minibatch.compare import build_trace
+    from minibatch.trace_io import check_fits_context
 
-    requests, limit = build_trace(cfg, None, profile.vocab_size), profile.max_model_len
-    if limit is not None and (too_long := [r.request_id for r in requests if r.max_num_tokens > limit]):
-        raise ValueError(f"requests {too_long[:5]}{' ...' if len(too_long) > 5 else ''} need more than "
-                         f"{profile.model}'s max_model_len = {limit} tokens (--max-prompt-len, --max-output-len, "
-                         "--long-prompt-len, --trace)")
+    requests = build_trace(cfg, None, profile.vocab_size)
+    check_fits_context(requests, profile.max_model_len, f"{profile.model}'s ")
     return requests
 
 
