@@ -236,9 +236,9 @@ class BenchmarkSummary:
     """What ``benchmark_serving`` prints, plus schedule-trace numbers: every registered column
     (:data:`COLUMNS`) as an attribute (``summary.ttft_p90_s``), then the trace fields (None without a
     trace): num_steps, padding_waste_fraction, slot_utilization, mean_batch_size, kv_waste_fraction,
-    max_num_running (the most requests running at once), num_preemptions; and num_aborted (requests aborted, left
-    out of the latency and throughput columns; the trace fields count every step). Times in seconds; latency
-    statistics of an empty sample are None; goodput_req_s is None without an SLO."""
+    max_num_running (the most requests running during one step), num_preemptions; and num_aborted (requests
+    aborted, left out of the latency and throughput columns; the trace fields count every step). Times in
+    seconds; latency statistics of an empty sample are None; goodput_req_s is None without an SLO."""
 
     TRACE_FIELDS = ("num_steps", "padding_waste_fraction", "slot_utilization", "mean_batch_size",
                     "kv_waste_fraction", "max_num_running", "num_preemptions")
@@ -291,7 +291,9 @@ def summarize(requests: list[Request], trace: list[StepRecord] | None = None,
         "slot_utilization": slot_utilization(trace) if traced else None,
         "mean_batch_size": mean_batch_size(trace) if traced else None,
         "kv_waste_fraction": kv_waste_fraction(trace) if traced else None,
-        "max_num_running": max((r.num_running for r in trace), default=0) if traced else None,
+        # running during a step: those still running after it and those it finished (a disaggregated prefill
+        # replica's requests all leave with their prefill's step)
+        "max_num_running": max((r.num_running + len(r.finished) for r in trace), default=0) if traced else None,
         "num_preemptions": sum(len(r.preempted) for r in trace) if traced else None,
     } | {"num_aborted": num_aborted}
     return BenchmarkSummary(values, slo)

@@ -143,6 +143,8 @@ def test_disaggregated_prefill_then_transfer_then_decode():
     for row in decode:
         assert row["tpot_p50_s"] > 0 and row["itl_p99_s"] > 0 and row["output_throughput_tok_s"] > 0
         assert row["ttft_p50_s"] is row["e2e_p99_s"] is row["goodput_req_s"] is row["total_throughput_tok_s"] is None
+    # the prefill replica ran batches though each of its requests left with its prefill's step
+    assert 1 <= prefill["max_num_running"] <= 24 and all(row["max_num_running"] >= 1 for row in decode)
 
 
 def test_kv_link_cost():
@@ -249,6 +251,15 @@ def test_a_router_that_reads_what_the_policy_lacks_is_refused_before_any_runs(po
               "--router", router, "--policies", policies])
     captured = capsys.readouterr()
     assert f"router {router} reads the replicas'" in captured.err and "load imbalance" not in captured.out
+
+
+@pytest.mark.parametrize("argv, header, replicas", [(["--disaggregate", "1:2"], "1 prefill + 2 decode replicas", 3),
+                                                     (["--replicas", "2"], "cluster: 2 replicas", 2)])
+def test_the_header_and_the_json_count_every_replica(tmp_path, capsys, argv, header, replicas):
+    out = tmp_path / "c.json"
+    main(["simulate", "--profile", PROFILE, "--num-requests", "4", "--no-progress", "--policies", "paged", *argv,
+          "--json", str(out)])
+    assert header in capsys.readouterr().out and json.loads(out.read_text())["cluster"]["replicas"] == replicas
 
 
 def test_a_slot_freed_at_an_arrivals_time_is_free_for_it():

@@ -203,7 +203,8 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
     else:
         requests = sizing = profile_trace(cfg, profile)
         print(f"trace: {describe_trace(requests)}")
-    print(f"cluster: {' + '.join(f'{ccfg.roles.count(r)} {r}' for r in dict.fromkeys(ccfg.roles))} replicas, "
+    kinds = ' + '.join(f"{ccfg.roles.count(r)}{'' if r == 'both' else ' ' + r}" for r in dict.fromkeys(ccfg.roles))
+    print(f"cluster: {kinds} replicas, "
           f"router {ccfg.router}" + (f", at most {ccfg.max_outstanding} outstanding per replica"
                                       if ccfg.max_outstanding else ""))
     slo = SLO(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s)
@@ -227,7 +228,7 @@ def run_cluster_simulation(cfg, ccfg: ClusterConfig, profile_path: str, acceptan
               + (f", {res['overall']['num_kv_transfers']} KV transfers" if "num_kv_transfers" in res["overall"]
                  else ""))
     result = {"command": cfg.command, "environment": environment(), "profile": str(profile_path),
-              "model": profile.model, "cluster": {k: v for k, v in asdict(ccfg).items()},
+              "model": profile.model, "cluster": asdict(ccfg) | {"replicas": len(ccfg.roles)},  # (--disaggregate's too)
               "config": asdict(cfg) | {"policies": list(cfg.policies)}, "policies": results}
     write_json(result, cfg.json_path)
     return result
