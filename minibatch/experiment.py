@@ -84,9 +84,8 @@ def check_policy_settings(settings: dict, policies: tuple[str, ...], among: tupl
     the value, e.g. aging_s=None, no aging). among: the policies the command can run (default all, HF peers included).
 
     Raises:
-        ValueError / FieldTypeError: a setting no selected policy has (naming the policies that have
-            it), or a value out of a selected policy's range.
-    """
+        ValueError / FieldTypeError: a setting no selected policy has (naming those that have it), or a value out of
+            a selected policy's range."""
     if not isinstance(settings, dict):
         raise FieldTypeError(f"settings must be a dict of policy settings, got {type(settings).__name__}")
     checked = {}
@@ -98,9 +97,10 @@ def check_policy_settings(settings: dict, policies: tuple[str, ...], among: tupl
                 checked[name] = None
             continue
         if not users:
-            elsewhere = [p for p in (among or all_policies()) if name in policy_spec(p).options]
+            elsewhere = [f"{p}{'' if p in POLICIES else ' (a peer in compare)'}" for p in among or all_policies()
+                         if name in policy_spec(p).options]
             raise ValueError(f"{opt(name)} does not apply to the selected policies ({','.join(policies)})"
-                             + (f"; it applies to {','.join(elsewhere)}" if elsewhere else ""))
+                             + (f"; it applies to {', '.join(elsewhere)}" if elsewhere else ""))
         for p, meta in metas.items():
             try:
                 value = check_field(meta, value, opt(name))

@@ -368,7 +368,7 @@ def test_run_config_is_the_clis_config():
 
 def test_a_setting_no_selected_policy_has_is_refused():
     with pytest.raises(ValueError, match=r"--target-itl-s does not apply to the selected policies \(static,paged\); "
-                                         "it applies to chunked,chunked_prefix"):
+                                         "it applies to chunked, chunked_prefix"):
         CompareConfig(model="tiny-random-llama", policies=("static", "paged"), settings={"target_itl_s": 0.1})
     with pytest.raises(ValueError, match="--max-num-seqs does not apply to the selected policies"):
         CompareConfig(model="tiny-random-llama", policies=("static",), settings={"max_num_seqs": 4})

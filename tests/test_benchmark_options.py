@@ -40,6 +40,9 @@ CASES = [
     ("keep_freed_memory.py", ["--policy", "nope", GUARD], "argument --policy: invalid choice: 'nope'"),
     ("paged_kv.py", ["--n-slots", "400,x", GUARD], "argument --n-slots: must be an int in [1, "),
     ("paged_kv.py", ["--seed", str(2**32), GUARD], "argument --seed: must be an int in [0, 4294967295]"),
+    ("long_prompt_stall.py", ["--configs", "chunked:sdpa,paged", GUARD], "argument --configs: must be comma-separated "
+     "POLICY:BACKEND pairs"),
+    ("long_prompt_stall.py", ["--prompt-len", "0", GUARD], "argument --prompt-len: must be an int in [1, 100000]"),
     ("serving.py", ["--rates", "1,1e-7", GUARD], "argument --rates: must be a finite number in [1e-06, 1000000.0]"),
     ("serving.py", ["--policies", "chunked,nope", GUARD], "argument --policies: policy must be one of"),
     ("serving.py", ["--slo-ttft-s", "0", GUARD], "argument --slo-ttft-s: must be a finite number in (0,"),
