@@ -17,7 +17,6 @@ from typing import Callable
 
 from minibatch.checks import (FieldTypeError, check_choice, check_int, check_real, check_str)
 
-QUEUE_POLICIES = ("fcfs", "sjf", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 
 

@@ -8,24 +8,26 @@ from pathlib import Path
 
 
 def registries() -> dict[str, dict]:
-    """The three tables a plug-in file registers into: kind -> {name: what is registered}."""
+    """The tables a plug-in file registers into: kind -> {name: what is registered}."""
     from minibatch.cluster.routers.base import ROUTERS
     from minibatch.policies import POLICIES
     from minibatch.runner.backends.base import BACKENDS
+    from minibatch.scheduler.queue_policy import QUEUE_POLICIES
 
-    return {"policy": POLICIES, "attention backend": BACKENDS, "router": ROUTERS}
+    return {"policy": POLICIES, "attention backend": BACKENDS, "router": ROUTERS, "queue policy": QUEUE_POLICIES}
 
 
 def load_policy_module(path: str) -> list[str]:
     """Run the Python file ``path`` (a researcher's policy: a scheduler subclass and a ``register_policy`` call; an
-    attention backend and a ``register_backend`` call; a router and ``register_router``); returns the names it
+    attention backend and a ``register_backend`` call; a router and ``register_router``; a queue policy and
+    ``register_queue_policy``); returns the names it
     registered. A relative path is read from the current directory. The same file unchanged is run once per
     process; after an edit (a newer modification time) it runs again and its new definitions replace the ones it
     registered before (a notebook cell, or a sweep, picks up the edit without a restart).
 
     Raises:
         ValueError: no such .py file, the file fails to import (its error in one line), or it
-            registers no policy, attention backend or router.
+            registers no policy, attention backend, router or queue policy.
     """
     file = Path(path)
     if file.suffix != ".py" or not file.is_file():
@@ -50,8 +52,9 @@ def load_policy_module(path: str) -> list[str]:
                                if before[kind].get(name) is not obj))
     if not added:
         raise ValueError(f"--policy-module {path}: registers no policy (call minibatch.register_policy), attention "
-                         "backend (minibatch.runner.backends.register_backend) or router "
-                         "(minibatch.cluster.routers.register_router)")
+                         "backend (minibatch.runner.backends.register_backend), router "
+                         "(minibatch.cluster.routers.register_router) or queue policy "
+                         "(minibatch.scheduler.register_queue_policy)")
     _LOADED[resolved] = (mtime, added)
     return added
 

@@ -165,6 +165,39 @@ register_backend(EditedBackend())
         POLICIES.pop(name, None), BACKENDS.pop(name, None), ROUTERS.pop(name, None)
 
 
+def test_a_queue_policy_of_ones_own_in_a_plugin_file(tmp_path, capsys):
+    """register_queue_policy in a --policy-module file: --queue-policy NAME selects it in simulate, and it orders
+    service (longest job first finishes the longest request first, at zero arrivals and one running request)."""
+    path = tmp_path / "ljf.py"
+    path.write_text("""
+from minibatch.scheduler import QueuePolicy, register_queue_policy
+
+@register_queue_policy
+class LongestFirst(QueuePolicy):
+    name = "longest_first"
+    static = True
+
+    def key(self, request):
+        return (-request.max_num_tokens, request.arrival_time_s)
+""")
+    out = tmp_path / "ljf.json"
+    main(["simulate", "--profile", str(PROFILE), "--policy-module", str(path), "--policies", "paged",
+          "--num-requests", "6", "--arrival", "zero", "--queue-policy", "longest_first", "--json", str(out)])
+    assert json.loads(out.read_text())["policies"]["paged"]["settings"]["queue_policy"] == "longest_first"
+    from minibatch import SimClock, SimExecutor, make_engine
+    from minibatch.request import Request
+
+    requests = [Request(k, [3] * p, n) for k, (p, n) in {"a": (5, 2), "b": (30, 9), "c": (12, 4)}.items()]
+    make_engine("paged", SimExecutor(), SimClock(), max_num_seqs=1, queue_policy="longest_first").generate(requests)
+    assert [r.request_id for r in sorted(requests, key=lambda r: r.first_scheduled_time_s)] == ["b", "c", "a"]
+    with pytest.raises(ValueError, match="queue policy 'longest_first' is registered already"):
+        from minibatch.scheduler import QueuePolicy, register_queue_policy
+
+        register_queue_policy(type("Other", (QueuePolicy,), {"name": "longest_first"}))
+    with pytest.raises(ValueError, match="a queue policy is a QueuePolicy subclass with a lowercase name"):
+        register_queue_policy(type("Bad", (QueuePolicy,), {"name": "Bad Name"}))
+
+
 def test_register_policy_checks_its_arguments():
     class Mine(PagedScheduler):
         name = "mine"

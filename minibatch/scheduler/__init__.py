@@ -39,10 +39,11 @@ from minibatch.scheduler.output import ScheduledRequest
 from minibatch.scheduler.chunked import AdaptiveChunker, ChunkedPrefillScheduler, PrefillFirstScheduler
 from minibatch.scheduler.orca import OrcaScheduler
 from minibatch.scheduler.paged import PagedScheduler
-from minibatch.scheduler.queue_policy import FCFS, SJF, Priority, QueuePolicy, make_queue_policy
+from minibatch.scheduler.queue_policy import (FCFS, SJF, Priority, QueuePolicy, make_queue_policy,
+                                             register_queue_policy)
 from minibatch.scheduler.static import StaticScheduler
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "StepResult",
            "OrcaScheduler", "PagedScheduler", "StaticScheduler",
            "PrefillFirstScheduler", "ChunkedPrefillScheduler", "AdaptiveChunker",
-           "QueuePolicy", "FCFS", "SJF", "Priority", "make_queue_policy"]
+           "QueuePolicy", "FCFS", "SJF", "Priority", "make_queue_policy", "register_queue_policy"]

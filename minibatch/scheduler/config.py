@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minibatch.checks import MAX_BLOCK_SIZE, MAX_KV_SLOTS, MAX_NUM_SEQS, MAX_SECONDS, MAX_SPEC_TOKENS, MAX_TOKENS
-from minibatch.config import PREEMPTION_MODES, QUEUE_POLICIES, changed_fields, check_fields, opt, option
+from minibatch.config import PREEMPTION_MODES, changed_fields, check_fields, opt, option
+from minibatch.scheduler.queue_policy import QUEUE_POLICIES, queue_policy_names
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,17 @@ class IterationConfig(SchedulerConfig):
     max_num_seqs: int = option(8, "most requests running at once", "int", low=1, high=MAX_NUM_SEQS)
     n_slots: int = option(4096, "KV cache size, token slots", "int", low=1, high=MAX_KV_SLOTS)
     block_size: int = option(16, "KV block size in tokens", "int", low=1, high=MAX_BLOCK_SIZE)
-    queue_policy: str = option("fcfs", "order of service", "choice", choices=QUEUE_POLICIES)
+    queue_policy: str = option("fcfs", "order of service (a --policy-module may add one)", "choice",
+                               choices=queue_policy_names)
     aging_s: float | None = option(1.0, "priority order: seconds of waiting worth one priority level", "real",
                                    low=0.0, high=MAX_SECONDS, low_open=True, optional=True)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.queue_policy != "priority" and self.aging_s is not None and changed_fields(self, ("aging_s",)):
-            raise ValueError(f"{opt('aging_s')} applies only with {opt('queue_policy')} priority")
+        if not getattr(QUEUE_POLICIES.get(self.queue_policy), "takes_aging", False) and self.aging_s is not None \
+                and changed_fields(self, ("aging_s",)):  # (a subclass's own queue policy may be unregistered)
+            takes = " or ".join(name for name, cls in QUEUE_POLICIES.items() if cls.takes_aging)
+            raise ValueError(f"{opt('aging_s')} applies only with {opt('queue_policy')} {takes}")
         if self.n_slots < self.block_size:  # named as options: the scheduler's own check names its arguments
             raise ValueError(f"{opt('n_slots')} (KV cache token slots) must be >= {opt('block_size')} "
                              f"{self.block_size} (one KV block at least), got {self.n_slots}")

@@ -17,13 +17,15 @@ same order to pick preemption victims (the largest key goes first).
   after it (q: their priority), a finite set, so it cannot starve. With ``aging_s=None`` a low
   priority request waits as long as higher priority ones keep coming.
 
+A queue policy of one's own is a QueuePolicy subclass with a ``name`` and ``key``, added with
+:func:`register_queue_policy` (in a ``--policy-module`` file: ``--queue-policy NAME`` then selects it).
+
 Source: the classic FCFS / SJF / priority schedulers; aging is the classic remedy for
 starvation in priority scheduling (e.g. Silberschatz, Operating System Concepts, §5.3).
 """
 
 from __future__ import annotations
 
-from minibatch.config import QUEUE_POLICIES
 from minibatch.request import Request
 
 
@@ -38,6 +40,7 @@ class QueuePolicy:
 
     name = "base"
     static = False
+    takes_aging = False  # made with aging_s (--aging-s), as Priority is
 
     def key(self, request: Request) -> tuple:
         raise NotImplementedError
@@ -46,6 +49,30 @@ class QueuePolicy:
         return f"{type(self).__name__}()"
 
 
+QUEUE_POLICIES: dict[str, type[QueuePolicy]] = {}  # name -> class, like the policy table POLICIES
+
+
+def register_queue_policy(cls: type[QueuePolicy]) -> type[QueuePolicy]:
+    """Add a QueuePolicy subclass under ``cls.name`` (usable as a class decorator); returns it. It is made with no
+    arguments (with ``aging_s`` when ``takes_aging``).
+
+    Raises:
+        ValueError: not a QueuePolicy subclass, no lowercase name, or the name is another class's already."""
+    if not (isinstance(cls, type) and issubclass(cls, QueuePolicy)) or not cls.name.isidentifier() \
+            or cls.name != cls.name.lower() or cls.name == "base":
+        raise ValueError(f"a queue policy is a QueuePolicy subclass with a lowercase name, got {cls!r}")
+    if cls.name in QUEUE_POLICIES and QUEUE_POLICIES[cls.name].__qualname__ != cls.__qualname__:
+        raise ValueError(f"queue policy {cls.name!r} is registered already")
+    QUEUE_POLICIES[cls.name] = cls
+    return cls
+
+
+def queue_policy_names() -> tuple[str, ...]:
+    """The registered queue policies' names, built-ins first."""
+    return tuple(QUEUE_POLICIES)
+
+
+@register_queue_policy
 class FCFS(QueuePolicy):
     """First come, first served: by arrival_time_s (ties: the order requests were added)."""
 
@@ -56,6 +83,7 @@ class FCFS(QueuePolicy):
         return (request.arrival_time_s,)
 
 
+@register_queue_policy
 class SJF(QueuePolicy):
     """Shortest job first: by prompt + max_new_tokens tokens (ties: arrival)."""
 
@@ -66,6 +94,7 @@ class SJF(QueuePolicy):
         return (request.max_num_tokens, request.arrival_time_s)
 
 
+@register_queue_policy
 class Priority(QueuePolicy):
     """Lower ``Request.priority`` first; ``aging_s`` seconds of waiting = one level (None: no aging).
 
@@ -75,6 +104,7 @@ class Priority(QueuePolicy):
 
     name = "priority"
     static = True
+    takes_aging = True
 
     def __init__(self, aging_s: float | None = 1.0):
         if aging_s is not None and not aging_s > 0:
@@ -90,18 +120,15 @@ class Priority(QueuePolicy):
 
 
 def make_queue_policy(name: str | QueuePolicy = "fcfs", aging_s: float | None = 1.0) -> QueuePolicy:
-    """A policy by name ("fcfs", "sjf", "priority"; aging_s is for "priority"), or ``name`` itself
-    if it is already a QueuePolicy.
+    """A policy by registered name ("fcfs", "sjf", "priority", or one of :func:`register_queue_policy`; aging_s is
+    for those that take it, "priority"), or ``name`` itself if it is already a QueuePolicy.
 
     Raises:
         ValueError: an unknown name.
     """
     if isinstance(name, QueuePolicy):
         return name
-    if name == "fcfs":
-        return FCFS()
-    if name == "sjf":
-        return SJF()
-    if name == "priority":
-        return Priority(aging_s)
-    raise ValueError(f"queue policy must be one of {QUEUE_POLICIES}, got {name!r}")
+    if name not in QUEUE_POLICIES:
+        raise ValueError(f"queue policy must be one of {', '.join(QUEUE_POLICIES)}, got {name!r}")
+    cls = QUEUE_POLICIES[name]
+    return cls(aging_s) if cls.takes_aging else cls()
