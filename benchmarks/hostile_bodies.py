@@ -24,7 +24,7 @@ import httpx
 
 from minibatch.checks import OneLineParser, int_arg, output_file_arg, run_script
 from minibatch.report import environment, machine_load, write_json
-from minibatch.serving.launch import ServerProcess
+from minibatch.serving.background import ServerProcess
 
 ITEMS = 1_000_000
 KINDS = {"ids": {"prompt": list(range(ITEMS)), "max_tokens": 4},

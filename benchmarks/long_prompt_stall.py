@@ -25,7 +25,7 @@ import httpx
 
 from minibatch.checks import OneLineParser, int_arg, output_file_arg, run_script
 from minibatch.report import environment, machine_load, write_json
-from minibatch.serving.launch import ServerProcess
+from minibatch.serving.background import ServerProcess
 
 STREAM_PROMPT = "Once upon a time"
 

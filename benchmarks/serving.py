@@ -30,7 +30,7 @@ from minibatch.metrics import SLO
 from minibatch.report import environment, machine_load
 from minibatch.runner.backends import backend_names
 from minibatch.serving.bench import bench, load_tokenizer, sample_requests
-from minibatch.serving.launch import ServerProcess
+from minibatch.serving.background import ServerProcess
 
 SUMMARY_KEYS = ("completed", "failed", "request_throughput_req_s", "output_throughput_tok_s", "ttft_p50_s",
                 "ttft_p99_s", "tpot_p50_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s", "goodput_req_s")

@@ -38,7 +38,7 @@ from minibatch.policies import POLICIES
 from minibatch.report import environment, machine_load
 from minibatch.runner.backends import backend_names
 from minibatch.serving.bench import bench, load_tokenizer, sample_requests
-from minibatch.serving.launch import ServerProcess
+from minibatch.serving.background import ServerProcess
 
 KEYS = ("ttft_p50_s", "itl_p50_s", "output_throughput_tok_s")
 

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--no-progress", action="store_true", help="no progress bars")
     v = sub.add_parser("serve", help="an OpenAI-compatible server on the engine (completions, chat, SSE, /metrics)")
     add_serve_arguments(v)
-    add_config_options(v, "model", ModelConfig)
+    add_config_options(v, "model", ModelConfig, omit=("attention_backend",))  # (serve's own default)
     add_settings_options(v, list(POLICIES.values()))
     b = sub.add_parser("bench-serve", help="measure TTFT, ITL, TPOT and goodput of any OpenAI-compatible server")
     add_bench_serve_arguments(b)

@@ -124,7 +124,8 @@ def test_an_unknown_backend_is_one_line_naming_the_option(capsys):
 def test_serve_runs_a_registered_backend(one_thread):
     import openai
 
-    from minibatch.serving.launch import ServerThread, build_server
+    from minibatch.serving.background import ServerThread
+    from minibatch.serving.launch import build_server
 
     register_backend(Counting())
     model, tok = load_model("tiny-random-llama", dtype="float32")

@@ -13,7 +13,8 @@ from fastapi.responses import Response
 import pytest
 
 from minibatch.serving import connections
-from minibatch.serving.launch import ServerThread, build_server
+from minibatch.serving.background import ServerThread
+from minibatch.serving.launch import build_server
 
 MODEL = "tiny-random-llama"
 BODY = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}).encode()

@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from minibatch.reference import reference_outputs
 from minibatch.request import Request, SamplingParams
 from minibatch.serving.async_engine import warm_up
-from minibatch.serving.launch import ServerProcess, ServerThread, build_server
+from minibatch.serving.background import ServerProcess, ServerThread
+from minibatch.serving.launch import build_server
 
 MODEL = "tiny-random-llama"
 PROMPTS = [[5 + 7 * i + j for j in range(3 + 4 * i)] for i in range(4)]  # token ids, 3..15 tokens
@@ -440,7 +441,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 def test_a_server_process_left_running_ends_with_the_interpreter(tmp_path):
     """A notebook whose cell failed between start() and stop(): the child still ends at exit."""
     (tmp_path / "stub.py").write_text(HEALTH_STUB)
-    parent = (f"import sys; from minibatch.serving.launch import ServerProcess; "
+    parent = (f"import sys; from minibatch.serving.background import ServerProcess; "
               f"p = ServerProcess([], {str(tmp_path / 'stub.log')!r}, "
               f"command=[sys.executable, {str(tmp_path / 'stub.py')!r}, '{{port}}']).start(); print(p.proc.pid)")
     out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=120)

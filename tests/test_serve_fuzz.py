@@ -9,7 +9,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from minibatch.serving.launch import ServerThread, build_server
+from minibatch.serving.background import ServerThread
+from minibatch.serving.launch import build_server
 
 MODEL = "tiny-random-llama"
 
