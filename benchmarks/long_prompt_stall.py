@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from minibatch.checks import OneLineParser, int_arg, output_file_arg, run_script
+from minibatch.precision import dtype_name, resolve_dtype
 from minibatch.report import environment, machine_load, write_json
 from minibatch.serving.background import ServerProcess
 
@@ -60,6 +61,8 @@ def one_trial(base_url: str, prompt_len: int, stream_tokens: int) -> dict:
     streamer.join()
     if r.status_code != 200:
         raise RuntimeError(f"the long prompt got HTTP {r.status_code}: {r.text[:200]}")
+    if times[-1] < t1:  # the stream ended first: its gaps would not show the stall
+        raise RuntimeError("the stream ended before the long prompt's answer; give more --stream-tokens")
     during = [b - a for a, b in zip(times, times[1:]) if b > t0 and a < t1]
     return {"long_request_s": round(t1 - t0, 3), "max_gap_s": round(max(during, default=0.0), 3),
             "median_gap_before_s": round(statistics.median(before), 4)}
@@ -119,6 +122,7 @@ def main() -> None:
         f"--{k.replace('_', '-')} {','.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
         if v is not None),
         "environment": environment(load_before), "model": args.model, "prompt_len": args.prompt_len,
+        "dtype": dtype_name(resolve_dtype(args.dtype, "cpu")),
         "stream_tokens": args.stream_tokens, "configs": rows}
     write_json(result, args.json)
 

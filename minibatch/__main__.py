@@ -58,7 +58,7 @@ def add_config_options(p: argparse.ArgumentParser, command: str, config_cls=Comp
     if config_cls is not CompareConfig:
         return
     p.add_argument("--policy-module", action="append", default=[], metavar="FILE.py",
-                   help="a Python file that registers policies (register_policy) or attention backends; repeatable")
+                   help="a Python file registering policies, attention backends, routers or queue policies; repeatable")
 
 
 def add_settings_options(p: argparse.ArgumentParser, specs: list, defaults: dict | None = None) -> None:

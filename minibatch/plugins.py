@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -22,8 +23,9 @@ def load_policy_module(path: str) -> list[str]:
     attention backend and a ``register_backend`` call; a router and ``register_router``; a queue policy and
     ``register_queue_policy``); returns the names it
     registered. A relative path is read from the current directory. The same file unchanged is run once per
-    process; after an edit (a newer modification time) it runs again and its new definitions replace the ones it
-    registered before (a notebook cell, or a sweep, picks up the edit without a restart).
+    process; after an edit (other content) what it registered gives way (a name it took from another, a built-in
+    it replaced, comes back) and it runs again (a notebook cell, or a sweep, picks up the edit without a restart).
+    A file that fails leaves nothing of it registered.
 
     Raises:
         ValueError: no such .py file, the file fails to import (its error in one line), or it
@@ -33,30 +35,36 @@ def load_policy_module(path: str) -> list[str]:
     if file.suffix != ".py" or not file.is_file():
         raise ValueError(f"--policy-module: {'not a .py file' if file.is_file() else 'no such Python file'} {path!r}")
     tables = registries()
-    resolved, mtime = file.resolve(), file.stat().st_mtime_ns
-    earlier = _LOADED.get(resolved)
-    if earlier and earlier[0] == mtime and all(any(name in t for t in tables.values()) for name in earlier[1]):
-        return earlier[1]  # loaded already (a notebook cell run again, compare then simulate in one process)
-    if earlier:  # an edited file: what it registered before gives way to its new definitions
-        for name in earlier[1]:
-            for table in tables.values():
-                table.pop(name, None)
+    resolved, digest = file.resolve(), hashlib.sha256(file.read_bytes()).hexdigest()
+    earlier = _LOADED.pop(resolved, None)
+    if earlier and earlier[0] == digest and all(name in tables[kind] for kind, name, _ in earlier[1]):
+        _LOADED[resolved] = earlier
+        return [name for _, name, _ in earlier[1]]  # loaded already (a notebook cell run again, compare then simulate)
+    for kind, name, previous in earlier[1] if earlier else ():  # edited: what it replaced comes back, then it runs
+        if previous is None:
+            tables[kind].pop(name, None)
+        else:
+            tables[kind][name] = previous
     before = {kind: dict(table) for kind, table in tables.items()}
     spec = importlib.util.spec_from_file_location(f"minibatch_policy_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # a plug-in's own bug: one line naming the file
+    except Exception as e:  # a plug-in's own bug: one line naming the file, and nothing of it left registered
+        for kind, table in tables.items():
+            table.clear()
+            table.update(before[kind])
         raise ValueError(f"--policy-module {path}: {type(e).__name__}: {e}") from None
-    added = list(dict.fromkeys(name for kind, table in tables.items() for name, obj in table.items()
-                               if before[kind].get(name) is not obj))
+    added = [(kind, name, before[kind].get(name)) for kind, table in tables.items() for name, obj in table.items()
+             if before[kind].get(name) is not obj]
     if not added:
         raise ValueError(f"--policy-module {path}: registers no policy (call minibatch.register_policy), attention "
                          "backend (minibatch.runner.backends.register_backend), router "
                          "(minibatch.cluster.routers.register_router) or queue policy "
                          "(minibatch.scheduler.register_queue_policy)")
-    _LOADED[resolved] = (mtime, added)
-    return added
+    _LOADED[resolved] = (digest, added)
+    return list(dict.fromkeys(name for _, name, _ in added))
 
 
-_LOADED: dict[Path, tuple[int, list[str]]] = {}  # resolved path -> (its mtime when run, what it registered)
+# resolved path -> (its content's sha256 when run, (table, name, what that name held before) for each it registered)
+_LOADED: dict[Path, tuple[str, list[tuple]]] = {}

@@ -119,8 +119,6 @@ def test_an_edited_plugin_file_loaded_again_replaces_what_it_registered(tmp_path
     """A plug-in file loaded a second time unchanged is not run again; edited (a policy, a backend, a router), its new
     definitions replace its old ones without replace=True (a notebook or a sweep picks up the edit in the same
     process), and a name it no longer registers is gone."""
-    import os
-
     from minibatch.cluster.routers.base import ROUTERS
     from minibatch.runner.backends import BACKENDS
 
@@ -153,16 +151,38 @@ register_backend(EditedBackend())
     first = POLICIES["edited"]
     assert load_policy_module(str(path)) == names and POLICIES["edited"] is first  # unchanged: not run again
     path.write_text(source.format(v=2) + "register_policy('edited_too', Edited)\n")
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # (a later mtime, surely)
     assert sorted(load_policy_module(str(path))) == ["edited", "edited_backend", "edited_router", "edited_too"]
     assert POLICIES["edited"].scheduler.version == BACKENDS["edited_backend"].version == 2
     assert ROUTERS["edited_router"].version == 2
     path.write_text(source.format(v=3))
-    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 2 * 10**9))
     load_policy_module(str(path))
     assert "edited_too" not in POLICIES and POLICIES["edited"].scheduler.version == 3
     for name in ("edited", "edited_backend", "edited_router"):  # leave the tables as they were
         POLICIES.pop(name, None), BACKENDS.pop(name, None), ROUTERS.pop(name, None)
+
+
+def test_a_replaced_builtin_comes_back_and_a_failing_file_leaves_nothing(tmp_path):
+    """A plug-in that replaced the built-in paged and, edited, no longer does: paged is the built-in again. A file
+    that registers a policy and then raises leaves nothing registered, so the mended file loads."""
+    builtin = POLICIES["paged"]
+    path = tmp_path / "over.py"
+    path.write_text("from minibatch import PagedScheduler, register_policy\n"
+                    "register_policy('paged', PagedScheduler, description='mine', replace=True)\n")
+    load_policy_module(str(path))
+    assert POLICIES["paged"] is not builtin and POLICIES["paged"].description == "mine"
+    path.write_text("from minibatch import PagedScheduler, register_policy\n"
+                    "register_policy('over_other', PagedScheduler, description='other')\n")
+    assert load_policy_module(str(path)) == ["over_other"] and POLICIES["paged"] is builtin
+    broken = tmp_path / "broken.py"
+    broken.write_text("from minibatch import PagedScheduler, register_policy\n"
+                      "register_policy('half_done', PagedScheduler, description='x')\nraise RuntimeError('boom')\n")
+    with pytest.raises(ValueError, match="RuntimeError: boom"):
+        load_policy_module(str(broken))
+    assert "half_done" not in POLICIES
+    broken.write_text("from minibatch import PagedScheduler, register_policy\n"
+                      "register_policy('half_done', PagedScheduler, description='x')\n")
+    assert load_policy_module(str(broken)) == ["half_done"]
+    POLICIES.pop("over_other"), POLICIES.pop("half_done")
 
 
 def test_a_queue_policy_of_ones_own_in_a_plugin_file(tmp_path, capsys):
@@ -194,6 +214,8 @@ class LongestFirst(QueuePolicy):
         from minibatch.scheduler import QueuePolicy, register_queue_policy
 
         register_queue_policy(type("Other", (QueuePolicy,), {"name": "longest_first"}))
+    with pytest.raises(ValueError, match="queue policy 'fcfs' is registered already"):  # a built-in's own name
+        register_queue_policy(type("FCFS", (QueuePolicy,), {"name": "fcfs"}))
     with pytest.raises(ValueError, match="a queue policy is a QueuePolicy subclass with a lowercase name"):
         register_queue_policy(type("Bad", (QueuePolicy,), {"name": "Bad Name"}))
 

@@ -83,22 +83,29 @@ def test_an_edited_policy_module_in_a_list_is_computed_again(tmp_path):
 
 
 def test_two_different_uncommitted_edits_are_two_code_versions(tmp_path):
-    """The code version of a dirty tree names a hash of its changes: results cached under one edit are not served
-    for another; the same edit gives the same version, a clean tree none."""
+    """The code version of a dirty tree names a hash of its code's changes: results cached under one edit are not
+    served for another; the same edit gives the same version, a clean tree (or one whose only change is a result
+    written into data/) none."""
     import subprocess
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
                        capture_output=True)
 
-    (tmp_path / "policy.py").write_text("x = 1\n")
+    code, result = tmp_path / "minibatch" / "policy.py", tmp_path / "data" / "table.json"
+    code.parent.mkdir()
+    result.parent.mkdir()
+    code.write_text("x = 1\n")
+    result.write_text("{}\n")
     git("init", "-q")
-    git("add", "policy.py")
+    git("add", "minibatch", "data")
     git("commit", "-q", "-m", "one")
     clean = code_version(tmp_path)
-    (tmp_path / "policy.py").write_text("x = 2\n")
+    result.write_text('{"code_version": "a sweep wrote its table here"}\n')  # a result is not code
+    assert code_version(tmp_path) == clean
+    code.write_text("x = 2\n")
     first = code_version(tmp_path)
-    (tmp_path / "policy.py").write_text("x = 3\n")
+    code.write_text("x = 3\n")
     second = code_version(tmp_path)
     assert "-dirty" not in clean and first.startswith(clean + "-dirty.") and second.startswith(clean + "-dirty.")
     assert first != second and code_version(tmp_path) == second

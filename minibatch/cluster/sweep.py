@@ -16,9 +16,9 @@ simulation; a wall-clock ``compare`` declares its ``threads`` (default 1) and ru
 Ray never packs two on a core. Rows stream into the table as tasks finish (tqdm). A task that fails (an error, or
 a worker that dies) is reported with its configuration and does not lose the other rows. Every finished
 configuration is stored under ``--cache`` keyed by its configuration, the content of the files it names (a profile,
-a trace, each file of a list) and the code version (package version, git commit, a hash of uncommitted changes), so
-a rerun computes only what is missing. A wall-clock ``compare`` run on a contended machine keeps its warning in its
-rows (``contended``), and the table says how many.
+a trace, each file of a list) and the code version (package version, git commit, a hash of uncommitted changes to
+the package's code), so a rerun computes only what is missing. A wall-clock ``compare`` run on a contended machine
+keeps its warning in its rows (``contended``), and the table says how many.
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ from minibatch.files import atomic_write_text
 
 
 def code_version(root: Path | None = None) -> str:
-    """Package version + git commit + "-dirty." and a hash of the tracked files' changes when there are any (a
-    rerun key: other code, or other uncommitted edits, new runs)."""
+    """Package version + git commit + "-dirty." and a hash of the uncommitted changes to the package's tracked code
+    (``minibatch/``, ``pyproject.toml``; not the results a sweep writes into ``data/``) when there are any: a rerun
+    key, so other code or other uncommitted edits mean new runs. A plug-in file is keyed by its content instead."""
     from minibatch import __version__
 
     root = root or Path(__file__).resolve().parents[2]  # (a test gives a repository of its own)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
                                 timeout=30).stdout.strip()
-        diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=root, capture_output=True,
-                              timeout=30).stdout if commit else b""
+        diff = subprocess.run(["git", "diff", "HEAD", "--binary", "--no-ext-diff", "--", "minibatch", "pyproject.toml"],
+                              cwd=root, capture_output=True, timeout=30).stdout if commit else b""  # (code only)
     except (OSError, subprocess.SubprocessError):
         commit, diff = "", b""
     dirty = f"-dirty.{hashlib.sha256(diff).hexdigest()[:12]}" if diff else ""  # two different edits: two versions

@@ -61,8 +61,9 @@ def register_queue_policy(cls: type[QueuePolicy]) -> type[QueuePolicy]:
     if not (isinstance(cls, type) and issubclass(cls, QueuePolicy)) or not cls.name.isidentifier() \
             or cls.name != cls.name.lower() or cls.name == "base":
         raise ValueError(f"a queue policy is a QueuePolicy subclass with a lowercase name, got {cls!r}")
-    if cls.name in QUEUE_POLICIES and QUEUE_POLICIES[cls.name].__qualname__ != cls.__qualname__:
-        raise ValueError(f"queue policy {cls.name!r} is registered already")
+    held = QUEUE_POLICIES.get(cls.name)
+    if held is not None and (held.__qualname__, held.__module__) != (cls.__qualname__, cls.__module__):
+        raise ValueError(f"queue policy {cls.name!r} is registered already")  # (the same class run again may)
     QUEUE_POLICIES[cls.name] = cls
     return cls
 

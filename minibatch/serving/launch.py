@@ -35,7 +35,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=8 << 20,
                    help="largest request body; a larger one gets HTTP 413 (default: 8 MiB)")
     p.add_argument("--policy-module", action="append", default=[], metavar="FILE.py",
-                   help="a Python file that registers policies or attention backends; repeatable")
+                   help="a Python file registering policies, attention backends, routers or queue policies; repeatable")
     from minibatch.runner.backends import backend_names
 
     p.add_argument("--attention-backend", default=DEFAULT_ATTENTION_BACKEND, metavar="{" + ",".join(backend_names())
@@ -54,7 +54,8 @@ def build_server(model: str, policy: str, config=None, *, device: str = "cpu",
 
     dtype: a torch dtype or a ``--dtype`` name ("auto": bfloat16 where it is fast); ignored with ``loaded``.
     loaded: an already loaded (model, tokenizer) pair to serve (tests and notebooks share one).
-    attention_backend: a registered attention backend's name (``runner.backends``) or an AttentionBackend.
+    attention_backend: a registered attention backend's name (``runner.backends``) or an AttentionBackend; the
+        reference "torch" by default here (tests compare against it), "sdpa" for ``serve`` (DEFAULT_ATTENTION_BACKEND).
     max_body_bytes: the largest request body (bytes); a larger one is answered 413.
     enforce_eager: no CUDA graphs for the decode steps on a GPU (``ModelRunner``'s option).
 

@@ -30,8 +30,9 @@ from minibatch.serving.text import TextAssembler, template_role, template_tokens
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 # A body larger than BYTES_PER_TOKEN * max_model_len (at least MIN_SMALL_BODY_BYTES, at most SMALL_BODY_BYTES) is
-# prepared in the large bodies' thread: English text runs about 4-5 bytes to a token, so a prompt that fills the
-# context stays in the small lane, and no body there costs much more to tokenize than such a prompt does.
+# prepared in the large bodies' thread: English text runs about 4-5 bytes to a token, so most prompts that fill the
+# context stay in the small lane (JSON-escaped non-ASCII text, or a list of large token ids, may not: it is served
+# as well, in the other lane), and no body there costs much more to tokenize than such a prompt does.
 BYTES_PER_TOKEN, MIN_SMALL_BODY_BYTES, SMALL_BODY_BYTES = 8, 16 << 10, 256 << 10
 
 
