@@ -68,9 +68,8 @@ def one_trial(base_url: str, prompt_len: int, stream_tokens: int) -> dict:
             "median_gap_before_s": round(statistics.median(before), 4)}
 
 
-def measure(config: str, args, tmp: str) -> dict:
-    """All trials of one ``policy:backend`` configuration, each in the same server process."""
-    policy, backend = config.split(":")
+def measure(policy: str, backend: str, args, tmp: str) -> dict:
+    """All trials of one configuration (policy, attention backend), each in the same server process."""
     server_args = ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads), "--policy", policy,
                    "--attention-backend", backend, "--max-num-seqs", "8"]
     with ServerProcess(server_args, str(Path(tmp) / f"{policy}_{backend}.log"), start_timeout_s=600) as server:
@@ -86,19 +85,19 @@ def measure(config: str, args, tmp: str) -> dict:
     return row
 
 
-def configs_arg(text: str) -> list[str]:
-    """An argparse ``type``: comma-separated ``policy:backend`` pairs of engine policies and attention backends."""
+def configs_arg(text: str) -> list[tuple[str, str]]:
+    """An argparse ``type``: comma-separated ``policy:backend`` pairs of engine policies and attention backends, as
+    (policy, backend) tuples."""
     from minibatch.policies import POLICIES
     from minibatch.runner.backends import backend_names
 
-    configs = text.split(",")
-    for c in configs:
-        policy, _, backend = c.partition(":")
+    configs = [(c, *c.partition(":")[::2]) for c in text.split(",")]
+    for c, policy, backend in configs:
         if policy not in POLICIES or backend not in backend_names():
             raise argparse.ArgumentTypeError(f"must be comma-separated POLICY:BACKEND pairs (policies: "
                                              f"{', '.join(POLICIES)}; backends: {', '.join(backend_names())}), "
                                              f"got {c!r}")
-    return configs
+    return [(policy, backend) for _, policy, backend in configs]
 
 
 def main() -> None:
@@ -117,9 +116,9 @@ def main() -> None:
     args = p.parse_args()
     load_before = machine_load()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(c, args, tmp) for c in args.configs]
+        rows = [measure(policy, backend, args, tmp) for policy, backend in args.configs]
     result = {"command": "python benchmarks/long_prompt_stall.py " + " ".join(
-        f"--{k.replace('_', '-')} {','.join(v) if isinstance(v, list) else v}" for k, v in vars(args).items()
+        f"--{k.replace('_', '-')} {','.join(map(':'.join, v)) if k == 'configs' else v}" for k, v in vars(args).items()
         if v is not None),
         "environment": environment(load_before), "model": args.model, "prompt_len": args.prompt_len,
         "dtype": dtype_name(resolve_dtype(args.dtype, "cpu")),

@@ -71,9 +71,7 @@ def run(name: str, num_requests: int, cpu_profile: str, seed: int = 0, rates=Non
     offline = rate_sweep.offline_table(profile, trace(1.0), setups, **s["engine"])
     limit = s["latency_limit_s"]
     capacity = {setup: rate_sweep.capacity_at(sweep, setup, "normalized_latency_s", limit) for setup in setups}
-    # under the bound at every swept rate: its capacity is the highest rate swept, a lower bound
-    lower_bounds = [setup for setup in setups if all(r["normalized_latency_s"] is not None and r["normalized_latency_s"]
-                                                     <= limit for r in sweep if r["setup"] == setup)]
+    lower_bounds = [setup for setup in setups if rate_sweep.capacity_is_lower_bound(sweep, setup, limit=limit)]
     return {"clock": name, "profile": profile.model, "profile_meta": {k: v for k, v in profile.meta.items()
                                                                       if k in ("command", "analytical", "assumptions")},
             "num_requests": num_requests, "seed": seed, "trace": s["trace"], "engine": s["engine"],

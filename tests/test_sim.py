@@ -405,7 +405,7 @@ def test_chrome_trace_is_valid(tmp_path, policy):
 
 # ---------------------------------------------------------------------- capacity at a latency bound
 def test_capacity_interpolates_between_the_last_rate_under_the_bound_and_the_first_over():
-    from minibatch.experiments.rate_sweep import capacity_at
+    from minibatch.experiments.rate_sweep import capacity_at, capacity_is_lower_bound
 
     rows = [{"setup": "a", "rate": r, "normalized_latency_s": y} for r, y in ((2, 0.2), (1, 0.1), (4, 1.4), (3, 0.6))]
     # under the bound of 1.0 up to rate 3 (0.6), over it at rate 4 (1.4): 1.0 is halfway, at rate 3.5
@@ -413,6 +413,8 @@ def test_capacity_interpolates_between_the_last_rate_under_the_bound_and_the_fir
     assert capacity_at(rows, "a", limit=0.6) == pytest.approx(3.0)  # exactly at a swept rate
     assert capacity_at(rows, "a", limit=2.0) == 4  # never over: the highest swept rate, a lower bound
     assert capacity_at(rows, "a", limit=0.05) is None  # over at the lowest rate already
+    assert capacity_is_lower_bound(rows, "a", limit=2.0) and not capacity_is_lower_bound(rows, "a", limit=1.0)
+    assert not capacity_is_lower_bound(rows, "b", limit=2.0)  # no rate swept: no capacity, not a bound
     # a finer grid moves the estimate only as much as the curve bends between grid points
     coarse = [r for r in rows if r["rate"] in (1, 4)]
     assert capacity_at(coarse, "a", limit=1.0) == pytest.approx(1 + 3 * 0.9 / 1.3)

@@ -9,7 +9,7 @@ requests take seconds. Each setup is a policy row and its options, run through
   several batch sizes and the continuous policies);
 * :func:`offline_table`: every request at t = 0, the most requests per second each setup serves;
 * :func:`capacity_at`: the highest rate whose latency stays under a bound (how Orca and vLLM state
-  their "x times the throughput at the same latency");
+  their "x times the throughput at the same latency"); :func:`capacity_is_lower_bound` when it never crossed it;
 * :func:`roofline_profile`: an *analytical* profile of a GPU (step time = max(bytes moved /
   bandwidth, FLOPs / peak) + overhead): a what-if, never a measurement, labelled so wherever used.
 
@@ -92,6 +92,14 @@ def capacity_at(rows: list[dict], setup: str, key: str = "normalized_latency_s",
             return r0 + (r1 - r0) * (limit - y0) / (y1 - y0)
         best = (r["rate"], r[key])
     return None if best is None else best[0]
+
+
+def capacity_is_lower_bound(rows: list[dict], setup: str, key: str = "normalized_latency_s",
+                            limit: float = 1.0) -> bool:
+    """Whether :func:`capacity_at` of ``setup`` is only a lower bound: ``key`` stayed under ``limit`` at every swept
+    rate, so the sweep stopped before the bound was crossed."""
+    points = [r[key] for r in rows if r["setup"] == setup]
+    return bool(points) and all(y is not None and y <= limit for y in points)
 
 
 def roofline_profile(name: str, num_params: float, num_layers: int, hidden_size: int, kv_bytes_per_token: float,
