@@ -39,9 +39,11 @@ def test_matches_the_reference(dtype, n, num_heads, num_kv_heads, head_dim, bloc
 
 # shapes whose bf16 scores run on AMX tiles where the CPU has them (block_size a multiple of 16, head_dim of 64 or
 # 128, at most 16 query heads per KV head): few requests (one KV head per task) and many (all of them, up to 32
-# query heads per task), windows whose first 16-position chunk starts before the window, contexts ending mid-chunk
+# query heads per task), windows whose first 16-position chunk starts before the window, contexts ending mid-chunk;
+# 1 to 16 query heads per KV head
 @pytest.mark.parametrize("n,num_heads,num_kv_heads,head_dim,block_size", [
-    (2, 9, 3, 64, 16), (9, 9, 3, 64, 16), (6, 8, 2, 128, 32), (5, 32, 2, 64, 16), (3, 16, 1, 128, 48)])
+    (2, 9, 3, 64, 16), (9, 9, 3, 64, 16), (6, 8, 2, 128, 32), (5, 32, 2, 64, 16), (3, 16, 1, 128, 48),
+    (8, 4, 4, 64, 16), (6, 10, 2, 64, 16), (7, 6, 2, 128, 16)])
 @pytest.mark.parametrize("window", [None, 21])
 def test_bf16_tile_scores_match_the_reference(n, num_heads, num_kv_heads, head_dim, block_size, window):
     g = torch.Generator().manual_seed(n * 7 + num_heads)
