@@ -22,6 +22,8 @@ CASES = [
     ("cpu_decode_memory.py", ["--cache-gib", "nan", GUARD], "argument --cache-gib: must be a finite number in (0,"),
     ("cpu_decode_memory.py", ["--cache-gib", "0.001"], "--cache-gib 0.001 holds 2 blocks a layer, fewer than the 512"),
     ("prefill_attention.py", ["--json", NO_FILE, GUARD], "argument --json: "),
+    ("decode_step_runs.py", ["--runs", "0", GUARD], "argument --runs: must be an int in [1, 100], got 0"),
+    ("decode_step_runs.py", ["--attention-backend", "nope", GUARD], "argument --attention-backend: invalid choice"),
     ("fused_projections.py", ["--attention-backend", "nope", GUARD], "argument --attention-backend: invalid choice"),
     ("chunked_prefill.py", ["--rate", "nan", GUARD], "argument --rate: must be a finite number in [1e-06, 1000000.0]"),
     ("chunked_prefill.py", ["--budgets", "64,,128", GUARD], "argument --budgets: must be a comma-separated list"),

@@ -3,6 +3,7 @@ components add up to its profiled step, the roofline counts are the hand-compute
 
 import importlib.util
 import json
+from pathlib import Path
 
 import sys
 
@@ -13,6 +14,8 @@ from minibatch.experiments.step_components import COMPONENTS, component_of_modul
 from minibatch.experiments.step_profile import step_counts
 from minibatch.models import load_model
 from minibatch.runner import ModelRunner
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_profile_command_writes_components_roofline_and_figure(tmp_path, one_thread):
@@ -117,3 +120,37 @@ def test_median_round_keeps_one_rounds_components():
     assert median_round(rounds[:2])["step_s"] == 1.0  # an even count: the lower of the two middle rounds
     assert rounds[0]["paired"] == {"step_s": [3.0]}  # the rounds' own rows are left as they were
 
+
+
+
+def decode_step_runs():
+    spec = importlib.util.spec_from_file_location("decode_step_runs", ROOT / "benchmarks" / "decode_step_runs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_decode_step_runs_one_profile_process(tmp_path):
+    """benchmarks/decode_step_runs.py: a run is a profile in its own process, reduced to its step, bound and roofs."""
+    out = tmp_path / "runs.json"
+    result = decode_step_runs().main(["--model", "tiny-random-llama", "--dtype", "float32", "--attention-backend",
+                                      "sdpa", "--runs", "1", "--batch", "2", "--context-len", "16", "--repeats", "2",
+                                      "--json", str(out)])
+    assert json.loads(out.read_text()) == result and len(result["runs"]) == 1
+    run = result["runs"][0]
+    assert run["step_over_bound"] == pytest.approx(run["step_ms"] / run["bound_ms"], rel=0.02)
+    assert len(run["paired_steps_ms"]) == 2 and run["load_average_1m_before"] >= 0
+    assert result["summary"]["step_over_bound_median"] == run["step_over_bound"]
+
+
+def test_decode_step_runs_summary_is_the_runs_own():
+    """The set's medians and within-2x counts, by hand: ratios 1.8, 2.0, 2.3 (median 2.0, two within 2x)."""
+    keys = ("step_ms", "bound_ms", "peak_gflop_per_s", "peak_gflop_per_s_during_steps", "bytes_gb_per_s",
+            "bytes_gb_per_s_during_steps")
+    runs = [dict(dict.fromkeys(keys, float(i)), step_over_bound=ratio, step_over_bound_during_steps=ratio - 0.1)
+            for i, ratio in enumerate((2.3, 1.8, 2.0))]
+    s = decode_step_runs().summary(runs)
+    assert (s["runs"], s["step_over_bound_min"], s["step_over_bound_median"], s["step_over_bound_max"]) == (
+        3, 1.8, 2.0, 2.3)
+    assert (s["within_2x"], s["within_2x_during_steps"], s["step_over_bound_during_steps_median"]) == (2, 2, 1.9)
+    assert s["step_ms_median"] == 1.0
