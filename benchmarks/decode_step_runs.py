@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from minibatch.checks import OneLineParser, int_arg, output_file_arg
-from minibatch.report import environment, git_commit, machine_load, write_json
+from minibatch.report import environment, machine_load, write_json
 from minibatch.runner.backends import backend_names
 
 
@@ -79,8 +79,7 @@ def main(argv=None) -> dict:
             print(f"run {i + 1}/{args.runs}: step {r['step_ms']} ms, bound {r['bound_ms']} ms ({r['bound']}), "
                   f"{r['step_over_bound']}x ({r['step_over_bound_during_steps']}x at the roofs between steps)")
     command = "python benchmarks/decode_step_runs.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"command": command,
-              "commit": git_commit(), "environment": environment(load_before), "runs": runs, "summary": summary(runs)}
+    result = {"command": command, "environment": environment(load_before), "runs": runs, "summary": summary(runs)}
     s = result["summary"]
     print(f"median {s['step_over_bound_median']}x its bound, {s['within_2x']} of {s['runs']} within 2x; at the roofs "
           f"between steps median {s['step_over_bound_during_steps_median']}x, {s['within_2x_during_steps']} within 2x")
