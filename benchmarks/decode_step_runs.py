@@ -28,11 +28,13 @@ def one_run(args, path: str) -> dict:
     command = [sys.executable, "-m", "minibatch", "profile", "--model", args.model, "--dtype", args.dtype,
                "--attention-backend", args.attention_backend, "--decode-batches", str(args.batch), "--prefill-lens", "",
                "--repeats", str(args.repeats), "--context-len", str(args.context_len), "--json", path]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(command, stdout=subprocess.DEVNULL)
+    if done.returncode != 0:  # its own error is on stderr above
+        raise ValueError(f"the profile exited with {done.returncode}: {' '.join(command[1:])}")
     with open(path) as f:
         profile = json.load(f)
     shape, roof, paired = profile["shapes"][0], profile["roofline"], profile["shapes"][0]["paired"]
-    return {"step_ms": round(shape["step_s"] * 1e3, 4), "bound_ms": round(shape["bound_s"] * 1e3, 4),
+    return {"step_ms": shape["step_s"] * 1e3, "bound_ms": shape["bound_s"] * 1e3,  # unrounded: a tiny model's bound
             "bound": shape["bound"], "peak_gflop_per_s": round(roof["peak_flop_per_s"] / 1e9, 1),
             "bytes_gb_per_s": round(roof["bytes_per_s"] / 1e9, 2), "step_over_bound": shape["step_over_bound"],
             "paired_steps_ms": [round(s * 1e3, 2) for s in paired["step_s"]],
@@ -74,9 +76,12 @@ def main(argv=None) -> dict:
     load_before, runs = machine_load(), []
     with tempfile.TemporaryDirectory() as folder:
         for i in range(args.runs):
-            runs.append(one_run(args, os.path.join(folder, f"run{i}.json")))
+            try:
+                runs.append(one_run(args, os.path.join(folder, f"run{i}.json")))
+            except ValueError as e:
+                raise ValueError(f"run {i + 1}/{args.runs}: {e}") from None
             r = runs[-1]
-            print(f"run {i + 1}/{args.runs}: step {r['step_ms']} ms, bound {r['bound_ms']} ms ({r['bound']}), "
+            print(f"run {i + 1}/{args.runs}: step {r['step_ms']:.1f} ms, bound {r['bound_ms']:.1f} ms ({r['bound']}), "
                   f"{r['step_over_bound']}x ({r['step_over_bound_during_steps']}x at the roofs between steps)")
     command = "python benchmarks/decode_step_runs.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {"command": command, "environment": environment(load_before), "runs": runs, "summary": summary(runs)}

@@ -121,8 +121,6 @@ def test_median_round_keeps_one_rounds_components():
     assert rounds[0]["paired"] == {"step_s": [3.0]}  # the rounds' own rows are left as they were
 
 
-
-
 def decode_step_runs():
     spec = importlib.util.spec_from_file_location("decode_step_runs", ROOT / "benchmarks" / "decode_step_runs.py")
     bench = importlib.util.module_from_spec(spec)
@@ -141,6 +139,13 @@ def test_decode_step_runs_one_profile_process(tmp_path):
     assert run["step_over_bound"] == pytest.approx(run["step_ms"] / run["bound_ms"], rel=0.02)
     assert len(run["paired_steps_ms"]) == 2 and run["load_average_1m_before"] >= 0
     assert result["summary"]["step_over_bound_median"] == run["step_over_bound"]
+
+
+def test_decode_step_runs_a_failed_run_is_one_error():
+    """A profile that fails in its process (here an unknown model, which only the profile checks) ends the set with
+    a ValueError naming the run (one line at the command line), not a CalledProcessError's traceback."""
+    with pytest.raises(ValueError, match=r"^run 1/2: the profile exited with 2: -m minibatch profile --model nope"):
+        decode_step_runs().main(["--model", "nope", "--runs", "2"])
 
 
 def test_decode_step_runs_summary_is_the_runs_own():
