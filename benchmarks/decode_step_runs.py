@@ -33,11 +33,11 @@ def one_run(args, path: str) -> dict:
         raise ValueError(f"the profile exited with {done.returncode}: {' '.join(command[1:])}")
     with open(path) as f:
         profile = json.load(f)
-    shape, roof, paired = profile["shapes"][0], profile["roofline"], profile["shapes"][0]["paired"]
+    shape, roof = profile["shapes"][0], profile["roofline"]
     return {"step_ms": shape["step_s"] * 1e3, "bound_ms": shape["bound_s"] * 1e3,  # unrounded: a tiny model's bound
             "bound": shape["bound"], "peak_gflop_per_s": round(roof["peak_flop_per_s"] / 1e9, 1),
             "bytes_gb_per_s": round(roof["bytes_per_s"] / 1e9, 2), "step_over_bound": shape["step_over_bound"],
-            "paired_steps_ms": [round(s * 1e3, 2) for s in paired["step_s"]],
+            "paired_steps_ms": [round(s * 1e3, 2) for s in shape["paired"]["step_s"]],
             "peak_gflop_per_s_during_steps": round(shape["peak_flop_per_s_during_steps"] / 1e9, 1),
             "bytes_gb_per_s_during_steps": round(shape["bytes_per_s_during_steps"] / 1e9, 2),
             "step_over_bound_during_steps": shape["step_over_bound_during_steps"],
