@@ -4,9 +4,7 @@ prefix caching skips the shared blocks with unchanged outputs, copy-on-write sav
 counted by hand, both preemption modes finish every request, the kernels match their references,
 and the benchmark script runs end to end (tiny random Llama and SimExecutor; a few seconds)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import matplotlib
 
@@ -16,6 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from benchmark_scripts import load_benchmark  # noqa: E402
 from minibatch import ModelRunner, Request, SamplingParams, SimClock, SimExecutor, make_engine  # noqa: E402
 from minibatch.engine import StepRecord  # noqa: E402
 from minibatch.records import StepEntry  # noqa: E402
@@ -30,7 +29,6 @@ from minibatch.experiments.preemption import preemption_experiment, recomputed_t
 from minibatch.models import load_model  # noqa: E402
 from minibatch.workload import make_trace  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -220,9 +218,7 @@ def test_figures_draw_what_they_say(runner):
 
 
 def test_benchmark_script_runs_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("paged_kv_benchmark", ROOT / "benchmarks" / "paged_kv.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("paged_kv")
     out = tmp_path / "paged_kv.json"
     result = bench.main(["--model", "tiny-random-llama", "--quick", "--clock", "sim", "--threads", "1",
                          "--json", str(out)])

@@ -561,21 +561,14 @@ def test_make_engine_leaves_the_simulated_executor_as_it_found_it():
 def test_validate_sim_resimulates_the_committed_measurements(tmp_path):
     """``benchmarks/validate_sim.py --resimulate`` (no model: the committed measured runs on a profile) runs and
     reports an error per policy and trace; it broke silently once when CompareConfig's options moved."""
-    import importlib.util
-    import sys
+    from benchmark_scripts import load_benchmark
 
     root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("validate_sim", root / "benchmarks" / "validate_sim.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        spec.loader.exec_module(module)
-        out = tmp_path / "v.json"
-        module.main(["--dtype", "bfloat16", "--resimulate", "--profile",
-                     str(root / "data/profiles/smollm2-135m-cpu-bfloat16.json"), "--measured",
-                     str(root / "data/cpu/sim_validation_bfloat16_measured.json"), "--json", str(out)])
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
+    out = tmp_path / "v.json"
+    load_benchmark("validate_sim").main(["--dtype", "bfloat16", "--resimulate", "--profile",
+                                         str(root / "data/profiles/smollm2-135m-cpu-bfloat16.json"), "--measured",
+                                         str(root / "data/cpu/sim_validation_bfloat16_measured.json"), "--json",
+                                         str(out)])
     result = json.loads(out.read_text())
     rows = [r for t in result["traces"].values() for r in t["policies"]]
     assert len(rows) == 10 and all(np.isfinite(r["error"]["output_throughput_tok_s"]) for r in rows)

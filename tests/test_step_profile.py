@@ -3,19 +3,18 @@ components add up to its profiled step, the roofline counts are the hand-compute
 
 import importlib.util
 import json
-from pathlib import Path
 
 import sys
 
 import pytest
 
+from benchmark_scripts import load_benchmark
 from minibatch.__main__ import main
 from minibatch.experiments.step_components import COMPONENTS, component_of_module
 from minibatch.experiments.step_profile import step_counts
 from minibatch.models import load_model
 from minibatch.runner import ModelRunner
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_profile_command_writes_components_roofline_and_figure(tmp_path, one_thread):
@@ -122,10 +121,7 @@ def test_median_round_keeps_one_rounds_components():
 
 
 def decode_step_runs():
-    spec = importlib.util.spec_from_file_location("decode_step_runs", ROOT / "benchmarks" / "decode_step_runs.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("decode_step_runs")
 
 
 def test_decode_step_runs_one_profile_process(tmp_path):

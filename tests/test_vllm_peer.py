@@ -206,11 +206,9 @@ def test_vllm_runs_with_our_allocator_settings(tmp_path, monkeypatch, keep):
 def test_peer_benchmark_alternates_rounds_and_reports_the_lower_ratio(tmp_path, monkeypatch):
     """benchmarks/vllm_peer.py: each round is one compare of (ours, vLLM, transformers) on the issue's trace, or on
     --num-requests of it; the summary gives each round's ratios and the lower of the rounds."""
-    import importlib.util
+    from benchmark_scripts import load_benchmark
 
-    spec = importlib.util.spec_from_file_location("vllm_peer_benchmark", ROOT / "benchmarks" / "vllm_peer.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("vllm_peer")
     calls, speeds = [], iter([(300.0, 150.0), (200.0, 160.0)])  # (ours, vLLM) per round; transformers 100
 
     def fake_compare(argv):
