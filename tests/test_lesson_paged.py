@@ -30,7 +30,6 @@ from minibatch.models import load_model  # noqa: E402
 from minibatch.workload import make_trace  # noqa: E402
 
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 

@@ -16,7 +16,6 @@ from minibatch.models import load_model
 from minibatch.runner import ModelRunner
 
 
-
 def test_profile_command_writes_components_roofline_and_figure(tmp_path, one_thread):
     out, fig = tmp_path / "profile.json", tmp_path / "profile.png"
     main(["profile", "--model", "tiny-random-llama", "--dtype", "float32", "--attention-backend", "sdpa",
@@ -120,16 +119,12 @@ def test_median_round_keeps_one_rounds_components():
     assert rounds[0]["paired"] == {"step_s": [3.0]}  # the rounds' own rows are left as they were
 
 
-def decode_step_runs():
-    return load_benchmark("decode_step_runs")
-
-
 def test_decode_step_runs_one_profile_process(tmp_path):
     """benchmarks/decode_step_runs.py: a run is a profile in its own process, reduced to its step, bound and roofs."""
     out = tmp_path / "runs.json"
-    result = decode_step_runs().main(["--model", "tiny-random-llama", "--dtype", "float32", "--attention-backend",
-                                      "sdpa", "--runs", "1", "--batch", "2", "--context-len", "16", "--repeats", "2",
-                                      "--json", str(out)])
+    result = load_benchmark("decode_step_runs").main(["--model", "tiny-random-llama", "--dtype", "float32",
+                                                      "--attention-backend", "sdpa", "--runs", "1", "--batch", "2",
+                                                      "--context-len", "16", "--repeats", "2", "--json", str(out)])
     assert json.loads(out.read_text()) == result and len(result["runs"]) == 1
     run = result["runs"][0]
     assert run["step_over_bound"] == pytest.approx(run["step_ms"] / run["bound_ms"], rel=0.02)
@@ -141,7 +136,7 @@ def test_decode_step_runs_a_failed_run_is_one_error():
     """A profile that fails in its process (here an unknown model, which only the profile checks) ends the set with
     a ValueError naming the run (one line at the command line), not a CalledProcessError's traceback."""
     with pytest.raises(ValueError, match=r"^run 1/2: the profile exited with 2: -m minibatch profile --model nope"):
-        decode_step_runs().main(["--model", "nope", "--runs", "2"])
+        load_benchmark("decode_step_runs").main(["--model", "nope", "--runs", "2"])
 
 
 def test_decode_step_runs_summary_is_the_runs_own():
@@ -150,7 +145,7 @@ def test_decode_step_runs_summary_is_the_runs_own():
             "bytes_gb_per_s_during_steps")
     runs = [dict(dict.fromkeys(keys, float(i)), step_over_bound=ratio, step_over_bound_during_steps=ratio - 0.1)
             for i, ratio in enumerate((2.3, 1.8, 2.0))]
-    s = decode_step_runs().summary(runs)
+    s = load_benchmark("decode_step_runs").summary(runs)
     assert (s["runs"], s["step_over_bound_min"], s["step_over_bound_median"], s["step_over_bound_max"]) == (
         3, 1.8, 2.0, 2.3)
     assert (s["within_2x"], s["within_2x_during_steps"], s["step_over_bound_during_steps_median"]) == (2, 2, 1.9)
