@@ -21,6 +21,27 @@
 #if defined(__AVX512BF16__)
 namespace minibatch {
 
+// The rows a pass asks for ahead of itself: its own, positions [start, start + n), and past them the first rows of
+// the pass that follows it (`then`, positions [then_start, then_start + then_n)): the values after the keys, the next
+// task's keys after the values. So no pass starts on rows nobody asked for (a pass's first chunks waited on memory
+// with nothing else running beside them). On the Zen 5 EPYC, 32 requests of 256 tokens, K/V from memory: one layer
+// 1.07-1.12x as fast, 0.92-0.95x with one layer's K/V warm in the caches (data/cpu/cpu_decode_memory_zen5_stream.json);
+// whole bf16 decode steps of 8/32/64 requests 1.03-1.06x, 1.01-1.03x, 1.02x in two A/B runs
+// (data/cpu/fused_layers_bfloat16_stream.json).
+struct RowStream {
+  PagedRows<uint16_t> rows;
+  int64_t start, n;
+  PagedRows<uint16_t> then;
+  int64_t then_start, then_n;
+  // ask for the rows of stream positions [from, to), `bytes` each, those past the stream's end left out
+  void prefetch(int64_t from, int64_t to, int64_t bytes) const {
+    if (from < n) prefetch_positions(rows, start + from, start + std::min(to, n), bytes);
+    if (to > n)
+      prefetch_positions(then, then_start + std::max<int64_t>(from - n, 0), then_start + std::min(to - n, then_n),
+                         bytes);
+  }
+};
+
 // The scores of a bf16 cache on CPUs with AVX512-BF16: q . k for W = 16 positions at a time straight from the cache
 // rows, by `vdpbf16ps` (each fp32 lane adds two exact bf16 products), so the keys are never converted to fp32. The
 // sums round in another order than the fp32 path's (pairs first), within its bf16 tolerance. q and the rows stay bf16
@@ -29,21 +50,23 @@ template <int HD>
 inline void bf16_scores(const at::BFloat16* q_rows, const at::BFloat16* k_cache, const int64_t* table, int64_t start,
                         int64_t n_pos, int64_t n_pad, int64_t heads, int64_t group, int64_t block_size,
                         int64_t block_stride, int64_t token_stride, int64_t lo, int64_t width, float scale,
-                        float* scores, int64_t ahead) {
+                        float* scores, int64_t ahead, const PagedRows<uint16_t>& then, int64_t then_start,
+                        int64_t then_n) {
   constexpr int W = 16, NV = HD / 32;  // 32 bf16 values per register
   const uint16_t* q = reinterpret_cast<const uint16_t*>(q_rows);
   const uint16_t* cache = reinterpret_cast<const uint16_t*>(k_cache);
-  const PagedRows<uint16_t> row_of{cache, table, block_size, block_stride, token_stride, lo};
+  const RowStream stream{{cache, table, block_size, block_stride, token_stride, lo}, start, n_pos, then, then_start,
+                         then_n};
   const __m512 sv = _mm512_set1_ps(scale);
-  if (n_pos > W) prefetch_positions(row_of, start + W, std::min(start + n_pos, start + ahead), width * 2);
+  if (n_pos > W) stream.prefetch(W, std::min(n_pos, ahead), width * 2);
   for (int64_t c = 0; c < n_pos; c += W) {
     const int64_t m = std::min<int64_t>(W, n_pos - c);
     const uint16_t* rows[W];
-    for (int64_t j = 0; j < m; ++j) rows[j] = row_of(start + c + j);
-    const int64_t pf_from = start + c + ahead, pf_to = std::min(start + n_pos, start + c + ahead + W);
+    for (int64_t j = 0; j < m; ++j) rows[j] = stream.rows(start + c + j);
+    const int64_t pf_from = c + ahead, pf_to = c + ahead + W;
     for (int64_t hq = 0; hq < heads; ++hq) {
       const int64_t a = pf_from + (pf_to - pf_from) * hq / heads, b = pf_from + (pf_to - pf_from) * (hq + 1) / heads;
-      if (a < b) prefetch_positions(row_of, a, b, width * 2);
+      stream.prefetch(a, b, width * 2);
       const int64_t kh = (hq / group) * HD;
       __m512bh qv[NV];
       for (int v = 0; v < NV; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(q + hq * HD + v * 32);
@@ -69,11 +92,12 @@ template <int HD>
 inline void bf16_weighted_sum(const at::BFloat16* v_cache, const int64_t* table, int64_t start, int64_t n_pos,
                               int64_t n_pad, int64_t heads, int64_t group, int64_t block_size, int64_t block_stride,
                               int64_t token_stride, int64_t lo, int64_t width, float* scores, float* acc, float* buffer,
-                              int64_t ahead) {
+                              int64_t ahead, const PagedRows<uint16_t>& then, int64_t then_start, int64_t then_n) {
   constexpr int W = 16, NH = HD / 32, NR = 2 * NH;  // a head's row in NH registers of 32 values; NR sums
   const uint16_t* cache = reinterpret_cast<const uint16_t*>(v_cache);
   uint16_t* pairs = reinterpret_cast<uint16_t*>(buffer);
-  const PagedRows<uint16_t> row_of{cache, table, block_size, block_stride, token_stride, lo};
+  const RowStream stream{{cache, table, block_size, block_stride, token_stride, lo}, start, n_pos, then, then_start,
+                         then_n};
   for (int64_t hq = 0; hq < heads; ++hq) {  // each row's weights to bf16, in place at the start of its fp32 row
     float* s = scores + hq * n_pad;
     for (int64_t p = 0; p < n_pad; p += W) {
@@ -83,13 +107,13 @@ inline void bf16_weighted_sum(const at::BFloat16* v_cache, const int64_t* table,
   }
   std::fill(acc, acc + heads * HD, 0.0f);
   const int64_t kv_heads = width / HD;
-  if (n_pos > W) prefetch_positions(row_of, start + W, std::min(start + n_pos, start + ahead), width * 2);
+  if (n_pos > W) stream.prefetch(W, std::min(n_pos, ahead), width * 2);
   for (int64_t c = 0; c < n_pos; c += W) {
     const int64_t m = std::min<int64_t>(W, n_pos - c);
-    const int64_t pf_from = start + c + ahead, pf_to = std::min(start + n_pos, start + c + ahead + W);
+    const int64_t pf_from = c + ahead, pf_to = c + ahead + W;
     for (int64_t jp = 0; jp < (m + 1) / 2; ++jp) {  // positions c + 2jp and c + 2jp + 1 interleaved value by value
-      const uint16_t* a = row_of(start + c + 2 * jp);
-      const uint16_t* b = 2 * jp + 1 < m ? row_of(start + c + 2 * jp + 1) : nullptr;
+      const uint16_t* a = stream.rows(start + c + 2 * jp);
+      const uint16_t* b = 2 * jp + 1 < m ? stream.rows(start + c + 2 * jp + 1) : nullptr;
       for (int64_t kv = 0; kv < kv_heads; ++kv)
         for (int h = 0; h < NH; ++h) {
           const __m512i ra = _mm512_loadu_si512(a + kv * HD + h * 32);
@@ -101,7 +125,7 @@ inline void bf16_weighted_sum(const at::BFloat16* v_cache, const int64_t* table,
     }
     for (int64_t hq = 0; hq < heads; ++hq) {
       const int64_t pa = pf_from + (pf_to - pf_from) * hq / heads, pb = pf_from + (pf_to - pf_from) * (hq + 1) / heads;
-      if (pa < pb) prefetch_positions(row_of, pa, pb, width * 2);
+      stream.prefetch(pa, pb, width * 2);
       const uint16_t* pk = pairs + (hq / group) * (W / 2) * NH * 64;
       const uint16_t* wb = reinterpret_cast<const uint16_t*>(scores + hq * n_pad) + c;
       __m512 r[NR];

@@ -236,13 +236,20 @@ inline void load_chunk(const scalar_t* cache, const int64_t* table, int64_t c, i
                                 width * static_cast<int64_t>(sizeof(scalar_t)));
 }
 
+// The task a thread runs after this one (its keys are asked for while this one's values are summed): its block
+// table, first position, number of positions and first value in a token row; n = 0: none.
+struct NextTask {
+  const int64_t* table = nullptr;
+  int64_t start = 0, n = 0, lo = 0;
+};
+
 // decode_task's contract (below), for head_dim == HD in {64, 128}. Two passes over the context, W positions at a
 // time, each reading the positions' rows of all the task's KV heads as one contiguous run: scores, softmax, then
 // the weighted sum of the values.
 template <typename scalar_t, int HD>
 void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* table,
                       int64_t seq_len, int64_t start, int64_t h0, int64_t h1, int64_t group, int64_t block_size,
-                      int64_t token_stride, float scale, scalar_t* out, std::vector<float>& buf) {
+                      int64_t token_stride, float scale, scalar_t* out, std::vector<float>& buf, const NextTask& next) {
   constexpr int W = Simd::W, NV = HD / W;
   using V = Simd::V;
   const int64_t n_pos = seq_len - start, n_pad = (n_pos + W - 1) / W * W, block_stride = block_size * token_stride;
@@ -278,7 +285,9 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
     else
 #endif
       minibatch::bf16_scores<HD>(q + h0 * group * HD, k_cache, table, start, n_pos, n_pad, heads, group, block_size,
-                                 block_stride, token_stride, lo, width, scale, scores, PREFETCH_AHEAD);
+                                 block_stride, token_stride, lo, width, scale, scores, PREFETCH_AHEAD,
+                                 {reinterpret_cast<const uint16_t*>(v_cache), table, block_size, block_stride,
+                                  token_stride, lo}, start, n_pos);
   } else
 #endif
   for (int64_t c = 0; c < n_pos; c += W) {  // scores: q . k of W positions at a time, scaled
@@ -299,7 +308,9 @@ void decode_task_simd(const scalar_t* q, const scalar_t* k_cache, const scalar_t
 #if defined(__AVX512BF16__)
   if constexpr (bf16_pairs) {
     minibatch::bf16_weighted_sum<HD>(v_cache, table, start, n_pos, n_pad, heads, group, block_size, block_stride,
-                                     token_stride, lo, width, scores, acc, rows, PREFETCH_AHEAD);
+                                     token_stride, lo, width, scores, acc, rows, PREFETCH_AHEAD,
+                                     {reinterpret_cast<const uint16_t*>(k_cache), next.table, block_size,
+                                      block_stride, token_stride, next.lo}, next.start, next.n);
   } else
 #endif
   {
@@ -370,14 +381,21 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     at::parallel_for(0, n * splits, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buf;
       std::vector<uint32_t> bits;
+      const auto first_of = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0; };
       for (int64_t task = begin; task < end; ++task) {
         const int64_t i = task / splits, h0 = (task % splits) * per_task;
-        const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
+        const int64_t start = first_of(i);
 #if defined(MINIBATCH_SIMD)
         if (head_dim == 64 || head_dim == 128) {
+          NextTask next;
+          if (task + 1 < end) {
+            const int64_t i2 = (task + 1) / splits;
+            next = {tp + i2 * max_blocks, first_of(i2), lens[i2] - first_of(i2),
+                    ((task + 1) % splits) * per_task * head_dim};
+          }
           auto fast = head_dim == 64 ? decode_task_simd<scalar_t, 64> : decode_task_simd<scalar_t, 128>;
           fast(qp + i * num_heads * head_dim, kp, vp, tp + i * max_blocks, lens[i], start, h0, h0 + per_task, group,
-               block_size, token_stride, static_cast<float>(scale), op + i * num_heads * head_dim, buf);
+               block_size, token_stride, static_cast<float>(scale), op + i * num_heads * head_dim, buf, next);
           continue;
         }
 #endif

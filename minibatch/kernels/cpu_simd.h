@@ -177,6 +177,18 @@ inline Simd::V exp_lanes(Simd::V x) {
 }
 #endif
 
+// Ask for the cache line at p into L2 (prefetcht1 on x86), as an asm statement the compiler has to keep: GCC 12
+// deleted loops of __builtin_prefetch once they sat in a small function it judged free of side effects (a whole
+// pass's prefetches vanished from the binary without a warning, and the decode attention ran 0.6x as fast from
+// memory).
+inline void prefetch_l2(const char* p) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  asm volatile("prefetcht1 %0" : : "m"(*p));
+#elif defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 // Where a request's context position `pos` lies in a paged cache, read through its block table: block
 // table[pos / block_size], slot pos % block_size (strides in elements), plus `lo`, the first value the caller reads
 // in that token's row (its first KV head's). One definition for every kernel that walks a block table.
@@ -197,12 +209,10 @@ struct PagedRows {
 // 0.52 ms in bf16 and 0.79 instead of 0.89 ms in fp32, no slower with K/V warm (scratch A/B in one process).
 template <typename RowOf>
 inline void prefetch_positions(RowOf row_of, int64_t from, int64_t to, int64_t bytes) {
-#if defined(__GNUC__) || defined(__clang__)
   for (int64_t pos = from; pos < to; ++pos) {
     const char* next = reinterpret_cast<const char*>(row_of(pos));
-    for (int64_t e = 0; e < bytes; e += 64) __builtin_prefetch(next + e, 0, 2);
+    for (int64_t e = 0; e < bytes; e += 64) prefetch_l2(next + e);
   }
-#endif
 }
 
 }  // namespace minibatch
